@@ -1,0 +1,490 @@
+// Fused LSTM cell: all pointwise gate math of one time step in one kernel forward
+// and one kernel backward; the gate GEMMs stay in cuBLAS (at::mm / addmm_).
+//
+// Why fused: unfused, one LSTM step is ~15 elementwise kernels (bias adds, four
+// activations, the cell update, tanh, products) each re-reading the (B, 4H) gates.
+// Here the forward reads the gate pre-activations once, adds both biases, applies
+// sigmoid/tanh, updates the cell and writes h', c' and the activated gates (the
+// workspace the backward needs); the backward reads dh', dc', the workspace, c and
+// c' once and writes the pre-activation gate gradients and dc. Everything else in
+// the backward (dx, dh, dW, db) is GEMMs and one column sum.
+//
+// The sequence functions (lstm_layer_*) run the whole time loop in C++: one GEMM for
+// every step's input projection up front, then per step one recurrent GEMM and one
+// pointwise kernel, with no Python and no autograd node per step.
+//
+// Gate order is torch's (i, f, g, o), so weights are nn.LSTMCell / nn.LSTM compatible.
+// Math is fp32; storage fp32/fp16/bf16 (all tensors of one call share the dtype).
+#include "type_shim.h"
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ void load_v(const T* p, float (&out)[V]) {
+  const Pack<T, V> pk = *reinterpret_cast<const Pack<T, V>*>(p);
+#pragma unroll
+  for (int k = 0; k < V; ++k) out[k] = static_cast<float>(pk.v[k]);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_v(T* p, const float (&in)[V]) {
+  Pack<T, V> pk;
+#pragma unroll
+  for (int k = 0; k < V; ++k) pk.v[k] = static_cast<T>(in[k]);
+  *reinterpret_cast<Pack<T, V>*>(p) = pk;
+}
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+
+// One thread owns V consecutive hidden units of a row; blockIdx.y walks the rows.
+// Rows of the gate tensors have a leading dimension so a time step sliced out of a
+// (T, B, 4H) buffer needs no copy.
+template <typename T, int V>
+__global__ void lstm_fwd_kernel(const T* __restrict__ ig, int64_t ig_ld, const T* __restrict__ hg,
+                                int64_t hg_ld, const T* __restrict__ b_ih, const T* __restrict__ b_hh,
+                                const T* __restrict__ c, T* __restrict__ h_out, T* __restrict__ c_out,
+                                T* __restrict__ ws, int64_t B, int64_t H) {
+  const int64_t j = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  if (j >= H) return;
+  // Both biases are the same for every row: sum them once per thread.
+  float bias[4][V];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    float t[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) bias[q][k] = 0.f;
+    if (b_ih) {
+      load_v<T, V>(b_ih + q * H + j, t);
+#pragma unroll
+      for (int k = 0; k < V; ++k) bias[q][k] += t[k];
+    }
+    if (b_hh) {
+      load_v<T, V>(b_hh + q * H + j, t);
+#pragma unroll
+      for (int k = 0; k < V; ++k) bias[q][k] += t[k];
+    }
+  }
+  for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+    float g[4][V];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      load_v<T, V>(ig + b * ig_ld + q * H + j, g[q]);
+      if (hg) {
+        float t[V];
+        load_v<T, V>(hg + b * hg_ld + q * H + j, t);
+#pragma unroll
+        for (int k = 0; k < V; ++k) g[q][k] += t[k];
+      }
+    }
+    float cp[V], hn[V], cn[V];
+    load_v<T, V>(c + b * H + j, cp);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float i = sigmoid_f(g[0][k] + bias[0][k]);
+      const float f = sigmoid_f(g[1][k] + bias[1][k]);
+      const float gg = tanhf(g[2][k] + bias[2][k]);
+      const float o = sigmoid_f(g[3][k] + bias[3][k]);
+      cn[k] = f * cp[k] + i * gg;
+      hn[k] = o * tanhf(cn[k]);
+      g[0][k] = i;
+      g[1][k] = f;
+      g[2][k] = gg;
+      g[3][k] = o;
+    }
+    store_v<T, V>(h_out + b * H + j, hn);
+    store_v<T, V>(c_out + b * H + j, cn);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) store_v<T, V>(ws + b * 4 * H + q * H + j, g[q]);
+  }
+}
+
+// dh, dh2 (a second dh' term, e.g. the recurrent one), dc: any may be null (= zero).
+// dc may alias dc_prev (each element is read then written by the same thread).
+template <typename T, int V>
+__global__ void lstm_bwd_kernel(const T* __restrict__ dh, const T* __restrict__ dh2, const T* dc,
+                                const T* __restrict__ c_prev, const T* __restrict__ c_new,
+                                const T* __restrict__ ws, T* __restrict__ dgates, T* dc_prev, int64_t B,
+                                int64_t H) {
+  const int64_t j = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  if (j >= H) return;
+  for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+    const int64_t r = b * H + j;
+    float a[4][V], dhv[V], dcv[V], cp[V], cn[V], t[V];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) load_v<T, V>(ws + b * 4 * H + q * H + j, a[q]);
+#pragma unroll
+    for (int k = 0; k < V; ++k) dhv[k] = dcv[k] = 0.f;
+    if (dh) {
+      load_v<T, V>(dh + r, t);
+#pragma unroll
+      for (int k = 0; k < V; ++k) dhv[k] += t[k];
+    }
+    if (dh2) {
+      load_v<T, V>(dh2 + r, t);
+#pragma unroll
+      for (int k = 0; k < V; ++k) dhv[k] += t[k];
+    }
+    if (dc) load_v<T, V>(dc + r, dcv);
+    load_v<T, V>(c_prev + r, cp);
+    load_v<T, V>(c_new + r, cn);
+    float dcp[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float i = a[0][k], f = a[1][k], gg = a[2][k], o = a[3][k];
+      const float tc = tanhf(cn[k]);
+      const float dct = dcv[k] + dhv[k] * o * (1.f - tc * tc);
+      a[0][k] = dct * gg * i * (1.f - i);
+      a[1][k] = dct * cp[k] * f * (1.f - f);
+      a[2][k] = dct * i * (1.f - gg * gg);
+      a[3][k] = dhv[k] * tc * o * (1.f - o);
+      dcp[k] = dct * f;
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) store_v<T, V>(dgates + b * 4 * H + q * H + j, a[q]);
+    store_v<T, V>(dc_prev + r, dcp);
+  }
+}
+
+// ---------------------------------------------------------------- launch helpers
+
+// Raw pointers so the time loop does not build a Tensor per slice.
+struct FwdPtrs {
+  const void *ig, *hg, *b_ih, *b_hh, *c;
+  int64_t ig_ld, hg_ld;
+  void *h_out, *c_out, *ws;
+};
+struct BwdPtrs {
+  const void *dh, *dh2, *dc, *c_prev, *c_new, *ws;
+  void *dgates, *dc_prev;
+};
+
+inline bool aligned_to(const void* p, int64_t bytes) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+inline dim3 grid_for(int64_t B, int64_t H, int V, int threads) {
+  const int64_t groups = H / V;
+  return dim3(static_cast<unsigned>((groups + threads - 1) / threads),
+              static_cast<unsigned>(std::min<int64_t>(B, 65535)));
+}
+
+inline int threads_for(int64_t H, int V) {
+  const int64_t groups = H / V;
+  return static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, (groups + 31) / 32 * 32)));
+}
+
+// Widest vector (16 bytes) when every pointer, leading dimension and H allow it.
+template <typename T>
+int vec_width(std::initializer_list<const void*> ptrs, std::initializer_list<int64_t> lds, int64_t H) {
+  constexpr int VMAX = 16 / sizeof(T);
+  if (H % VMAX != 0) return 1;
+  for (auto ld : lds)
+    if (ld % VMAX != 0) return 1;
+  for (auto p : ptrs)
+    if (!aligned_to(p, 16)) return 1;
+  return VMAX;
+}
+
+template <typename T>
+void launch_fwd(const FwdPtrs& p, int64_t B, int64_t H, cudaStream_t stream) {
+  constexpr int VMAX = 16 / sizeof(T);
+  const int V = vec_width<T>({p.ig, p.hg, p.b_ih, p.b_hh, p.c, p.h_out, p.c_out, p.ws},
+                             {p.ig_ld, p.hg ? p.hg_ld : 0}, H);
+  const int threads = threads_for(H, V);
+  const dim3 grid = grid_for(B, H, V, threads);
+  auto args = [&](auto kernel) {
+    kernel<<<grid, threads, 0, stream>>>(
+        static_cast<const T*>(p.ig), p.ig_ld, static_cast<const T*>(p.hg), p.hg_ld,
+        static_cast<const T*>(p.b_ih), static_cast<const T*>(p.b_hh), static_cast<const T*>(p.c),
+        static_cast<T*>(p.h_out), static_cast<T*>(p.c_out), static_cast<T*>(p.ws), B, H);
+  };
+  if (V == VMAX)
+    args(lstm_fwd_kernel<T, VMAX>);
+  else
+    args(lstm_fwd_kernel<T, 1>);
+  MPT_CHECK_LAUNCH("lstm_cell forward");
+}
+
+template <typename T>
+void launch_bwd(const BwdPtrs& p, int64_t B, int64_t H, cudaStream_t stream) {
+  constexpr int VMAX = 16 / sizeof(T);
+  const int V =
+      vec_width<T>({p.dh, p.dh2, p.dc, p.c_prev, p.c_new, p.ws, p.dgates, p.dc_prev}, {}, H);
+  const int threads = threads_for(H, V);
+  const dim3 grid = grid_for(B, H, V, threads);
+  auto args = [&](auto kernel) {
+    kernel<<<grid, threads, 0, stream>>>(
+        static_cast<const T*>(p.dh), static_cast<const T*>(p.dh2), static_cast<const T*>(p.dc),
+        static_cast<const T*>(p.c_prev), static_cast<const T*>(p.c_new), static_cast<const T*>(p.ws),
+        static_cast<T*>(p.dgates), static_cast<T*>(p.dc_prev), B, H);
+  };
+  if (V == VMAX)
+    args(lstm_bwd_kernel<T, VMAX>);
+  else
+    args(lstm_bwd_kernel<T, 1>);
+  MPT_CHECK_LAUNCH("lstm_cell backward");
+}
+
+// ---------------------------------------------------------------- argument checks
+
+const void* opt_ptr(const std::optional<at::Tensor>& t) {
+  return (t.has_value() && t->defined()) ? t->data_ptr() : nullptr;
+}
+
+bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// Address of slice t of a (T, ...) tensor without building a Tensor for it.
+inline void* step_ptr(const at::Tensor& t, int64_t i) {
+  return static_cast<char*>(t.data_ptr()) + i * t.stride(0) * t.element_size();
+}
+
+// Same device and dtype as `ref`, the given shape, unit stride on the last dim.
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, at::IntArrayRef shape,
+                const char* op) {
+  TORCH_CHECK(t.is_cuda(), op, ": '", name, "' must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.device() == ref.device(), op, ": '", name, "' is on ", t.device(), " but the gates are on ",
+              ref.device(), "; move it to the same GPU");
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": '", name, "' has dtype ", t.scalar_type(),
+              " but the gates have ", ref.scalar_type(), "; cast all LSTM tensors to one dtype");
+  TORCH_CHECK(t.sizes() == shape, op, ": '", name, "' has shape ", t.sizes(), ", expected ", shape);
+}
+
+void check_rows(const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.stride(0) >= t.size(1), op, ": '", name,
+              "' must be 2-D with unit stride on the last dim (got strides ", t.strides(),
+              "); call .contiguous()");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- pointwise ops
+
+// igates (B, 4H) [+ hgates (B, 4H)] [+ b_ih (4H)] [+ b_hh (4H)], c (B, H)
+// -> h' (B, H), c' (B, H), workspace (B, 4H) = activated (i, f, g, o).
+std::vector<at::Tensor> lstm_cell_pointwise_forward(const at::Tensor& igates,
+                                                    const std::optional<at::Tensor>& hgates,
+                                                    const at::Tensor& c,
+                                                    const std::optional<at::Tensor>& b_ih,
+                                                    const std::optional<at::Tensor>& b_hh) {
+  const char* op = "lstm_cell_pointwise_forward";
+  MPT_CHECK_CUDA(igates, op);
+  TORCH_CHECK(igates.dim() == 2 && igates.size(1) % 4 == 0, op, ": 'igates' must be (batch, 4*hidden), got ",
+              igates.sizes());
+  check_rows(igates, "igates", op);
+  const int64_t B = igates.size(0), H = igates.size(1) / 4;
+  check_like(c, "c", igates, {B, H}, op);
+  MPT_CHECK_CONTIGUOUS(c, op);
+  if (has(hgates)) {
+    check_like(*hgates, "hgates", igates, {B, 4 * H}, op);
+    check_rows(*hgates, "hgates", op);
+  }
+  for (auto* bp : {&b_ih, &b_hh}) {
+    if (!has(*bp)) continue;
+    check_like(**bp, bp == &b_ih ? "b_ih" : "b_hh", igates, {4 * H}, op);
+    MPT_CHECK_CONTIGUOUS(**bp, op);
+  }
+  const c10::cuda::CUDAGuard guard(igates.device());
+  auto h_out = at::empty({B, H}, igates.options());
+  auto c_out = at::empty({B, H}, igates.options());
+  auto ws = at::empty({B, 4 * H}, igates.options());
+  if (B * H == 0) return {h_out, c_out, ws};
+  FwdPtrs p{igates.data_ptr(), opt_ptr(hgates), opt_ptr(b_ih), opt_ptr(b_hh), c.data_ptr(),
+            igates.stride(0), has(hgates) ? hgates->stride(0) : 0,
+            h_out.data_ptr(), c_out.data_ptr(), ws.data_ptr()};
+  auto stream = at::cuda::getCurrentCUDAStream();
+  MPT_DISPATCH_FLOAT_HALF_BF16(igates.scalar_type(), op, scalar_t, launch_fwd<scalar_t>(p, B, H, stream));
+  return {h_out, c_out, ws};
+}
+
+// dh', dh2 (added to dh'), dc' (each optional = zero), c, c', workspace
+// -> dgates (B, 4H) w.r.t. the pre-activation gates (= d bias), dc (B, H).
+std::vector<at::Tensor> lstm_cell_pointwise_backward(const std::optional<at::Tensor>& dh,
+                                                     const std::optional<at::Tensor>& dh2,
+                                                     const std::optional<at::Tensor>& dc,
+                                                     const at::Tensor& c_prev, const at::Tensor& c_new,
+                                                     const at::Tensor& ws) {
+  const char* op = "lstm_cell_pointwise_backward";
+  MPT_CHECK_CUDA(ws, op);
+  TORCH_CHECK(ws.dim() == 2 && ws.size(1) % 4 == 0, op, ": 'ws' must be (batch, 4*hidden), got ", ws.sizes());
+  MPT_CHECK_CONTIGUOUS(ws, op);
+  const int64_t B = ws.size(0), H = ws.size(1) / 4;
+  check_like(c_prev, "c_prev", ws, {B, H}, op);
+  check_like(c_new, "c_new", ws, {B, H}, op);
+  MPT_CHECK_CONTIGUOUS(c_prev, op);
+  MPT_CHECK_CONTIGUOUS(c_new, op);
+  for (auto* gp : {&dh, &dh2, &dc}) {
+    if (!has(*gp)) continue;
+    check_like(**gp, gp == &dh ? "dh" : gp == &dh2 ? "dh2" : "dc", ws, {B, H}, op);
+    MPT_CHECK_CONTIGUOUS(**gp, op);
+  }
+  const c10::cuda::CUDAGuard guard(ws.device());
+  auto dgates = at::empty({B, 4 * H}, ws.options());
+  auto dc_prev = at::empty({B, H}, ws.options());
+  if (B * H == 0) return {dgates, dc_prev};
+  BwdPtrs p{opt_ptr(dh), opt_ptr(dh2), opt_ptr(dc), c_prev.data_ptr(), c_new.data_ptr(), ws.data_ptr(),
+            dgates.data_ptr(), dc_prev.data_ptr()};
+  auto stream = at::cuda::getCurrentCUDAStream();
+  MPT_DISPATCH_FLOAT_HALF_BF16(ws.scalar_type(), op, scalar_t, launch_bwd<scalar_t>(p, B, H, stream));
+  return {dgates, dc_prev};
+}
+
+// ---------------------------------------------------------------- one cell step
+
+namespace {
+void check_weights(const at::Tensor& x, const at::Tensor& w_ih, const at::Tensor& w_hh, int64_t H,
+                   const char* op) {
+  TORCH_CHECK(x.dim() == 2, op, ": input must be 2-D (batch, input_size), got ", x.sizes());
+  check_like(w_ih, "weight_ih", x, {4 * H, x.size(1)}, op);
+  check_like(w_hh, "weight_hh", x, {4 * H, H}, op);
+}
+}  // namespace
+
+// Two GEMMs into one gates buffer (the second accumulates in place), then the kernel.
+std::vector<at::Tensor> lstm_cell_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
+                                          const at::Tensor& w_ih, const at::Tensor& w_hh,
+                                          const std::optional<at::Tensor>& b_ih,
+                                          const std::optional<at::Tensor>& b_hh) {
+  const char* op = "lstm_cell_forward";
+  MPT_CHECK_CUDA(x, op);
+  const int64_t H = w_hh.size(-1);
+  check_weights(x, w_ih, w_hh, H, op);
+  check_like(h, "h", x, {x.size(0), H}, op);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto gates = at::mm(x, w_ih.t());
+  gates.addmm_(h, w_hh.t());
+  return lstm_cell_pointwise_forward(gates, std::nullopt, c, b_ih, b_hh);
+}
+
+// need = which of (x, h, c, w_ih, w_hh, bias) want a gradient; the rest come back undefined.
+std::vector<at::Tensor> lstm_cell_backward(const std::optional<at::Tensor>& dh,
+                                           const std::optional<at::Tensor>& dc, const at::Tensor& x,
+                                           const at::Tensor& h, const at::Tensor& c, const at::Tensor& w_ih,
+                                           const at::Tensor& w_hh, const at::Tensor& ws,
+                                           const at::Tensor& c_new, const std::vector<bool>& need) {
+  TORCH_CHECK(need.size() == 6, "lstm_cell_backward: 'need' must have 6 flags (x, h, c, w_ih, w_hh, bias)");
+  const c10::cuda::CUDAGuard guard(ws.device());
+  auto r = lstm_cell_pointwise_backward(dh, std::nullopt, dc, c, c_new, ws);
+  const at::Tensor& dg = r[0];
+  at::Tensor dx, dh_prev, dw_ih, dw_hh, db;
+  if (need[0]) dx = at::mm(dg, w_ih);
+  if (need[1]) dh_prev = at::mm(dg, w_hh);
+  if (need[3]) dw_ih = at::mm(dg.t(), x);
+  if (need[4]) dw_hh = at::mm(dg.t(), h);
+  if (need[5]) db = dg.sum(0);
+  return {dx, dh_prev, need[2] ? r[1] : at::Tensor(), dw_ih, dw_hh, db};
+}
+
+// ---------------------------------------------------------------- a whole layer
+
+// x (T, B, I), h0/c0 (B, H) -> out (T, B, H), c_all (T, B, H), ws (T, B, 4H).
+// All input projections are one GEMM; each step adds h_{t-1} W_hh^T in place into its
+// slice of that buffer (cuBLAS beta = 1) and runs the pointwise kernel on it.
+std::vector<at::Tensor> lstm_layer_forward(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& c0,
+                                           const at::Tensor& w_ih, const at::Tensor& w_hh,
+                                           const std::optional<at::Tensor>& b_ih,
+                                           const std::optional<at::Tensor>& b_hh) {
+  const char* op = "lstm_layer_forward";
+  MPT_CHECK_CUDA(x, op);
+  TORCH_CHECK(x.dim() == 3, op, ": input must be (T, batch, input_size), got ", x.sizes());
+  const int64_t T = x.size(0), B = x.size(1), I = x.size(2), H = w_hh.size(-1);
+  check_like(w_ih, "weight_ih", x, {4 * H, I}, op);
+  check_like(w_hh, "weight_hh", x, {4 * H, H}, op);
+  check_like(h0, "h0", x, {B, H}, op);
+  check_like(c0, "c0", x, {B, H}, op);
+  MPT_CHECK_CONTIGUOUS(c0, op);
+  for (auto* bp : {&b_ih, &b_hh}) {
+    if (!has(*bp)) continue;
+    check_like(**bp, bp == &b_ih ? "b_ih" : "b_hh", x, {4 * H}, op);
+    MPT_CHECK_CONTIGUOUS(**bp, op);
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto opts = x.options();
+  auto out = at::empty({T, B, H}, opts);
+  auto c_all = at::empty({T, B, H}, opts);
+  auto ws = at::empty({T, B, 4 * H}, opts);
+  TORCH_CHECK(T > 0, op, ": the sequence is empty (T = 0)");
+  if (B * H == 0) return {out, c_all, ws};
+  auto xg = at::mm(x.reshape({T * B, I}), w_ih.t()).view({T, B, 4 * H});
+  const auto w_hh_t = w_hh.t();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t t = 0; t < T; ++t) {
+    at::Tensor gates = xg[t];
+    const at::Tensor h_prev = t == 0 ? h0 : out[t - 1];
+    gates.addmm_(h_prev, w_hh_t);
+    FwdPtrs p{gates.data_ptr(), nullptr, opt_ptr(b_ih), opt_ptr(b_hh),
+              t == 0 ? c0.data_ptr() : step_ptr(c_all, t - 1), 4 * H, 0,
+              step_ptr(out, t), step_ptr(c_all, t), step_ptr(ws, t)};
+    MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), op, scalar_t, launch_fwd<scalar_t>(p, B, H, stream));
+  }
+  return {out, c_all, ws};
+}
+
+// d_out (T, B, H) (the gradient of every h_t, h_n's included), dc_n (B, H): either may
+// be undefined (= zero). need = (x, h0, c0, w_ih, w_hh, bias).
+// The loop runs one pointwise kernel (which also adds the recurrent dh) and one GEMM
+// per step; the weight, input and bias gradients are then a few large GEMMs over
+// all steps at once.
+std::vector<at::Tensor> lstm_layer_backward(const std::optional<at::Tensor>& d_out,
+                                            const std::optional<at::Tensor>& dc_n, const at::Tensor& x,
+                                            const at::Tensor& h0, const at::Tensor& c0, const at::Tensor& out,
+                                            const at::Tensor& c_all, const at::Tensor& ws,
+                                            const at::Tensor& w_ih, const at::Tensor& w_hh,
+                                            const std::vector<bool>& need) {
+  const char* op = "lstm_layer_backward";
+  TORCH_CHECK(need.size() == 6, op, ": 'need' must have 6 flags (x, h0, c0, w_ih, w_hh, bias)");
+  const int64_t T = x.size(0), B = x.size(1), I = x.size(2), H = w_hh.size(-1);
+  TORCH_CHECK(T > 0, op, ": the sequence is empty (T = 0)");
+  MPT_CHECK_CONTIGUOUS(ws, op);
+  MPT_CHECK_CONTIGUOUS(c_all, op);
+  MPT_CHECK_CONTIGUOUS(out, op);
+  if (has(d_out)) {
+    check_like(*d_out, "d_out", x, {T, B, H}, op);
+    MPT_CHECK_CONTIGUOUS(*d_out, op);
+  }
+  if (has(dc_n)) {
+    check_like(*dc_n, "dc_n", x, {B, H}, op);
+    MPT_CHECK_CONTIGUOUS(*dc_n, op);
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto opts = x.options();
+  auto dg = at::empty({T, B, 4 * H}, opts);
+  auto dh_rec = at::empty({B, H}, opts);
+  // dc is updated in place step by step; start from dc_n (copied: it is the caller's).
+  at::Tensor dc_rec = has(dc_n) ? dc_n->clone() : at::empty({B, H}, opts);
+  bool dc_live = has(dc_n), dh_live = false;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t t = T - 1; t >= 0; --t) {
+    BwdPtrs p{has(d_out) ? step_ptr(*d_out, t) : nullptr,
+              dh_live ? dh_rec.data_ptr() : nullptr,
+              dc_live ? dc_rec.data_ptr() : nullptr,
+              t == 0 ? c0.data_ptr() : step_ptr(c_all, t - 1),
+              step_ptr(c_all, t), step_ptr(ws, t), step_ptr(dg, t), dc_rec.data_ptr()};
+    if (B * H > 0)
+      MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), op, scalar_t, launch_bwd<scalar_t>(p, B, H, stream));
+    dc_live = true;
+    if (t > 0 || need[1]) {
+      at::mm_out(dh_rec, dg[t], w_hh);
+      dh_live = true;
+    }
+  }
+  const auto dg2 = dg.view({T * B, 4 * H});
+  at::Tensor dx, dw_ih, dw_hh, db;
+  if (need[0]) dx = at::mm(dg2, w_ih).view({T, B, I});
+  if (need[3]) dw_ih = at::mm(dg2.t(), x.reshape({T * B, I}));
+  if (need[4]) {
+    dw_hh = at::mm(dg[0].t(), h0);
+    if (T > 1)
+      dw_hh.addmm_(dg.narrow(0, 1, T - 1).reshape({(T - 1) * B, 4 * H}).t(),
+                   out.narrow(0, 0, T - 1).reshape({(T - 1) * B, H}));
+  }
+  if (need[5]) db = dg2.sum(0);
+  return {dx, need[1] ? dh_rec : at::Tensor(), need[2] ? dc_rec : at::Tensor(), dw_ih, dw_hh, db};
+}

@@ -1,0 +1,257 @@
+// Multi-tensor machinery: one kernel launch walks a whole list of tensors
+// (hundreds of parameters) instead of one launch per tensor.
+//
+// Why it looks the way it does:
+// * The tensor list travels in the kernel arguments (TensorListMeta, read through
+//   __grid_constant__ so the compiler never copies it to local memory). Since
+//   CUDA 12.1 a kernel may take 32 KB of arguments on sm_70+, enough for ~460
+//   tensors with 6 pointers each: BERT-large's 392 parameters fit in ONE launch.
+//   Older toolkits (or -DMPT_SMALL_KERNEL_ARGS) fall back to the classic 4 KB and
+//   split the list over several launches.
+// * Work is cut into fixed chunks of kChunk elements. A persistent grid (as many
+//   blocks as fit on the GPU at once) strides over the concatenated chunk list,
+//   so big and small tensors share the SMs evenly and the tail of a launch is at
+//   most one chunk per block (a few microseconds).
+// * Each thread handles kILP groups of kVec = 4 consecutive elements. One group is
+//   one 16-byte access for fp32 and one 8-byte access for fp16/bf16, and a warp
+//   covers 128 consecutive elements per group, so every access is fully coalesced
+//   for every dtype mix (half grads next to fp32 masters). All loads of a chunk
+//   are issued before any math, which keeps enough bytes in flight per SM.
+// * A tensor whose pointers are not all aligned to the group size (a view with a
+//   storage offset) takes the same element mapping with scalar accesses.
+// * Math is fp32 whatever the storage type.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "type_shim.h"
+
+namespace mpt_mt {
+
+constexpr int kBlock = 256;                   // threads per block
+constexpr int kVec = 4;                       // consecutive elements per access
+constexpr int kILP = 2;                       // groups per thread per chunk
+constexpr int kChunk = kBlock * kVec * kILP;  // elements per chunk (2048)
+
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010 && !defined(MPT_SMALL_KERNEL_ARGS)
+constexpr int kArgBudget = 30 * 1024;  // bytes of tensor-list metadata per launch
+constexpr bool kLargeKernelArgs = true;
+#else
+constexpr int kArgBudget = 3 * 1024 + 512;
+constexpr bool kLargeKernelArgs = false;
+#endif
+
+// The tensors of one launch. addr[d][i] is tensor i of list d; chunk_end[i] is the
+// number of chunks in tensors 0..i (a prefix sum, so a block finds its tensor by
+// walking forward). tensor_base / chunk_base place this launch inside the caller's
+// whole list, for ops that write per-tensor or per-chunk results.
+template <int DEPTH>
+struct TensorListMeta {
+  static constexpr int kMaxTensors = (kArgBudget - 16) / (DEPTH * 8 + 8 + 4);
+  void* addr[DEPTH][kMaxTensors];
+  int64_t numel[kMaxTensors];
+  int chunk_end[kMaxTensors];
+  int ntensors;
+  int tensor_base;
+  int chunk_base;
+};
+
+// ---------------------------------------------------------------- fragments
+
+template <typename T>
+struct alignas(sizeof(T) * kVec) Pack {
+  T v[kVec];
+};
+
+template <typename T>
+__device__ __forceinline__ bool vec_aligned(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kVec)) == 0;
+}
+
+// Element index of group k of this thread inside a chunk.
+__device__ __forceinline__ int group_start(int k) { return (k * kBlock + threadIdx.x) * kVec; }
+
+// Loads the thread's kILP x kVec elements as float; elements past n read as 0.
+template <typename T>
+__device__ __forceinline__ void load_frag(float (&r)[kILP][kVec], const T* p, int n, bool vec) {
+#pragma unroll
+  for (int k = 0; k < kILP; ++k) {
+    const int i = group_start(k);
+    if (vec && i + kVec <= n) {
+      const Pack<T> pk = *reinterpret_cast<const Pack<T>*>(p + i);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) r[k][j] = static_cast<float>(pk.v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) r[k][j] = (i + j < n) ? static_cast<float>(p[i + j]) : 0.f;
+    }
+  }
+}
+
+// Stores the elements below n, converting from float to T (round to nearest).
+template <typename T>
+__device__ __forceinline__ void store_frag(T* p, const float (&r)[kILP][kVec], int n, bool vec) {
+#pragma unroll
+  for (int k = 0; k < kILP; ++k) {
+    const int i = group_start(k);
+    if (vec && i + kVec <= n) {
+      Pack<T> pk;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) pk.v[j] = static_cast<T>(r[k][j]);
+      *reinterpret_cast<Pack<T>*>(p + i) = pk;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        if (i + j < n) p[i + j] = static_cast<T>(r[k][j]);
+    }
+  }
+}
+
+// Reads an optional device scalar (loss scale, lr, found_inf) or a default.
+__device__ __forceinline__ float read_or(const float* p, float dflt) { return p ? *p : dflt; }
+
+// ---------------------------------------------------------------- the kernel
+
+// Op provides:
+//   __device__ bool skip() const;   // true: the whole launch does nothing (found_inf set)
+//   __device__ void operator()(const TensorListMeta<DEPTH>&, int t, int chunk, int64_t off, int n) const;
+// `chunk` is the launch-local chunk index, `off` the element offset of the chunk in
+// tensor t, n <= kChunk the number of elements in it. All threads of a block call
+// the op for the same chunk, so ops may use __syncthreads.
+template <int DEPTH, typename Op>
+__global__ void __launch_bounds__(kBlock, 4)
+    multi_tensor_kernel(const __grid_constant__ TensorListMeta<DEPTH> meta, const __grid_constant__ Op op) {
+  if (op.skip()) return;
+  const int total = meta.chunk_end[meta.ntensors - 1];
+  int t = 0;
+  for (int c = blockIdx.x; c < total; c += gridDim.x) {
+    while (c >= meta.chunk_end[t]) ++t;
+    const int first = t == 0 ? 0 : meta.chunk_end[t - 1];
+    const int64_t off = static_cast<int64_t>(c - first) * kChunk;
+    const int64_t left = meta.numel[t] - off;
+    op(meta, t, c, off, static_cast<int>(left < kChunk ? left : kChunk));
+  }
+}
+
+// ---------------------------------------------------------------- host side
+
+// Blocks per SM for a persistent grid; 0 = ask the occupancy calculator.
+// Settable from Python (multi_tensor_set_blocks_per_sm) so the benchmark can sweep it.
+int& blocks_per_sm_override();
+
+void check_large_kernel_args_supported();
+
+// Checks every list and calls launch(meta) once per group of at most
+// kMaxTensors tensors. Lists whose bit is set in `scalar_lists` hold one value
+// per tensor (step counts) and are exempt from the numel/stride checks.
+template <int DEPTH, typename Launch>
+void for_each_launch(const std::vector<std::vector<at::Tensor>>& lists, unsigned scalar_lists, const char* name,
+                     Launch&& launch) {
+  TORCH_CHECK(lists.size() == DEPTH, name, ": expected ", DEPTH, " tensor lists, got ", lists.size());
+  const size_t n = lists[0].size();
+  for (int d = 1; d < DEPTH; ++d)
+    TORCH_CHECK(lists[d].size() == n, name, ": tensor list ", d, " has ", lists[d].size(),
+                " tensors but list 0 has ", n, "; every list must have one tensor per parameter");
+  if (n == 0) return;
+  check_large_kernel_args_supported();
+  const at::Device device = lists[0][0].device();
+  TORCH_CHECK(device.is_cuda(), name, ": tensors must be on a CUDA device, got ", device);
+  for (int d = 0; d < DEPTH; ++d) {
+    const at::ScalarType dtype = lists[d][0].scalar_type();
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor& x = lists[d][i];
+      const at::Tensor& ref = lists[0][i];
+      TORCH_CHECK(x.device() == device, name, ": list ", d, " tensor ", i, " is on ", x.device(),
+                  " but list 0 tensor 0 is on ", device, "; all tensors of one call must share a device");
+      TORCH_CHECK(x.scalar_type() == dtype, name, ": list ", d, " mixes dtypes (", dtype, " and ",
+                  x.scalar_type(), " at tensor ", i, "); split the list by dtype");
+      if (scalar_lists & (1u << d)) {
+        TORCH_CHECK(x.numel() == 1, name, ": list ", d, " tensor ", i, " must hold one value, has ", x.numel());
+        continue;
+      }
+      TORCH_CHECK(x.numel() == ref.numel(), name, ": list ", d, " tensor ", i, " has ", x.numel(),
+                  " elements but list 0 tensor ", i, " has ", ref.numel());
+      TORCH_CHECK(x.is_non_overlapping_and_dense(), name, ": list ", d, " tensor ", i,
+                  " is not dense (call .contiguous() on it)");
+      TORCH_CHECK(x.strides() == ref.strides(), name, ": list ", d, " tensor ", i, " has strides ", x.strides(),
+                  " but list 0 tensor ", i, " has ", ref.strides(), "; give them the same memory format");
+    }
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  TensorListMeta<DEPTH> meta;
+  meta.ntensors = 0;
+  meta.tensor_base = 0;
+  meta.chunk_base = 0;
+  int chunks = 0;
+  for (size_t i = 0; i < n; ++i) {
+    // Empty tensors stay in the list with zero chunks, so tensor_base + t is always
+    // the caller's index; the kernel's forward walk steps over them.
+    const int64_t numel = lists[0][i].numel();
+    const int64_t c = (numel + kChunk - 1) / kChunk;
+    TORCH_CHECK(meta.chunk_base + chunks + c < (int64_t{1} << 31), name, ": the lists hold more than 2^31 chunks");
+    const int k = meta.ntensors;
+    for (int d = 0; d < DEPTH; ++d) meta.addr[d][k] = lists[d][i].data_ptr();
+    meta.numel[k] = numel;
+    chunks += static_cast<int>(c);
+    meta.chunk_end[k] = chunks;
+    meta.ntensors = k + 1;
+    if (meta.ntensors == TensorListMeta<DEPTH>::kMaxTensors || i + 1 == n) {
+      launch(meta, chunks);
+      meta.tensor_base += meta.ntensors;
+      meta.chunk_base += chunks;
+      meta.ntensors = 0;
+      chunks = 0;
+    }
+  }
+}
+
+// Total chunks of a list (sizes the per-chunk scratch of reductions).
+inline int64_t count_chunks(const std::vector<at::Tensor>& list) {
+  int64_t c = 0;
+  for (const auto& x : list) c += (x.numel() + kChunk - 1) / kChunk;
+  return c;
+}
+
+// Grid size of the persistent kernel for `total_chunks` chunks: as many blocks
+// as are resident at once on every SM, so no block waits for a free slot.
+template <int DEPTH, typename Op>
+int persistent_grid(int total_chunks) {
+  static const int occupancy = [] {
+    int b = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, multi_tensor_kernel<DEPTH, Op>, kBlock, 0));
+    return b > 0 ? b : 1;
+  }();
+  const int per_sm = blocks_per_sm_override() > 0 ? blocks_per_sm_override() : occupancy;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int grid = sms * per_sm;
+  return total_chunks < grid ? total_chunks : grid;
+}
+
+// The common case: one persistent launch of `op` per group of tensors.
+template <int DEPTH, typename Op>
+void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, unsigned scalar_lists, const Op& op,
+                        const char* name) {
+  for_each_launch<DEPTH>(lists, scalar_lists, name, [&](const TensorListMeta<DEPTH>& meta, int chunks) {
+    if (chunks == 0) return;
+    const int grid = persistent_grid<DEPTH, Op>(chunks);
+    multi_tensor_kernel<DEPTH, Op><<<grid, kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(meta, op);
+    MPT_CHECK_LAUNCH(name);
+  });
+}
+
+// Optional 1-element float32 device tensor -> pointer (nullptr when absent).
+inline const float* scalar_ptr(const std::optional<at::Tensor>& t, const at::Device& device, const char* name,
+                               const char* what) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1, name, ": '", what,
+              "' must be a float32 tensor with one element, got ", t->scalar_type(), " with ", t->numel(),
+              " elements");
+  TORCH_CHECK(t->device() == device, name, ": '", what, "' is on ", t->device(), " but the tensors are on ",
+              device);
+  return t->data_ptr<float>();
+}
+
+// Increments every step count by one unless *found_inf is non-zero (multi_tensor_scale.cu).
+void step_increment(const std::vector<at::Tensor>& steps, const float* found_inf, const char* name);
+
+}  // namespace mpt_mt

@@ -1,0 +1,377 @@
+// Scaled, masked softmax over the last dimension, forward and backward.
+//
+// What is fused and why:
+//  * forward: y = softmax(where(mask | causal, -inf, scale * x)) in one read of x and one
+//    write of y.  Eager PyTorch spends three to five passes over the scores (scale,
+//    masked_fill, softmax, and its temporaries): about 14% of the bandwidth floor.  The
+//    row stays in fp32 registers between the max, sum and output passes.
+//  * the boolean mask is read through its broadcast strides (e.g. [B,1,Sq,Sk] over the
+//    heads, [B,1,1,Sk] padding masks), never expanded in memory; causal masking is
+//    computed from indices and needs no tensor at all.
+//  * a fully masked row gives zeros (and zero gradient), not NaN.
+//  * backward: dx = scale * y * (dy - sum(dy * y)) from the saved output, one read of
+//    y and dy and one write of dx.
+//  * rows that are misaligned, not a multiple of the 16-byte vector or longer than the
+//    register cache (32768 half / 16384 fp32 elements) use scalar kernels that re-read
+//    the row from L1/L2.
+#include "row_reduce.cuh"
+#include "type_shim.h"
+
+#include <vector>
+
+namespace {
+
+using namespace mpt;
+
+// Where the mask element of (row, col) lives.  Rows are the flattened [D0, D1, Sq]
+// leading dims; the strides are the mask's broadcast strides (0 where broadcast).
+struct MaskLayout {
+  const uint8_t* ptr = nullptr;  // nullptr: no mask tensor
+  int64_t s0 = 0, s1 = 0, sq_stride = 0, key_stride = 0;
+  int64_t d1 = 1, sq = 1;
+  int mode = 0;  // 0 none, 1 vector loads (key stride 1, aligned), 2 one byte per row (key stride 0), 3 bytewise
+
+  __device__ __forceinline__ const uint8_t* row_ptr(int64_t row) const {
+    const int64_t q = row % sq, t = row / sq;
+    return ptr + (t / d1) * s0 + (t % d1) * s1 + q * sq_stride;
+  }
+};
+
+// Mask bits of VEC consecutive columns starting at `col` (16-byte-vector kernels).
+template <int VEC>
+__device__ __forceinline__ void mask_bits(const MaskLayout& m, const uint8_t* mrow, int col, bool (&b)[VEC]) {
+  if (m.mode == 1) {
+    if constexpr (VEC == 8) {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(mrow + col));
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        b[k] = (u.x >> (8 * k)) & 0xffu;
+        b[k + 4] = (u.y >> (8 * k)) & 0xffu;
+      }
+    } else {
+      const uint32_t u = __ldg(reinterpret_cast<const unsigned int*>(mrow + col));
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) b[k] = (u >> (8 * k)) & 0xffu;
+    }
+  } else if (m.mode == 2) {
+    const bool v = __ldg(mrow) != 0;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) b[k] = v;
+  } else if (m.mode == 3) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) b[k] = __ldg(mrow + col + k) != 0;
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) b[k] = false;
+  }
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T, int TPR, int NV, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64_t rows, int S,
+                   float scale, bool causal) {
+  constexpr int VEC = Vec16<T>::n, RPB = BLOCK / TPR;
+  __shared__ float red[2][BLOCK / 32];
+  const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
+  const int64_t row = int64_t(blockIdx.x) * RPB + g;
+  const bool valid = row < rows;
+  const int nvec = S / VEC;
+  const int64_t q = row % m.sq;
+  const uint8_t* mrow = (valid && m.mode != 0) ? m.row_ptr(row) : nullptr;
+
+  float v[NV][VEC];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int j = i * TPR + lane;
+    if (valid && j < nvec) {
+      unpack<T>(load16(x + row * S + j * VEC), v[i]);
+      bool mb[VEC];
+      if (mrow) mask_bits<VEC>(m, mrow, j * VEC, mb);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const bool masked = (mrow && mb[k]) || (causal && j * VEC + k > q);
+        v[i][k] = masked ? -INFINITY : v[i][k] * scale;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[i][k] = -INFINITY;
+    }
+  }
+  float mx[1] = {-INFINITY};
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) mx[0] = fmaxf(mx[0], v[i][k]);
+  group_allreduce<TPR, 1>(mx, red[0], MaxOp());
+  // A fully masked row has max -inf; keep it finite so exp gives exact zeros.
+  const float mref = mx[0] == -INFINITY ? 0.f : mx[0] * kLog2e;
+  float sum[1] = {0.f};
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      v[i][k] = exp2f(fmaf(v[i][k], kLog2e, -mref));
+      sum[0] += v[i][k];
+    }
+  group_allreduce<TPR, 1>(sum, red[1], SumOp());
+  if (!valid) return;
+  const float inv = sum[0] > 0.f ? 1.f / sum[0] : 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int j = i * TPR + lane;
+    if (j < nvec) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[i][k] *= inv;
+      store16(y + row * S + j * VEC, pack<T>(v[i]));
+    }
+  }
+}
+
+template <typename T, int TPR, int NV, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+softmax_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, int64_t rows,
+                   int S, float scale) {
+  constexpr int VEC = Vec16<T>::n, RPB = BLOCK / TPR;
+  __shared__ float red[BLOCK / 32];
+  const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
+  const int64_t row = int64_t(blockIdx.x) * RPB + g;
+  const bool valid = row < rows;
+  const int nvec = S / VEC;
+  uint4 ry[NV], rd[NV];
+  float dot[1] = {0.f};
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int j = i * TPR + lane;
+    const bool ok = valid && j < nvec;
+    ry[i] = ok ? load16(y + row * S + j * VEC) : make_uint4(0, 0, 0, 0);
+    rd[i] = ok ? load16(dy + row * S + j * VEC) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    float a[VEC], b[VEC];
+    unpack<T>(ry[i], a);
+    unpack<T>(rd[i], b);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dot[0] += a[k] * b[k];
+  }
+  group_allreduce<TPR, 1>(dot, red, SumOp());
+  if (!valid) return;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int j = i * TPR + lane;
+    if (j < nvec) {
+      float a[VEC], b[VEC];
+      unpack<T>(ry[i], a);
+      unpack<T>(rd[i], b);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) a[k] = scale * a[k] * (b[k] - dot[0]);
+      store16(dx + row * S + j * VEC, pack<T>(a));
+    }
+  }
+}
+
+// ---- generic kernels: any length, any alignment, scalar loads, re-reads ---------------
+
+template <typename T, int TPR, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+softmax_fwd_generic(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64_t rows, int S,
+                    float scale, bool causal) {
+  constexpr int RPB = BLOCK / TPR;
+  __shared__ float red[2][BLOCK / 32];
+  const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
+  const int64_t row = int64_t(blockIdx.x) * RPB + g;
+  const bool valid = row < rows;
+  const int64_t q = row % m.sq;
+  const uint8_t* mrow = (valid && m.mode != 0) ? m.row_ptr(row) : nullptr;
+  const T* xr = x + row * S;
+  auto value = [&](int c) {
+    const bool masked = (mrow && mrow[c * m.key_stride]) || (causal && c > q);
+    return masked ? -INFINITY : static_cast<float>(xr[c]) * scale;
+  };
+  float mx[1] = {-INFINITY};
+  if (valid)
+    for (int c = lane; c < S; c += TPR) mx[0] = fmaxf(mx[0], value(c));
+  group_allreduce<TPR, 1>(mx, red[0], MaxOp());
+  const float mref = mx[0] == -INFINITY ? 0.f : mx[0] * kLog2e;
+  float sum[1] = {0.f};
+  if (valid)
+    for (int c = lane; c < S; c += TPR) sum[0] += exp2f(fmaf(value(c), kLog2e, -mref));
+  group_allreduce<TPR, 1>(sum, red[1], SumOp());
+  if (!valid) return;
+  const float inv = sum[0] > 0.f ? 1.f / sum[0] : 0.f;
+  for (int c = lane; c < S; c += TPR) y[row * S + c] = static_cast<T>(exp2f(fmaf(value(c), kLog2e, -mref)) * inv);
+}
+
+template <typename T, int TPR, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+softmax_bwd_generic(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, int64_t rows,
+                    int S, float scale) {
+  constexpr int RPB = BLOCK / TPR;
+  __shared__ float red[BLOCK / 32];
+  const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
+  const int64_t row = int64_t(blockIdx.x) * RPB + g;
+  const bool valid = row < rows;
+  float dot[1] = {0.f};
+  if (valid)
+    for (int c = lane; c < S; c += TPR)
+      dot[0] += static_cast<float>(y[row * S + c]) * static_cast<float>(dy[row * S + c]);
+  group_allreduce<TPR, 1>(dot, red, SumOp());
+  if (!valid) return;
+  for (int c = lane; c < S; c += TPR) {
+    const float a = static_cast<float>(y[row * S + c]);
+    dx[row * S + c] = static_cast<T>(scale * a * (static_cast<float>(dy[row * S + c]) - dot[0]));
+  }
+}
+
+// ============================== host side ==============================================
+
+constexpr const char* kFwd = "mptrain scaled_masked_softmax forward";
+constexpr const char* kBwd = "mptrain scaled_masked_softmax backward";
+
+// Describes `m` (already expanded to x's shape) as MaskLayout; false when its strides do
+// not fit (more than two non-mergeable leading dims, or a key stride other than 0/1).
+bool describe_mask(const at::Tensor& m, MaskLayout& ml) {
+  const int nd = m.dim();
+  const auto sz = m.sizes();
+  const auto st = m.strides();
+  ml.key_stride = sz[nd - 1] == 1 ? 0 : st[nd - 1];
+  if (ml.key_stride != 0 && ml.key_stride != 1) return false;
+  ml.sq_stride = (nd >= 2 && sz[nd - 2] != 1) ? st[nd - 2] : 0;
+  // Merge the leading dims (all but the last two) into at most two (d0, d1).
+  std::vector<std::pair<int64_t, int64_t>> lead;  // (size, stride), size > 1
+  for (int d = 0; d < nd - 2; ++d) {
+    if (sz[d] == 1) continue;
+    if (!lead.empty() && lead.back().second == st[d] * sz[d]) {
+      lead.back() = {lead.back().first * sz[d], st[d]};
+    } else {
+      lead.push_back({sz[d], st[d]});
+    }
+  }
+  if (lead.size() > 2) return false;
+  while (lead.size() < 2) lead.insert(lead.begin(), {1, 0});
+  ml.s0 = lead[0].second;
+  ml.d1 = lead[1].first;
+  ml.s1 = lead[1].second;
+  ml.ptr = reinterpret_cast<const uint8_t*>(m.data_ptr());
+  return true;
+}
+
+template <typename T>
+void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows, int S, float scale, bool causal) {
+  constexpr int VEC = Vec16<T>::n;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  if (ml.ptr) {
+    if (ml.key_stride == 0) {
+      ml.mode = 2;
+    } else {
+      const bool vec_ok = reinterpret_cast<uintptr_t>(ml.ptr) % VEC == 0 && ml.s0 % VEC == 0 &&
+                          ml.s1 % VEC == 0 && ml.sq_stride % VEC == 0;
+      ml.mode = vec_ok ? 1 : 3;
+    }
+  }
+  const bool aligned = S % VEC == 0 && aligned16(xp) && aligned16(yp);
+  const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
+  if (shape != RowShape::Generic) {
+    MPT_ROW_SHAPE_SWITCH(shape, {
+      constexpr int BLOCK = TPR < 128 ? 128 : TPR;
+      constexpr int RPB = BLOCK / TPR;
+      softmax_fwd_kernel<T, TPR, NV, BLOCK><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
+      MPT_CHECK_LAUNCH(kFwd);
+    });
+  } else if (S <= 1024) {
+    softmax_fwd_generic<T, 32, 128><<<(rows + 3) / 4, 128, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
+    MPT_CHECK_LAUNCH(kFwd);
+  } else {
+    softmax_fwd_generic<T, 512, 512><<<rows, 512, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
+    MPT_CHECK_LAUNCH(kFwd);
+  }
+}
+
+template <typename T>
+void launch_bwd(const at::Tensor& dy, const at::Tensor& y, at::Tensor& dx, int64_t rows, int S, float scale) {
+  constexpr int VEC = Vec16<T>::n;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const T* dyp = reinterpret_cast<const T*>(dy.data_ptr());
+  const T* yp = reinterpret_cast<const T*>(y.data_ptr());
+  T* dxp = reinterpret_cast<T*>(dx.data_ptr());
+  const bool aligned = S % VEC == 0 && aligned16(dyp) && aligned16(yp) && aligned16(dxp);
+  const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
+  if (shape != RowShape::Generic) {
+    MPT_ROW_SHAPE_SWITCH(shape, {
+      constexpr int BLOCK = TPR < 128 ? 128 : TPR;
+      constexpr int RPB = BLOCK / TPR;
+      softmax_bwd_kernel<T, TPR, NV, BLOCK><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(dyp, yp, dxp, rows, S, scale);
+      MPT_CHECK_LAUNCH(kBwd);
+    });
+  } else if (S <= 1024) {
+    softmax_bwd_generic<T, 32, 128><<<(rows + 3) / 4, 128, 0, stream>>>(dyp, yp, dxp, rows, S, scale);
+    MPT_CHECK_LAUNCH(kBwd);
+  } else {
+    softmax_bwd_generic<T, 512, 512><<<rows, 512, 0, stream>>>(dyp, yp, dxp, rows, S, scale);
+    MPT_CHECK_LAUNCH(kBwd);
+  }
+}
+
+void check_x(const char* name, const at::Tensor& x) {
+  MPT_CHECK_CUDA(x, name);
+  MPT_CHECK_CONTIGUOUS(x, name);
+  TORCH_CHECK(x.dim() >= 1, name, ": input must have at least one dimension");
+  TORCH_CHECK(x.size(-1) <= (int64_t(1) << 30), name, ": last dimension ", x.size(-1), " is too long (max 2^30)");
+}
+
+}  // namespace
+
+// y = softmax(where(mask | causal, -inf, scale * x), dim=-1), fully masked rows -> 0.
+// mask: bool, broadcastable to x (True = masked out).  causal masks key k > query q
+// (top-left aligned, like torch's scaled_dot_product_attention(is_causal=True)), with q
+// the index in x's second-to-last dimension.
+at::Tensor scaled_masked_softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask,
+                                         double scale, bool causal) {
+  check_x(kFwd, x);
+  TORCH_CHECK(!causal || x.dim() >= 2, kFwd, ": causal=True needs an input with at least 2 dims (..., queries, keys), got ",
+              x.sizes());
+  const at::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty_like(x);
+  if (x.numel() == 0) return y;
+  const int64_t S = x.size(-1), rows = x.numel() / S;
+  MaskLayout ml;
+  ml.sq = x.dim() >= 2 ? x.size(-2) : 1;
+  at::Tensor m;  // keeps a materialized mask alive during the launch
+  if (mask.has_value() && mask->defined()) {
+    m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool, kFwd, ": mask must be a bool tensor (True = masked out), got ",
+                m.scalar_type());
+    TORCH_CHECK(m.device() == x.device(), kFwd, ": mask on ", m.device(), " but input on ", x.device());
+    TORCH_CHECK(m.dim() <= x.dim() && at::infer_size(m.sizes(), x.sizes()) == x.sizes(), kFwd, ": mask of shape ",
+                m.sizes(), " does not broadcast to the input's shape ", x.sizes());
+    m = m.expand(x.sizes());
+    if (!describe_mask(m, ml)) {
+      m = m.contiguous();
+      TORCH_CHECK(describe_mask(m, ml), kFwd, ": internal error: contiguous mask not describable");
+    }
+  }
+  MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), kFwd, scalar_t,
+    launch_fwd<scalar_t>(x, y, ml, rows, static_cast<int>(S), static_cast<float>(scale), causal));
+  return y;
+}
+
+// dx = scale * y * (dy - sum(dy * y, dim=-1)) from the forward output y.
+at::Tensor scaled_masked_softmax_backward(const at::Tensor& dy, const at::Tensor& y, double scale) {
+  check_x(kBwd, y);
+  MPT_CHECK_CUDA(dy, kBwd);
+  MPT_CHECK_CONTIGUOUS(dy, kBwd);
+  TORCH_CHECK(dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(), kBwd,
+              ": grad_output must match the output's shape and dtype, got ", dy.sizes(), " ", dy.scalar_type(),
+              " vs ", y.sizes(), " ", y.scalar_type());
+  const at::cuda::CUDAGuard guard(y.device());
+  at::Tensor dx = at::empty_like(y);
+  if (y.numel() == 0) return dx;
+  const int64_t S = y.size(-1), rows = y.numel() / S;
+  MPT_DISPATCH_FLOAT_HALF_BF16(y.scalar_type(), kBwd, scalar_t,
+    launch_bwd<scalar_t>(dy, y, dx, rows, static_cast<int>(S), static_cast<float>(scale)));
+  return dx;
+}

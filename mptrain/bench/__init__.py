@@ -1,0 +1,1 @@
+"""Benchmarks: GEMM, kernels and end-to-end steps (`mptrain bench ...`)."""

@@ -1,0 +1,121 @@
+"""Timing and reporting shared by every benchmark (DESIGN §5).
+
+A case is timed with CUDA events (triton's do_bench when available: median of many
+runs after warm-up), on inputs rotated among several sets larger than L2 so the
+numbers measure HBM, not cache.  Each case reports our time, the PyTorch baseline's
+time in the same process, the ratio and our % of the bandwidth floor.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+#: Measured device-to-device copy bandwidth on the H200 (bytes read + written), DESIGN §5.
+H200_COPY_BW = 4.25e12
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 200.0) -> float:
+    """Median wall time of ``fn`` in milliseconds, measured with CUDA events."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    except ImportError:
+        pass
+    # Fallback without triton: time each call with its own pair of events.
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class Rotating:
+    """Cycle through ``n`` input sets so consecutive calls do not hit in L2.
+
+    ``make()`` builds one input set; ``n`` is chosen by the caller so that n sets
+    exceed the L2 (60 MB on the H200) several times over.
+    """
+
+    def __init__(self, make: Callable[[], object], n: int):
+        self.sets = [make() for _ in range(max(1, n))]
+        self.i = 0
+
+    def next(self):
+        s = self.sets[self.i]
+        self.i = (self.i + 1) % len(self.sets)
+        return s
+
+
+def sets_for(bytes_per_set: int, l2_bytes: int = 60 * 2**20, factor: int = 4, max_sets: int = 8) -> int:
+    """How many input sets keep the working set at least ``factor`` x L2."""
+    return max(1, min(max_sets, -(-factor * l2_bytes // max(1, bytes_per_set))))
+
+
+@dataclass
+class Result:
+    """One benchmark case: ours against the PyTorch baseline."""
+
+    case: str
+    ours_ms: float
+    torch_ms: Optional[float]
+    floor_ms: Optional[float]
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> Optional[float]:
+        return None if self.torch_ms is None else self.torch_ms / self.ours_ms
+
+    @property
+    def pct_floor(self) -> Optional[float]:
+        return None if self.floor_ms is None else 100.0 * self.floor_ms / self.ours_ms
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["speedup"] = self.speedup
+        d["pct_floor"] = self.pct_floor
+        return d
+
+
+def floor_ms(nbytes: float, bandwidth: float = H200_COPY_BW) -> float:
+    """Time to move ``nbytes`` through HBM at the measured copy bandwidth."""
+    return 1e3 * nbytes / bandwidth
+
+
+def format_table(results: list[Result]) -> str:
+    """A fixed-width table: case, ours, torch, torch/ours, % of floor."""
+    head = f"{'case':<58} {'ours ms':>9} {'torch ms':>9} {'speedup':>8} {'% floor':>8}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        t = "—" if r.torch_ms is None else f"{r.torch_ms:9.3f}"
+        s = "—" if r.speedup is None else f"{r.speedup:7.2f}x"
+        p = "—" if r.pct_floor is None else f"{r.pct_floor:7.1f}%"
+        lines.append(f"{r.case:<58} {r.ours_ms:9.3f} {t:>9} {s:>8} {p:>8}")
+    return "\n".join(lines)
+
+
+def write_json(results: list[Result], path: str, meta: Optional[dict] = None) -> None:
+    """Write the results (and device / version metadata) as JSON."""
+    payload = {"meta": meta or {}, "results": [r.as_dict() for r in results]}
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def device_meta() -> dict:
+    """What the numbers were measured on."""
+    meta = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        meta.update(gpu=p.name, sms=p.multi_processor_count, mem_gb=round(p.total_memory / 2**30, 1))
+    return meta

@@ -1,0 +1,52 @@
+"""`python -m mptrain.bench.kernels`: every fused kernel against PyTorch on the GPU.
+
+Each kernel family contributes a ``cases_*.py`` module with a ``run(args) -> list[Result]``;
+this module only selects, runs and reports them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import torch
+
+from mptrain.bench.common import device_meta, format_table, write_json
+
+FAMILIES = {
+    "optim": "mptrain.bench.cases_optim",
+    "norm": "mptrain.bench.cases_norm",
+    "softmax": "mptrain.bench.cases_softmax",
+    "lstm": "mptrain.bench.cases_lstm",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mptrain bench kernels", description=__doc__)
+    parser.add_argument("--only", default=",".join(FAMILIES), help=f"comma list of {sorted(FAMILIES)}")
+    parser.add_argument("--json", default="bench_kernels.json", help="where to write the results")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("mptrain bench kernels: no CUDA device visible; the kernel benchmarks need a GPU.", file=sys.stderr)
+        return 2
+    chosen = [f.strip() for f in args.only.split(",") if f.strip()]
+    unknown = [f for f in chosen if f not in FAMILIES]
+    if unknown:
+        parser.error(f"--only: unknown famil{'ies' if len(unknown) > 1 else 'y'} {unknown}; choose from {sorted(FAMILIES)}")
+    results = []
+    for fam in chosen:
+        mod = importlib.import_module(FAMILIES[fam])
+        print(f"[bench] {fam} ...", flush=True)
+        fam_results = mod.run(args)
+        print(format_table(fam_results), flush=True)
+        results.extend(fam_results)
+    print("\n== all kernels ==")
+    print(format_table(results))
+    write_json(results, args.json, device_meta())
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""What every mptrain data module shares: loaders with workers, pinned memory, seeded workers,
+per-rank sharding (``ShardedSampler``) and synthetic batches made on the training device."""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from mptrain.data.sampling import ShardedSampler, seed_worker
+
+
+def training_device(datamodule: Optional[L.LightningDataModule] = None) -> torch.device:
+    """The device the attached trainer trains on; without one, this process's GPU or the CPU."""
+    trainer = getattr(datamodule, "trainer", None)
+    fabric = getattr(trainer, "fabric", None)
+    if fabric is not None:
+        return fabric.device
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is not None and hasattr(strategy, "root_device"):
+        return strategy.root_device
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+class SyntheticBatches(Dataset):
+    """``length`` ready-made batches generated on the training device.
+
+    Benchmarks must measure the model, not the loader: the batches are built once, on the
+    device, from a seeded generator, and ``distinct`` of them are cycled (never all-zero data,
+    never a host-to-device copy per step).  Use with ``DataLoader(batch_size=None)``.
+    """
+
+    def __init__(self, make: Callable[[torch.Generator, torch.device], Any], length: int,
+                 device: Callable[[], torch.device], distinct: int = 4, seed: int = 0):
+        self.make, self.length, self.device, self.distinct, self.seed = make, int(length), device, distinct, seed
+        self._cache: Optional[list] = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        if self._cache is None:
+            device = self.device()
+            g = torch.Generator(device=device).manual_seed(self.seed)
+            with torch.no_grad():
+                self._cache = [self.make(g, device) for _ in range(self.distinct)]
+        return self._cache[index % self.distinct]
+
+
+class MPTDataModule(L.LightningDataModule):
+    """Base class: subclasses fill ``self.train_set`` / ``self.val_set`` in ``setup`` (or build
+    synthetic sets with ``synthetic_sets``) and may set ``self.collate_fn``.
+
+    Args:
+        batch_size: per-rank batch size.
+        num_workers: loader worker processes (0 loads in the main process).
+        pin_memory: pin host batches when training on a GPU (ignored without CUDA).
+        seed: seed of the shuffling order and of per-sample randomness.
+        synthetic: use device-generated random batches of the real shapes instead of files.
+        synthetic_batches: batches per epoch in synthetic mode.
+    """
+
+    def __init__(self, batch_size: int, num_workers: int = 0, pin_memory: bool = True, seed: int = 0,
+                 synthetic: bool = False, synthetic_batches: int = 1000):
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
+        self.seed, self.synthetic, self.synthetic_batches = seed, synthetic, synthetic_batches
+        self.train_set: Optional[Dataset] = None
+        self.val_set: Optional[Dataset] = None
+        self.collate_fn: Optional[Callable] = None
+
+    # -- synthetic ---------------------------------------------------------
+    def make_synthetic_batch(self, g: torch.Generator, device: torch.device) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no synthetic mode")
+
+    def synthetic_sets(self) -> None:
+        device = lambda: training_device(self)  # noqa: E731  (resolved at first batch: the trainer is attached by then)
+        self.train_set = SyntheticBatches(self.make_synthetic_batch, self.synthetic_batches, device, seed=self.seed)
+        self.val_set = SyntheticBatches(self.make_synthetic_batch, max(1, self.synthetic_batches // 10), device,
+                                        seed=self.seed + 1)
+
+    # -- loaders -----------------------------------------------------------
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}: call setup() before asking for a dataloader")
+        if isinstance(dataset, SyntheticBatches):
+            sampler = ShardedSampler(len(dataset), shuffle=False, seed=self.seed)
+            return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=0)
+        sampler = ShardedSampler(len(dataset), shuffle=train, seed=self.seed, dataset=dataset)
+        workers = self.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=workers,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            worker_init_fn=seed_worker if workers > 0 else None,
+            persistent_workers=False,  # workers fork per epoch, after the sampler set the dataset's epoch
+            drop_last=train,
+            collate_fn=self.collate_fn,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, train=False)

@@ -1,0 +1,193 @@
+"""Drop-in LSTM modules backed by the fused LSTM kernels (mptrain.ops.lstm).
+
+``FusedLSTMCell`` subclasses ``torch.nn.LSTMCell`` and ``FusedLSTM`` subclasses
+``torch.nn.LSTM``: same constructor arguments, same parameter names and state_dict keys,
+same initialisation, so checkpoints move freely between them.
+
+Sequence policy of ``FusedLSTM`` (``impl=``):
+
+* ``"cudnn"``: hand the call to torch's own LSTM (``nn.LSTM.forward`` -> ``_VF.lstm``):
+  cuDNN on CUDA, torch's native kernels elsewhere. Same weights, same results as nn.LSTM.
+* ``"fused"``: mptrain's path: per layer one GEMM for all time steps' input
+  projections, then the recurrent loop in C++ with the fused pointwise kernel
+  (reference math on the CPU or without the extension).
+* ``"auto"`` (default): cuDNN whenever nn.LSTM would use it (CUDA input, cuDNN
+  available and enabled) -- so FusedLSTM is never slower than nn.LSTM on cuDNN --
+  the fused path on CUDA when cuDNN is off, torch's path otherwise (CPU, PackedSequence).
+  Use ``impl="fused"`` where cuDNN cannot go (a loop you want to capture yourself,
+  deterministic kernels, cuDNN disabled) or where the benchmark shows it faster.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
+
+from mptrain import ops
+from mptrain.ops.lstm import FUSED_CHOICES, _extension
+
+IMPLS = ("auto", "cudnn", "fused")
+
+
+class FusedLSTMCell(nn.LSTMCell):
+    """torch.nn.LSTMCell with the fused gate kernel on CUDA.
+
+    ``fused``: "auto" (kernel on CUDA when the extension loads, else the reference),
+    True (require the kernel), False (always the pure-PyTorch reference).
+    """
+
+    def __init__(self, input_size, hidden_size, bias=True, device=None, dtype=None, *, fused="auto"):
+        super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
+        if fused not in FUSED_CHOICES:
+            raise ValueError(f"FusedLSTMCell: fused={fused!r}, expected one of {FUSED_CHOICES}")
+        self.fused = fused
+
+    @classmethod
+    def from_module(cls, cell: nn.LSTMCell, **kwargs) -> "FusedLSTMCell":
+        """A FusedLSTMCell sharing ``cell``'s Parameter objects (optimizers keep working)."""
+        new = cls(cell.input_size, cell.hidden_size, cell.bias, device="meta", **kwargs)
+        for name, _ in new.named_parameters(recurse=False):
+            setattr(new, name, getattr(cell, name))
+        return new.train(cell.training)
+
+    def forward(self, input, hx=None):
+        if input.dim() not in (1, 2):
+            raise ValueError(f"FusedLSTMCell: expected input to be 1-D or 2-D, got {input.dim()}-D")
+        if hx is not None:
+            for i, t in enumerate(hx):
+                if t.dim() != input.dim():
+                    raise ValueError(
+                        f"FusedLSTMCell: hx[{i}] must be {input.dim()}-D like the input, got {t.dim()}-D"
+                    )
+        batched = input.dim() == 2
+        if not batched:
+            input = input.unsqueeze(0)
+        if hx is None:
+            zeros = torch.zeros(input.size(0), self.hidden_size, dtype=input.dtype, device=input.device)
+            h, c = zeros, zeros
+        else:
+            h, c = (hx[0], hx[1]) if batched else (hx[0].unsqueeze(0), hx[1].unsqueeze(0))
+        h, c = ops.lstm_cell(input, h, c, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh, fused=self.fused)
+        if not batched:
+            h, c = h.squeeze(0), c.squeeze(0)
+        return h, c
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", fused={self.fused!r}"
+
+
+class FusedLSTM(nn.LSTM):
+    """torch.nn.LSTM (unidirectional, no projections) with an explicit sequence policy.
+
+    Arguments are nn.LSTM's plus ``impl`` ("auto" | "cudnn" | "fused", see the module
+    docstring). Parameter names are nn.LSTM's (weight_ih_l0, weight_hh_l0, bias_ih_l0, ...).
+    """
+
+    def __init__(
+        self,
+        input_size,
+        hidden_size,
+        num_layers=1,
+        bias=True,
+        batch_first=False,
+        dropout=0.0,
+        bidirectional=False,
+        proj_size=0,
+        device=None,
+        dtype=None,
+        *,
+        impl="auto",
+    ):
+        if bidirectional:
+            raise ValueError("FusedLSTM is unidirectional; use torch.nn.LSTM for bidirectional=True")
+        if proj_size:
+            raise ValueError(f"FusedLSTM has no projections (proj_size={proj_size}); use torch.nn.LSTM")
+        if impl not in IMPLS:
+            raise ValueError(f"FusedLSTM: impl={impl!r}, expected one of {IMPLS}")
+        super().__init__(
+            input_size,
+            hidden_size,
+            num_layers=num_layers,
+            bias=bias,
+            batch_first=batch_first,
+            dropout=dropout,
+            device=device,
+            dtype=dtype,
+        )
+        self.impl = impl
+
+    @classmethod
+    def from_module(cls, lstm: nn.LSTM, **kwargs) -> "FusedLSTM":
+        """A FusedLSTM sharing ``lstm``'s Parameter objects (optimizers keep working)."""
+        new = cls(
+            lstm.input_size,
+            lstm.hidden_size,
+            num_layers=lstm.num_layers,
+            bias=lstm.bias,
+            batch_first=lstm.batch_first,
+            dropout=lstm.dropout,
+            bidirectional=lstm.bidirectional,
+            proj_size=lstm.proj_size,
+            device="meta",
+            **kwargs,
+        )
+        for name in new._flat_weights_names:
+            setattr(new, name, getattr(lstm, name))
+        new._init_flat_weights()
+        return new.train(lstm.training)
+
+    def resolved_impl(self, input) -> str:
+        """"cudnn" or "fused": what forward(input) runs under this module's policy."""
+        if self.impl != "auto":
+            return self.impl
+        if isinstance(input, PackedSequence) or not input.is_cuda:
+            return "cudnn"  # torch's own path (native kernels on the CPU)
+        if torch.backends.cudnn.enabled and torch.backends.cudnn.is_available():
+            return "cudnn"
+        return "fused" if _extension() is not None else "cudnn"
+
+    def forward(self, input, hx=None):
+        if self.resolved_impl(input) == "cudnn":
+            return super().forward(input, hx)
+        if isinstance(input, PackedSequence):
+            raise TypeError("FusedLSTM(impl='fused') does not take a PackedSequence; use impl='cudnn'")
+        return self._forward_fused(input, hx)
+
+    def _forward_fused(self, input, hx):
+        if input.dim() not in (2, 3):
+            raise ValueError(f"FusedLSTM: expected input to be 2-D or 3-D, got {input.dim()}-D")
+        batched = input.dim() == 3
+        if not batched:
+            x = input.unsqueeze(1)
+        else:
+            x = input.transpose(0, 1) if self.batch_first else input
+        if x.size(-1) != self.input_size:
+            raise ValueError(f"FusedLSTM: input.size(-1) must be input_size={self.input_size}, got {x.size(-1)}")
+        batch = x.size(1)
+        shape = (self.num_layers, batch, self.hidden_size)
+        if hx is None:
+            h0 = c0 = torch.zeros(shape, dtype=x.dtype, device=x.device)
+        else:
+            h0, c0 = hx if batched else (hx[0].unsqueeze(1), hx[1].unsqueeze(1))
+            for name, t in (("h_0", h0), ("c_0", c0)):
+                if tuple(t.shape) != shape:
+                    got = tuple(t.shape) if batched else tuple(t.squeeze(1).shape)
+                    raise ValueError(f"FusedLSTM: expected {name} of shape {shape if batched else shape[::2]}, got {got}")
+        h_n, c_n = [], []
+        for k in range(self.num_layers):
+            weights = [getattr(self, name) for name in self._all_weights[k]]
+            if not self.bias:
+                weights += [None, None]
+            x, h, c = ops.lstm_layer(x, h0[k], c0[k], *weights)
+            h_n.append(h)
+            c_n.append(c)
+            if self.dropout and self.training and k < self.num_layers - 1:
+                x = nn.functional.dropout(x, self.dropout, training=True)
+        out = x
+        h_n, c_n = torch.stack(h_n), torch.stack(c_n)
+        if not batched:
+            return out.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
+        return (out.transpose(0, 1) if self.batch_first else out), (h_n, c_n)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", impl={self.impl!r}"

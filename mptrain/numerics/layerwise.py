@@ -1,0 +1,508 @@
+"""Layer-by-layer comparison of a low-precision model against its fp32 shadow.
+
+Two deep copies of the model run the same input: one in float32, one converted by a
+precision of :mod:`mptrain.precision`.  Hooks on every leaf module (and every module that
+owns parameters directly) record what each computed.  Two errors are measured per module:
+
+* **global**: its low-precision output against its fp32 output.  This includes whatever
+  error reached it from upstream, so everything after a bad layer looks bad too.
+* **local**: the low-precision module re-run on the fp32 input its shadow received (cast
+  to the dtype the low-precision module actually saw), against the fp32 output.  This is
+  the error the layer itself adds, and it is what ranks the table: a layer that overflows
+  or loses precision ranks above the layers that merely inherit its damage.
+
+A layer whose low-precision output holds inf/NaN although its low-precision input was
+finite *created* the non-finite values (``new_nonfinite``) and ranks above everything.
+
+Statistics stay on the device until the end (one host transfer for the whole report).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+#: the keys of every row, in this order (outside tests rely on exactly these)
+ROW_KEYS = ("module", "max_abs", "max_rel", "mean_abs", "cosine", "ok", "overflow_frac", "underflow_frac")
+
+# Index of each statistic in the per-call vector (summed or max-ed over calls at the end).
+_N, _NBOTH, _SUMABS, _MAXABS, _MAXREL, _DOT, _REF2, _LOW2, _D2, _OVF, _UNF, _VIOL, _MISMATCH = range(13)
+_MAX_STATS = (_MAXABS, _MAXREL)
+
+
+# ---------------------------------------------------------------------------------------
+# tensor plumbing
+# ---------------------------------------------------------------------------------------
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Floating-point tensors in ``obj`` (tensors, lists, tuples, dicts), in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, dict):
+        return [t for k in obj for t in _tensors(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor)`` (structure kept)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_map(v, fn) for v in obj)
+    if isinstance(obj, list):
+        return [_map(v, fn) for v in obj]
+    return obj
+
+
+def _detach_clone(obj: Any) -> Any:
+    return _map(obj, lambda t: t.detach().clone())
+
+
+def _cast_like(ref: Any, low: Any) -> Any:
+    """fp32 ``ref`` values in the dtypes of the matching tensors of ``low`` (same structure)."""
+    if isinstance(ref, torch.Tensor):
+        if isinstance(low, torch.Tensor) and ref.is_floating_point() and low.is_floating_point():
+            return ref.detach().to(device=low.device, dtype=low.dtype)
+        return ref.detach().clone()
+    if isinstance(ref, dict) and isinstance(low, dict):
+        return {k: _cast_like(v, low.get(k)) for k, v in ref.items()}
+    if isinstance(ref, (list, tuple)) and isinstance(low, (list, tuple)) and len(ref) == len(low):
+        out = [_cast_like(r, l) for r, l in zip(ref, low)]
+        return tuple(out) if isinstance(ref, tuple) else out
+    return ref
+
+
+def _call(model: nn.Module, inp: Any) -> Any:
+    if isinstance(inp, dict):
+        return model(**inp)
+    if isinstance(inp, (tuple, list)):
+        return model(*inp)
+    return model(inp)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _all_finite(obj: Any) -> torch.Tensor:
+    ts = _tensors(obj)
+    if not ts:
+        return torch.tensor(True)
+    return torch.stack([torch.isfinite(t).all() for t in ts]).all()
+
+
+def _call_stats(ref: list[torch.Tensor], low: list[torch.Tensor], rtol: float, atol: float) -> torch.Tensor:
+    """One call's comparison as a float64 vector (see the ``_N``... indices)."""
+    r = torch.cat([t.detach().reshape(-1).double() for t in ref])
+    l = torch.cat([t.detach().reshape(-1).to(r.device).double() for t in low])
+    rf, lf = torch.isfinite(r), torch.isfinite(l)
+    both = rf & lf
+    rz, lz = torch.where(both, r, 0.0), torch.where(both, l, 0.0)
+    d = (lz - rz).abs()
+    nonzero_ref = both & (rz != 0)
+    rel = torch.where(nonzero_ref, d / torch.where(nonzero_ref, rz.abs(), 1.0), 0.0)
+    overflow = rf & ~lf
+    # Where fp32 itself is inf/NaN the low precision must agree exactly (NaN matches NaN).
+    mismatch = ~rf & ~((l == r) | (torch.isnan(l) & torch.isnan(r)))
+    viol = (both & (d > atol + rtol * rz.abs())).sum() + overflow.sum() + mismatch.sum()
+    zero = d.new_zeros(())
+    return torch.stack([
+        d.new_tensor(float(r.numel())), both.sum().double(), d.sum(),
+        d.max() if d.numel() else zero, rel.max() if rel.numel() else zero,
+        (rz * lz).sum(), (rz * rz).sum(), (lz * lz).sum(), (d * d).sum(),
+        overflow.sum().double(), (nonzero_ref & (lz == 0)).sum().double(), viol.double(), mismatch.sum().double(),
+    ])
+
+
+def _finalize(vecs: list[torch.Tensor]) -> dict:
+    """Combine the per-call vectors of one module into the reported numbers."""
+    s = torch.stack(vecs).cpu()
+    tot = s.sum(0).tolist()
+    mx = s.max(0).values.tolist()
+    n = max(tot[_N], 1.0)
+    broken = tot[_OVF] > 0 or tot[_MISMATCH] > 0
+    nref, nlow = math.sqrt(tot[_REF2]), math.sqrt(tot[_LOW2])
+    if nref == 0 and nlow == 0:
+        cosine = 1.0
+    elif nref == 0 or nlow == 0:
+        cosine = 0.0
+    else:
+        cosine = max(-1.0, min(1.0, tot[_DOT] / (nref * nlow)))
+    if broken:
+        rel_err = math.inf
+    elif nref > 0:
+        rel_err = math.sqrt(tot[_D2]) / nref
+    else:
+        rel_err = 0.0 if tot[_D2] == 0 else math.inf
+    return {
+        "max_abs": math.inf if broken else mx[_MAXABS],
+        "max_rel": math.inf if broken else mx[_MAXREL],
+        "mean_abs": tot[_SUMABS] / max(tot[_NBOTH], 1.0),
+        "cosine": cosine,
+        "ok": tot[_VIOL] == 0,
+        "overflow_frac": tot[_OVF] / n,
+        "underflow_frac": tot[_UNF] / n,
+        "rel_err": rel_err,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------
+@dataclass
+class LayerwiseReport:
+    """Result of :func:`compare_layerwise`.
+
+    rows: one dict per module in execution order with exactly ``ROW_KEYS`` (global error).
+    details: same order; per module the extra columns: dtype, calls, rel_err (relative
+        L2 error), local_max_abs / local_rel_err / local_cosine (the module's own error),
+        local_input_ok (False when the fp32 input is not representable in the low dtype,
+        e.g. it overflows on the cast: then the error belongs upstream), new_nonfinite.
+    grad_rows: with ``backward=True``, the gradient w.r.t. each module's output, in
+        backward execution order; param_grad_rows: each module's own parameter grads.
+    """
+
+    precision: str
+    rtol: float
+    atol: float
+    rows: list = field(default_factory=list)
+    details: list = field(default_factory=list)
+    grad_rows: list = field(default_factory=list)
+    param_grad_rows: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def first_bad(self) -> Optional[str]:
+        """Name of the first module in execution order whose output is not within tolerance."""
+        return next((r["module"] for r in self.rows if not r["ok"]), None)
+
+    @property
+    def first_bad_grad(self) -> Optional[str]:
+        """First module in backward order whose output gradient is not within tolerance."""
+        return next((r["module"] for r in self.grad_rows if not r["ok"]), None)
+
+    def ranked(self) -> list[tuple[dict, dict]]:
+        """(row, detail) pairs, worst first.
+
+        Order: modules that created inf/NaN from finite inputs; then modules out of
+        tolerance; within each, the larger local error (the module's own), then the
+        larger global error.  Ties keep execution order, so the origin of a cascade wins.
+        """
+        def key(i: int):
+            row, det = self.rows[i], self.details[i]
+            local = det.get("local_rel_err")
+            if local is None or not det.get("local_input_ok", True):
+                local = -1.0
+            return (not det.get("new_nonfinite", False), row["ok"], -_sortable(local), -_sortable(det["rel_err"]), i)
+
+        order = sorted(range(len(self.rows)), key=key)
+        return [(self.rows[i], self.details[i]) for i in order]
+
+    def worst(self, n: int = 1) -> list[str]:
+        """Names of the ``n`` worst modules."""
+        return [r["module"] for r, _ in self.ranked()[:n]]
+
+    def table(self, top: Optional[int] = None) -> str:
+        head = (f"{'module':<44} {'dtype':>8} {'max_abs':>9} {'max_rel':>9} {'mean_abs':>9} {'cosine':>8} "
+                f"{'ovf%':>6} {'unf%':>6} {'ok':>3} {'local_err':>9} {'rel_err':>9}  flags")
+        lines = [f"layerwise fp32 vs {self.precision} (rtol={self.rtol}, atol={self.atol}); "
+                 f"first_bad={self.first_bad}; worst first", head, "-" * len(head)]
+        for row, det in self.ranked()[:top]:
+            flags = []
+            if det.get("new_nonfinite"):
+                flags.append("CREATES-INF/NAN")
+            if not det.get("local_input_ok", True):
+                flags.append("input-overflows-dtype")
+            local = det.get("local_rel_err")
+            lines.append(
+                f"{_short(row['module'], 44):<44} {det.get('dtype', ''):>8} {_f(row['max_abs'])} {_f(row['max_rel'])} "
+                f"{_f(row['mean_abs'])} {row['cosine']:8.5f} {100 * row['overflow_frac']:6.2f} "
+                f"{100 * row['underflow_frac']:6.2f} {'yes' if row['ok'] else 'NO':>3} "
+                f"{'—' if local is None else _f(local)} {_f(det['rel_err'])}  {' '.join(flags)}")
+        if self.grad_rows:
+            lines.append("")
+            lines.append(f"output gradients (backward order); first_bad_grad={self.first_bad_grad}")
+            lines.append(f"{'module':<44} {'max_abs':>9} {'max_rel':>9} {'mean_abs':>9} {'cosine':>8} "
+                         f"{'ovf%':>6} {'unf%':>6} {'ok':>3}")
+            for r in self.grad_rows[:top]:
+                lines.append(f"{_short(r['module'], 44):<44} {_f(r['max_abs'])} {_f(r['max_rel'])} {_f(r['mean_abs'])} "
+                             f"{r['cosine']:8.5f} {100 * r['overflow_frac']:6.2f} {100 * r['underflow_frac']:6.2f} "
+                             f"{'yes' if r['ok'] else 'NO':>3}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict:
+        return {"precision": self.precision, "rtol": self.rtol, "atol": self.atol, "first_bad": self.first_bad,
+                "worst": self.worst(5), "rows": self.rows, "details": self.details, "grad_rows": self.grad_rows,
+                "first_bad_grad": self.first_bad_grad, "param_grad_rows": self.param_grad_rows, "notes": self.notes}
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        """JSON of :meth:`to_dict`; inf/NaN are written as Infinity/NaN (Python's json reads them back)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def _sortable(v: float) -> float:
+    return math.inf if v is None or math.isnan(v) else v
+
+
+def _f(v: float) -> str:
+    return f"{v:9.2e}" if math.isfinite(v) else f"{str(v):>9}"
+
+
+def _short(name: str, width: int) -> str:
+    name = name or "<root>"
+    return name if len(name) <= width else "…" + name[-(width - 1):]
+
+
+# ---------------------------------------------------------------------------------------
+# the comparison
+# ---------------------------------------------------------------------------------------
+def _watched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Leaf modules and modules with parameters of their own (e.g. MultiheadAttention)."""
+    out = []
+    for name, m in model.named_modules():
+        leaf = next(iter(m.children()), None) is None
+        owns = next(iter(m.parameters(recurse=False)), None) is not None
+        if leaf or owns:
+            out.append((name, m))
+    return out
+
+
+class _Recorder:
+    """Hooks of one run.  ``ref`` runs first and stores; ``low`` compares against it."""
+
+    def __init__(self, model: nn.Module, role: str, shadow: Optional["_Recorder"], rtol: float, atol: float,
+                 local: bool, grads: bool, grad_scale: float):
+        self.role, self.shadow, self.rtol, self.atol = role, shadow, rtol, atol
+        self.local, self.grads, self.grad_scale = local, grads, grad_scale
+        self.calls: dict[str, int] = {}
+        self.order: list[str] = []
+        self.inputs: dict[tuple, Any] = {}
+        self.outputs: dict[tuple, list] = {}
+        self.out_grads: dict[tuple, list] = {}
+        self.grad_order: list[tuple] = []
+        self.stats: dict[str, list] = {}
+        self.local_stats: dict[str, list] = {}
+        self.local_input_ok: dict[str, list] = {}
+        self.new_nonfinite: dict[str, list] = {}
+        self.dtypes: dict[str, str] = {}
+        self.busy = False  # True while a module is re-run for its local error
+        self.handles = []
+        self.modules = dict(_watched_modules(model))
+        for name, m in self.modules.items():
+            self.handles.append(m.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post(name), with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _pre(self, name: str):
+        def hook(module, args, kwargs):
+            if self.busy:
+                return None
+            key = (name, self.calls.get(name, 0))
+            if self.role == "ref" and self.local:
+                # Cloned now: an in-place module (ReLU(inplace=True)) overwrites its input.
+                self.inputs[key] = (_detach_clone(args), _detach_clone(kwargs))
+            if self.role == "low":
+                self.inputs[key] = _all_finite((args, kwargs))
+            return None
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, kwargs, output):
+            if self.busy:
+                return None
+            idx = self.calls.get(name, 0)
+            self.calls[name] = idx + 1
+            key = (name, idx)
+            if idx == 0:
+                self.order.append(name)
+            outs = _tensors(output)
+            if not outs:
+                return None
+            if self.grads:
+                self._watch_grad(key, outs)
+            if self.role == "ref":
+                # Cloned: a later in-place op would change the stored values.
+                self.outputs[key] = [t.detach().clone() for t in outs]
+                return None
+            self.dtypes.setdefault(name, str(outs[0].dtype).replace("torch.", ""))
+            ref = self.shadow.outputs.get(key)
+            if ref is None or [t.shape for t in ref] != [t.shape for t in outs]:
+                return None
+            self.stats.setdefault(name, []).append(_call_stats(ref, outs, self.rtol, self.atol))
+            in_finite = self.inputs.pop(key, torch.tensor(True))
+            self.new_nonfinite.setdefault(name, []).append(in_finite & ~_all_finite(outs))
+            if self.local and key in self.shadow.inputs:
+                self._local(module, name, key, args, kwargs, ref)
+            return None
+        return hook
+
+    def _local(self, module, name, key, args, kwargs, ref) -> None:
+        ref_args, ref_kwargs = self.shadow.inputs[key]
+        cast_args, cast_kwargs = _cast_like(ref_args, args), _cast_like(ref_kwargs, kwargs)
+        # The cast itself may overflow (fp32 value > fp16 max): then the damage is upstream.
+        ok_in = _all_finite((cast_args, cast_kwargs)) | ~_all_finite((ref_args, ref_kwargs))
+        self.busy = True
+        try:
+            with torch.no_grad():
+                out = _tensors(module(*cast_args, **cast_kwargs))
+        except Exception:  # a module that cannot be re-run alone (stateful, odd signature)
+            return
+        finally:
+            self.busy = False
+        if [t.shape for t in out] == [t.shape for t in ref]:
+            self.local_stats.setdefault(name, []).append(_call_stats(ref, out, self.rtol, self.atol))
+            self.local_input_ok.setdefault(name, []).append(ok_in)
+
+    def _watch_grad(self, key, outs) -> None:
+        for i, t in enumerate(outs):
+            if t.requires_grad:
+                def grab(g, key=key, i=i):
+                    if key not in self.out_grads:
+                        self.grad_order.append(key)
+                    slot = self.out_grads.setdefault(key, {})
+                    slot[i] = g.detach().float() / self.grad_scale
+                t.register_hook(grab)
+
+
+def _projection_loss(out: Any, seed: int = 1234) -> torch.Tensor:
+    """sum(out_i * r_i) with fixed random r: every output element gets a distinct, O(1) gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    total = None
+    for t in _tensors(out):
+        r = torch.randn(t.shape, generator=gen).to(t.device)
+        term = (t.float() * r).sum()
+        total = term if total is None else total + term
+    if total is None:
+        raise ValueError("compare_layerwise(backward=True): the model output has no floating-point tensor to differentiate")
+    return total
+
+
+def _resolve_precision(precision, device):
+    if not isinstance(precision, str):
+        return precision  # a Precision object
+    try:
+        from mptrain.precision import PRECISIONS, build_precision
+    except ImportError as e:  # the precision engine is part of mptrain; this is a broken install
+        raise ImportError(f"compare_layerwise needs mptrain.precision.build_precision: {e}") from e
+    if precision not in PRECISIONS:
+        raise ValueError(f"compare_layerwise: precision={precision!r} is not one of {tuple(PRECISIONS)}")
+    return build_precision(precision, device=device)
+
+
+def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf16-mixed", rtol: float = 1e-2,
+                      atol: float = 1e-3, backward: bool = False, local: bool = True, train_mode: bool = False,
+                      loss_fn: Optional[Callable[[Any], torch.Tensor]] = None, loss_scale: float = 1.0) -> LayerwiseReport:
+    """Compare every module of ``model`` run in ``precision`` against an fp32 copy.
+
+    Args:
+        model: left untouched; two deep copies are made on its device.
+        example_input: a tensor, a tuple of positional arguments or a dict of keyword arguments.
+        precision: a string of ``mptrain.PRECISIONS`` or a Precision object.
+        rtol, atol: a module is ``ok`` when every output element satisfies
+            ``|low - fp32| <= atol + rtol * |fp32|`` (torch.allclose) and it has inf/NaN
+            only where fp32 has the same.
+        backward: also compare gradients (w.r.t. each module's output and its parameters)
+            of ``loss_fn(output)`` -- by default a fixed random projection of the outputs.
+        local: also measure each module's own error on its fp32 input (ranks the table).
+        train_mode: keep the model's modules in training mode (BatchNorm batch statistics);
+            by default both copies are in eval mode, so dropout cannot make them differ.
+        loss_scale: the low-precision loss is multiplied by it before backward and the
+            gradients divided by it (what a loss scaler does for fp16).
+    """
+    device = _model_device(model)
+    prec = _resolve_precision(precision, device)
+    ref_model = copy.deepcopy(model).float().train(train_mode)
+    low_model = copy.deepcopy(model).float().train(train_mode)
+    low_model = prec.convert_module(low_model) or low_model
+    ref_in = _map(example_input, lambda t: t.to(device=device, dtype=torch.float32) if t.is_floating_point() else t.to(device))
+    low_in = prec.convert_input(_map(example_input, lambda t: t.to(device)))
+
+    ref_rec = _Recorder(ref_model, "ref", None, rtol, atol, local, backward, 1.0)
+    low_rec = _Recorder(low_model, "low", ref_rec, rtol, atol, local, backward, loss_scale)
+    loss_fn = loss_fn or _projection_loss
+    try:
+        with torch.set_grad_enabled(backward):
+            ref_out = _call(ref_model, ref_in)
+            if backward:
+                loss_fn(ref_out).backward()
+            with prec.forward_context():
+                low_out = _call(low_model, low_in)
+            if backward:
+                (loss_fn(low_out) * loss_scale).backward()
+    finally:
+        ref_rec.remove()
+        low_rec.remove()
+    report = LayerwiseReport(getattr(prec, "name", str(precision)), rtol, atol)
+    _fill_forward(report, ref_rec, low_rec)
+    if backward:
+        _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale)
+    return report
+
+
+def _fill_forward(report: LayerwiseReport, ref_rec: _Recorder, low_rec: _Recorder) -> None:
+    unmatched = [n for n in ref_rec.order if n not in low_rec.stats and ref_rec.outputs.get((n, 0))]
+    if unmatched:
+        report.notes.append(f"{len(unmatched)} module(s) had no matching low-precision output: {unmatched[:5]}")
+    for name in ref_rec.order:
+        vecs = low_rec.stats.get(name)
+        if not vecs:
+            continue
+        s = _finalize(vecs)
+        report.rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})
+        det = {"module": name, "dtype": low_rec.dtypes.get(name, ""), "calls": len(vecs), "rel_err": s["rel_err"],
+               "new_nonfinite": any(bool(t) for t in low_rec.new_nonfinite[name])}
+        if name in low_rec.local_stats:
+            ls = _finalize(low_rec.local_stats[name])
+            det.update(local_max_abs=ls["max_abs"], local_rel_err=ls["rel_err"], local_cosine=ls["cosine"],
+                       local_ok=ls["ok"], local_input_ok=all(bool(t) for t in low_rec.local_input_ok[name]))
+        else:
+            det.update(local_max_abs=None, local_rel_err=None, local_cosine=None, local_ok=None, local_input_ok=True)
+        report.details.append(det)
+
+
+def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale) -> None:
+    per_module: dict[str, list] = {}
+    for key in low_rec.grad_order:
+        ref_g, low_g = ref_rec.out_grads.get(key), low_rec.out_grads.get(key)
+        if not ref_g or not low_g or sorted(ref_g) != sorted(low_g):
+            continue
+        idx = sorted(ref_g)
+        if [ref_g[i].shape for i in idx] != [low_g[i].shape for i in idx]:
+            continue
+        per_module.setdefault(key[0], []).append(
+            _call_stats([ref_g[i] for i in idx], [low_g[i] for i in idx], report.rtol, report.atol))
+    for name, vecs in per_module.items():  # insertion order = backward execution order
+        s = _finalize(vecs)
+        report.grad_rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})
+    low_mods = dict(low_model.named_modules())
+    for name, ref_m in ref_model.named_modules():
+        low_m = low_mods.get(name)
+        if low_m is None:
+            continue
+        low_params = dict(low_m.named_parameters(recurse=False))
+        pairs = [(p.grad, low_params[n].grad) for n, p in ref_m.named_parameters(recurse=False)
+                 if p.grad is not None and n in low_params and low_params[n].grad is not None]
+        if not pairs:
+            continue
+        s = _finalize([_call_stats([a for a, _ in pairs], [b.float() / loss_scale for _, b in pairs],
+                                   report.rtol, report.atol)])
+        report.param_grad_rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})

@@ -1,0 +1,22 @@
+"""One function per kernel: the CUDA kernel when the extension is loaded and the
+tensors are on CUDA, else the pure-PyTorch reference in :mod:`mptrain.ops.reference`.
+
+This package imports only torch and the built extension (DESIGN §1).
+"""
+from __future__ import annotations
+
+# [section: build]
+# [end section: build]
+
+# [section: multi_tensor]
+# [end section: multi_tensor]
+
+# [section: layer_norm]
+# [end section: layer_norm]
+
+# [section: softmax]
+# [end section: softmax]
+
+# [section: lstm]
+from .lstm import lstm_cell, lstm_layer  # noqa: E402,F401  (fused LSTM step / layer; see ops/lstm.py)
+# [end section: lstm]

@@ -1,0 +1,267 @@
+"""fp32 fallback: listed ops compute in fp32 whatever the mode and return the input's dtype.
+
+Three mechanisms, one file:
+
+* **op list** — a ``TorchFunctionMode`` intercepts the listed functions however user
+  code reaches them (``F.softmax``, ``torch.softmax``, ``x.softmax``), upcasts their
+  half inputs, runs them with autocast off and casts the result back.  A mode rather
+  than monkey-patching ``torch.nn.functional`` because it also sees calls made
+  through ``torch.*`` and Tensor methods, and it is scoped to the forward context.
+* **module policy** — in ``*-master`` the normalization layers keep fp32 parameters;
+  a pre/post hook pair makes them take half input and give half output.
+* **automatic promotion** — with ``auto_fp32_fallback`` every leaf module's output is
+  checked for inf/NaN *on the device*; the Trainer reads the flags only where it
+  syncs anyway, and promotes a flagged module to fp32 for the rest of the run.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger("mptrain")
+
+#: DESIGN §3 default list (torch functional names).
+DEFAULT_FP32_OPS: tuple[str, ...] = (
+    "softmax",
+    "log_softmax",
+    "layer_norm",
+    "group_norm",
+    "batch_norm",
+    "rms_norm",
+    "cross_entropy",
+    "nll_loss",
+    "binary_cross_entropy_with_logits",
+    "mse_loss",
+    "kl_div",
+    "logsumexp",
+)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _callables_for(name: str) -> list[Callable]:
+    """Every public spelling of a functional op: F.name, torch.name, Tensor.name."""
+    found = []
+    for owner in (F, torch, torch.Tensor):
+        fn = getattr(owner, name, None)
+        if fn is not None and callable(fn):
+            found.append(fn)
+    return found
+
+
+def known_op_names() -> list[str]:
+    """Names accepted in ``fp32_fallback`` (functions of torch.nn.functional or torch)."""
+    return sorted(n for n in dir(F) if not n.startswith("_") and callable(getattr(F, n)))
+
+
+def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
+    """Turn ``"default"``, a list of names or ``[]`` into a checked tuple of op names.
+
+    A list may start from the default with ``"+name"`` / ``"-name"`` entries.
+    """
+    if spec is None or spec == "default":
+        return DEFAULT_FP32_OPS
+    if isinstance(spec, str):
+        raise ValueError(
+            f"fp32_fallback={spec!r}: expected 'default', a list of op names or []; "
+            f"e.g. fp32_fallback=['softmax', 'layer_norm']"
+        )
+    names = list(spec)
+    if any(isinstance(n, str) and n[:1] in "+-" for n in names):
+        base = list(DEFAULT_FP32_OPS)
+        for n in names:
+            if n.startswith("+"):
+                base.append(n[1:]) if n[1:] not in base else None
+            elif n.startswith("-"):
+                base = [b for b in base if b != n[1:]]
+            else:
+                base.append(n) if n not in base else None
+        names = base
+    for n in names:
+        if not isinstance(n, str) or not _callables_for(n):
+            raise ValueError(
+                f"fp32_fallback: unknown op {n!r}; names are torch functional names such as "
+                f"{list(DEFAULT_FP32_OPS)}"
+            )
+    return tuple(dict.fromkeys(names))
+
+
+def _upcast(obj, dtype_seen: list):
+    if isinstance(obj, torch.Tensor) and obj.dtype in _HALF:
+        dtype_seen.append(obj.dtype)
+        return obj.float()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_upcast(o, dtype_seen) for o in obj)
+    return obj
+
+
+def _downcast(obj, dtype: torch.dtype):
+    if isinstance(obj, torch.Tensor) and obj.dtype == torch.float32:
+        return obj.to(dtype)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_downcast(o, dtype) for o in obj)
+    return obj
+
+
+def _batch_norm_fp32(func, args, kwargs):
+    """batch_norm updates running stats in place: run on fp32 copies, write them back."""
+    names = ["input", "running_mean", "running_var", "weight", "bias"]
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    rest_args = args[len(names):]
+    rest_kwargs = {k: v for k, v in kwargs.items() if k not in names}
+    x = bound["input"]
+    originals = {k: bound.get(k) for k in ("running_mean", "running_var")}
+    call = {}
+    for k in names:
+        v = bound.get(k)
+        call[k] = v.float() if isinstance(v, torch.Tensor) and v.dtype in _HALF else v
+    out = func(*[call[k] for k in names], *rest_args, **rest_kwargs)
+    for k, orig in originals.items():
+        if isinstance(orig, torch.Tensor) and orig is not call[k]:
+            with torch.no_grad():
+                orig.copy_(call[k])
+    return out.to(x.dtype) if x.dtype in _HALF else out
+
+
+class _Fp32OpsMode(TorchFunctionMode):
+    def __init__(self, funcs: dict):
+        super().__init__()
+        self.funcs = funcs  # callable -> op name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = self.funcs.get(func)
+        if name is None:
+            return func(*args, **kwargs)
+        # The handler runs with this mode popped, so the inner call is not re-intercepted.
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+            if name == "batch_norm":
+                return _batch_norm_fp32(func, args, kwargs)
+            seen: list = []
+            up_args = _upcast(tuple(args), seen)
+            up_kwargs = {k: _upcast(v, seen) for k, v in kwargs.items()}
+            if not seen:
+                return func(*args, **kwargs)
+            # "the input's dtype": the first floating tensor argument decides.
+            out = func(*up_args, **up_kwargs)
+            return _downcast(out, seen[0])
+
+
+class Fp32Fallback:
+    """The op list of a run: ``context()`` is entered around every forward."""
+
+    def __init__(self, ops: "str | Iterable[str] | None" = "default"):
+        self.ops = resolve_op_list(ops)
+        self._funcs = {fn: name for name in self.ops for fn in _callables_for(name)}
+
+    def context(self):
+        if not self._funcs:
+            import contextlib
+
+            return contextlib.nullcontext()
+        return _Fp32OpsMode(self._funcs)
+
+    def __repr__(self) -> str:
+        return f"Fp32Fallback({list(self.ops)})"
+
+
+# -- module policy ---------------------------------------------------------------
+NORM_TYPES: tuple[type, ...] = tuple(
+    t
+    for t in (
+        nn.modules.batchnorm._NormBase,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        getattr(nn, "RMSNorm", None),
+        nn.LocalResponseNorm,
+    )
+    if t is not None
+)
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """Normalization layers (torch's, mptrain's fused ones, and look-alikes by class name)."""
+    if isinstance(module, NORM_TYPES):
+        return True
+    name = type(module).__name__.lower()
+    return name.endswith("norm") or "layernorm" in name or "batchnorm" in name or "rmsnorm" in name
+
+
+def run_module_in_fp32(module: nn.Module) -> list:
+    """Make ``module`` take any float input, compute in fp32 and return the input's dtype.
+
+    Returns the hook handles.  Modules that accept half input with fp32 parameters
+    natively (``accepts_mixed_dtypes = True``, e.g. mptrain's fused LayerNorm) are left alone.
+    """
+    if getattr(module, "accepts_mixed_dtypes", False):
+        return []
+
+    def pre(mod, args, kwargs):
+        dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        mod._mpt_in_dtype = dtypes[0] if dtypes else None
+        seen: list = []
+        return _upcast(tuple(args), seen), {k: _upcast(v, seen) for k, v in kwargs.items()}
+
+    def post(mod, args, kwargs, out):
+        dt = getattr(mod, "_mpt_in_dtype", None)
+        return _downcast(out, dt) if dt in _HALF else out
+
+    return [
+        module.register_forward_pre_hook(pre, with_kwargs=True),
+        module.register_forward_hook(post, with_kwargs=True),
+    ]
+
+
+# -- automatic promotion ---------------------------------------------------------
+class AutoFallback:
+    """Watches leaf modules' outputs for inf/NaN on the device; promotes offenders.
+
+    ``flags`` is one int32 device tensor with a slot per watched module; hooks OR into it
+    without syncing.  ``poll()`` (called by the Trainer where it syncs anyway) reads the
+    flags once and returns the names of newly flagged modules.
+    """
+
+    def __init__(self, module: nn.Module, skip: Optional[Callable[[nn.Module], bool]] = None):
+        self.names: list[str] = []
+        self.modules: list[nn.Module] = []
+        for name, m in module.named_modules():
+            if name and not list(m.children()) and not (skip and skip(m)):
+                self.names.append(name)
+                self.modules.append(m)
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.flags = torch.zeros(len(self.modules), dtype=torch.int32, device=device)
+        self.promoted: set[str] = set()
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
+
+    def _hook(self, idx: int):
+        def hook(mod, args, out):
+            if getattr(mod, "_mpt_promoted", False):
+                return
+            t = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype in _HALF:
+                bad = (~torch.isfinite(t.detach())).any().to(torch.int32)
+                self.flags[idx : idx + 1].bitwise_or_(bad.reshape(1))
+
+        return hook
+
+    def poll(self) -> list[tuple[str, nn.Module]]:
+        """Names and modules flagged since the last poll (one host sync)."""
+        hits = self.flags.nonzero().flatten().tolist()
+        self.flags.zero_()
+        out = []
+        for i in hits:
+            if self.names[i] not in self.promoted:
+                self.promoted.add(self.names[i])
+                out.append((self.names[i], self.modules[i]))
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
