@@ -250,10 +250,10 @@ inline void* step_ptr(const at::Tensor& t, int64_t i) {
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, at::IntArrayRef shape,
                 const char* op) {
   TORCH_CHECK(t.is_cuda(), op, ": '", name, "' must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.device() == ref.device(), op, ": '", name, "' is on ", t.device(), " but the gates are on ",
+  TORCH_CHECK(t.device() == ref.device(), op, ": '", name, "' is on ", t.device(), " but the input is on ",
               ref.device(), "; move it to the same GPU");
   TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": '", name, "' has dtype ", t.scalar_type(),
-              " but the gates have ", ref.scalar_type(), "; cast all LSTM tensors to one dtype");
+              " but the input has ", ref.scalar_type(), "; cast all LSTM tensors to one dtype");
   TORCH_CHECK(t.sizes() == shape, op, ": '", name, "' has shape ", t.sizes(), ", expected ", shape);
 }
 

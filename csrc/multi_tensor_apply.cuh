@@ -8,11 +8,13 @@
 //   tensors with 6 pointers each: BERT-large's 392 parameters fit in ONE launch.
 //   Older toolkits (or -DMPT_SMALL_KERNEL_ARGS) fall back to the classic 4 KB and
 //   split the list over several launches.
-// * Work is cut into fixed chunks of kChunk elements. A persistent grid (as many
+// * Work is cut into chunks of a few thousand elements. A persistent grid (as many
 //   blocks as fit on the GPU at once) strides over the concatenated chunk list,
 //   so big and small tensors share the SMs evenly and the tail of a launch is at
 //   most one chunk per block (a few microseconds).
-// * Each thread handles kILP groups of kVec = 4 consecutive elements. One group is
+// * Each thread handles ILP groups of kVec = 4 consecutive elements (ILP is chosen
+//   per op: more groups for ops with few streams, so every op keeps enough bytes in
+//   flight). One group is
 //   one 16-byte access for fp32 and one 8-byte access for fp16/bf16, and a warp
 //   covers 128 consecutive elements per group, so every access is fully coalesced
 //   for every dtype mix (half grads next to fp32 masters). All loads of a chunk
@@ -28,10 +30,12 @@
 
 namespace mpt_mt {
 
-constexpr int kBlock = 256;                   // threads per block
-constexpr int kVec = 4;                       // consecutive elements per access
-constexpr int kILP = 2;                       // groups per thread per chunk
-constexpr int kChunk = kBlock * kVec * kILP;  // elements per chunk (2048)
+constexpr int kBlock = 256;  // threads per block
+constexpr int kVec = 4;      // consecutive elements per access
+
+// Elements per chunk for an op whose threads handle ILP groups each.
+template <int ILP>
+constexpr int chunk_size() { return kBlock * kVec * ILP; }
 
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12010 && !defined(MPT_SMALL_KERNEL_ARGS)
 constexpr int kArgBudget = 30 * 1024;  // bytes of tensor-list metadata per launch
@@ -71,11 +75,11 @@ __device__ __forceinline__ bool vec_aligned(const void* p) {
 // Element index of group k of this thread inside a chunk.
 __device__ __forceinline__ int group_start(int k) { return (k * kBlock + threadIdx.x) * kVec; }
 
-// Loads the thread's kILP x kVec elements as float; elements past n read as 0.
-template <typename T>
-__device__ __forceinline__ void load_frag(float (&r)[kILP][kVec], const T* p, int n, bool vec) {
+// Loads the thread's ILP x kVec elements as float; elements past n read as 0.
+template <typename T, int ILP>
+__device__ __forceinline__ void load_frag(float (&r)[ILP][kVec], const T* p, int n, bool vec) {
 #pragma unroll
-  for (int k = 0; k < kILP; ++k) {
+  for (int k = 0; k < ILP; ++k) {
     const int i = group_start(k);
     if (vec && i + kVec <= n) {
       const Pack<T> pk = *reinterpret_cast<const Pack<T>*>(p + i);
@@ -89,10 +93,10 @@ __device__ __forceinline__ void load_frag(float (&r)[kILP][kVec], const T* p, in
 }
 
 // Stores the elements below n, converting from float to T (round to nearest).
-template <typename T>
-__device__ __forceinline__ void store_frag(T* p, const float (&r)[kILP][kVec], int n, bool vec) {
+template <typename T, int ILP>
+__device__ __forceinline__ void store_frag(T* p, const float (&r)[ILP][kVec], int n, bool vec) {
 #pragma unroll
-  for (int k = 0; k < kILP; ++k) {
+  for (int k = 0; k < ILP; ++k) {
     const int i = group_start(k);
     if (vec && i + kVec <= n) {
       Pack<T> pk;
@@ -113,14 +117,16 @@ __device__ __forceinline__ float read_or(const float* p, float dflt) { return p 
 // ---------------------------------------------------------------- the kernel
 
 // Op provides:
+//   static constexpr int kILP;       // groups of kVec elements per thread per chunk
 //   __device__ bool skip() const;   // true: the whole launch does nothing (found_inf set)
 //   __device__ void operator()(const TensorListMeta<DEPTH>&, int t, int chunk, int64_t off, int n) const;
 // `chunk` is the launch-local chunk index, `off` the element offset of the chunk in
-// tensor t, n <= kChunk the number of elements in it. All threads of a block call
+// tensor t, n <= chunk_size<Op::kILP>() the number of elements in it. All threads of a block call
 // the op for the same chunk, so ops may use __syncthreads.
 template <int DEPTH, typename Op>
 __global__ void __launch_bounds__(kBlock, 4)
     multi_tensor_kernel(const __grid_constant__ TensorListMeta<DEPTH> meta, const __grid_constant__ Op op) {
+  constexpr int kChunk = chunk_size<Op::kILP>();
   if (op.skip()) return;
   const int total = meta.chunk_end[meta.ntensors - 1];
   int t = 0;
@@ -141,12 +147,12 @@ int& blocks_per_sm_override();
 
 void check_large_kernel_args_supported();
 
-// Checks every list and calls launch(meta) once per group of at most
-// kMaxTensors tensors. Lists whose bit is set in `scalar_lists` hold one value
+// Checks every list and calls launch(meta, chunks) once per group of at most
+// kMaxTensors tensors, cutting tensors into chunks of `chunk` elements. Lists whose bit is set in `scalar_lists` hold one value
 // per tensor (step counts) and are exempt from the numel/stride checks.
 template <int DEPTH, typename Launch>
-void for_each_launch(const std::vector<std::vector<at::Tensor>>& lists, unsigned scalar_lists, const char* name,
-                     Launch&& launch) {
+void for_each_launch(const std::vector<std::vector<at::Tensor>>& lists, unsigned scalar_lists, int chunk,
+                     const char* name, Launch&& launch) {
   TORCH_CHECK(lists.size() == DEPTH, name, ": expected ", DEPTH, " tensor lists, got ", lists.size());
   const size_t n = lists[0].size();
   for (int d = 1; d < DEPTH; ++d)
@@ -187,7 +193,7 @@ void for_each_launch(const std::vector<std::vector<at::Tensor>>& lists, unsigned
     // Empty tensors stay in the list with zero chunks, so tensor_base + t is always
     // the caller's index; the kernel's forward walk steps over them.
     const int64_t numel = lists[0][i].numel();
-    const int64_t c = (numel + kChunk - 1) / kChunk;
+    const int64_t c = (numel + chunk - 1) / chunk;
     TORCH_CHECK(meta.chunk_base + chunks + c < (int64_t{1} << 31), name, ": the lists hold more than 2^31 chunks");
     const int k = meta.ntensors;
     for (int d = 0; d < DEPTH; ++d) meta.addr[d][k] = lists[d][i].data_ptr();
@@ -206,9 +212,9 @@ void for_each_launch(const std::vector<std::vector<at::Tensor>>& lists, unsigned
 }
 
 // Total chunks of a list (sizes the per-chunk scratch of reductions).
-inline int64_t count_chunks(const std::vector<at::Tensor>& list) {
+inline int64_t count_chunks(const std::vector<at::Tensor>& list, int chunk) {
   int64_t c = 0;
-  for (const auto& x : list) c += (x.numel() + kChunk - 1) / kChunk;
+  for (const auto& x : list) c += (x.numel() + chunk - 1) / chunk;
   return c;
 }
 
@@ -231,7 +237,7 @@ int persistent_grid(int total_chunks) {
 template <int DEPTH, typename Op>
 void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, unsigned scalar_lists, const Op& op,
                         const char* name) {
-  for_each_launch<DEPTH>(lists, scalar_lists, name, [&](const TensorListMeta<DEPTH>& meta, int chunks) {
+  for_each_launch<DEPTH>(lists, scalar_lists, chunk_size<Op::kILP>(), name, [&](const TensorListMeta<DEPTH>& meta, int chunks) {
     if (chunks == 0) return;
     const int grid = persistent_grid<DEPTH, Op>(chunks);
     multi_tensor_kernel<DEPTH, Op><<<grid, kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(meta, op);
@@ -250,6 +256,24 @@ inline const float* scalar_ptr(const std::optional<at::Tensor>& t, const at::Dev
               device);
   return t->data_ptr<float>();
 }
+
+// Every tensor of `list` must have `dtype`; the error names the list.
+inline void check_dtype(const std::vector<at::Tensor>& list, at::ScalarType dtype, const char* name,
+                        const char* what) {
+  for (size_t i = 0; i < list.size(); ++i)
+    TORCH_CHECK(list[i].scalar_type() == dtype, name, ": ", what, "[", i, "] has dtype ", list[i].scalar_type(),
+                ", expected ", dtype);
+}
+
+// 1 - beta^step computed as -expm1(step * log(beta)) in double: exact for the
+// small steps where 1 - beta^step is tiny and float would lose digits.
+__device__ __forceinline__ double bias_correction(double log_beta, float step) {
+  return -expm1(static_cast<double>(step) * log_beta);
+}
+
+// Global L2 norm (0-dim float32) and, when per_tensor, the norm of each tensor
+// (float32 [n]) of a one-dtype list (multi_tensor_scale.cu).
+std::vector<at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors, bool per_tensor);
 
 // Increments every step count by one unless *found_inf is non-zero (multi_tensor_scale.cu).
 void step_increment(const std::vector<at::Tensor>& steps, const float* found_inf, const char* name);

@@ -106,13 +106,13 @@ softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int
     for (int k = 0; k < VEC; ++k) mx[0] = fmaxf(mx[0], v[i][k]);
   group_allreduce<TPR, 1>(mx, red[0], MaxOp());
   // A fully masked row has max -inf; keep it finite so exp gives exact zeros.
-  const float mref = mx[0] == -INFINITY ? 0.f : mx[0] * kLog2e;
+  const float mref = mx[0] == -INFINITY ? 0.f : mx[0];
   float sum[1] = {0.f};
 #pragma unroll
   for (int i = 0; i < NV; ++i)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      v[i][k] = exp2f(fmaf(v[i][k], kLog2e, -mref));
+      v[i][k] = exp2f((v[i][k] - mref) * kLog2e);
       sum[0] += v[i][k];
     }
   group_allreduce<TPR, 1>(sum, red[1], SumOp());
@@ -194,14 +194,14 @@ softmax_fwd_generic(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, in
   if (valid)
     for (int c = lane; c < S; c += TPR) mx[0] = fmaxf(mx[0], value(c));
   group_allreduce<TPR, 1>(mx, red[0], MaxOp());
-  const float mref = mx[0] == -INFINITY ? 0.f : mx[0] * kLog2e;
+  const float mref = mx[0] == -INFINITY ? 0.f : mx[0];
   float sum[1] = {0.f};
   if (valid)
-    for (int c = lane; c < S; c += TPR) sum[0] += exp2f(fmaf(value(c), kLog2e, -mref));
+    for (int c = lane; c < S; c += TPR) sum[0] += exp2f((value(c) - mref) * kLog2e);
   group_allreduce<TPR, 1>(sum, red[1], SumOp());
   if (!valid) return;
   const float inv = sum[0] > 0.f ? 1.f / sum[0] : 0.f;
-  for (int c = lane; c < S; c += TPR) y[row * S + c] = static_cast<T>(exp2f(fmaf(value(c), kLog2e, -mref)) * inv);
+  for (int c = lane; c < S; c += TPR) y[row * S + c] = static_cast<T>(exp2f((value(c) - mref) * kLog2e) * inv);
 }
 
 template <typename T, int TPR, int BLOCK>

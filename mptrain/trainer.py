@@ -428,6 +428,7 @@ class Trainer:
             if is_last:
                 grad_norm, found_inf = self._optimizer_step()
                 self.global_step += 1
+                self._check_nonfinite()  # before zero_grad: the error names the non-finite parameter
                 self._step_schedulers("step")
                 self._after_step(window_loss, grad_norm, found_inf, window_samples, window_start)
                 precision.zero_grad(self._optimizer, model)
@@ -461,7 +462,6 @@ class Trainer:
             for name, module in auto.poll():
                 self._precision.promote_module(module, self._optimizer)
                 log.warning("auto_fp32_fallback: module %r produced inf/NaN; it runs in fp32 from step %d on", name, self.global_step + 1)
-        self._check_nonfinite()
         return grad_norm, found_inf
 
     def _syncs_now(self) -> bool:
@@ -470,7 +470,7 @@ class Trainer:
             return True
         if self.loss_scaler is not None and not accepts_device_found_inf(self._optimizer):
             return True
-        return (self.global_step + 1) % self.log_every_n_steps == 0
+        return self.global_step % self.log_every_n_steps == 0
 
     def _check_nonfinite(self, force: bool = False) -> None:
         scaler = self.loss_scaler
@@ -485,7 +485,7 @@ class Trainer:
         )
         raise NonFiniteError(
             f"{skips} optimizer steps in a row had non-finite gradients (max_consecutive_skips="
-            f"{scaler.max_consecutive_skips}); training stopped at step {self.global_step + 1} with loss scale "
+            f"{scaler.max_consecutive_skips}); training stopped at step {self.global_step} with loss scale "
             f"{scaler.scale:g} (min_scale={scaler.min_scale:g}). First non-finite parameter: {culprit}. "
             f"Check the data and the learning rate, or run with precision='bf16-master' / fp32_fallback for the "
             f"offending op (mptrain.numerics.compare_layerwise shows where precision is lost)."

@@ -38,7 +38,6 @@ class DigitsDataModule(MPTDataModule):
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
         self.val_fraction, self.split_seed = val_fraction, split_seed
-        self.save_hyperparameters()
 
     def make_synthetic_batch(self, g, device):
         x = torch.rand(self.batch_size, 1, 8, 8, generator=g, device=device)

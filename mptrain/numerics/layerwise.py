@@ -132,7 +132,9 @@ def _finalize(vecs: list[torch.Tensor]) -> dict:
     n = max(tot[_N], 1.0)
     broken = tot[_OVF] > 0 or tot[_MISMATCH] > 0
     nref, nlow = math.sqrt(tot[_REF2]), math.sqrt(tot[_LOW2])
-    if nref == 0 and nlow == 0:
+    if broken:
+        cosine = math.nan  # undefined with inf/NaN in one tensor and not the other
+    elif nref == 0 and nlow == 0:
         cosine = 1.0
     elif nref == 0 or nlow == 0:
         cosine = 0.0
@@ -163,7 +165,13 @@ def _finalize(vecs: list[torch.Tensor]) -> dict:
 class LayerwiseReport:
     """Result of :func:`compare_layerwise`.
 
-    rows: one dict per module in execution order with exactly ``ROW_KEYS`` (global error).
+    rows: one dict per module in execution order with exactly ``ROW_KEYS`` (global error):
+        max_abs / max_rel (relative to |fp32| where fp32 != 0) are inf when the low
+        precision has inf/NaN where fp32 is finite; mean_abs is over the values finite in
+        both; cosine is NaN in that case; overflow_frac counts inf *and* NaN created where
+        fp32 was finite; underflow_frac counts values non-zero in fp32 and exactly zero
+        in low precision.  A module called several times (a shared ReLU) gets one row
+        aggregated over its calls.
     details: same order; per module the extra columns: dtype, calls, rel_err (relative
         L2 error), local_max_abs / local_rel_err / local_cosine (the module's own error),
         local_input_ok (False when the fp32 input is not representable in the low dtype,

@@ -12,9 +12,12 @@ from __future__ import annotations
 # [end section: multi_tensor]
 
 # [section: layer_norm]
+# (binds the names layer_norm / rms_norm to the functions, shadowing the submodule name)
+from .layer_norm import layer_norm, rms_norm  # noqa: E402,F401  (fused LayerNorm / RMSNorm; see ops/layer_norm.py)
 # [end section: layer_norm]
 
 # [section: softmax]
+from .softmax import scaled_masked_softmax  # noqa: E402,F401  (fused scaled masked softmax; see ops/softmax.py)
 # [end section: softmax]
 
 # [section: lstm]

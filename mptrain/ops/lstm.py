@@ -16,6 +16,7 @@ import torch
 from . import reference
 
 FUSED_CHOICES = ("auto", True, False)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _extension():
@@ -42,6 +43,11 @@ def _kernel_extension(tensors, fused):
         if fused is True:
             raise RuntimeError("fused=True: the fused LSTM kernels need CUDA tensors; use fused='auto' on the CPU")
         return None
+    dtype = _autocast_dtype("cuda") or tensors[0].dtype
+    if dtype not in KERNEL_DTYPES:
+        if fused is True:
+            raise TypeError(f"fused=True: the fused LSTM kernels take {KERNEL_DTYPES}, got {dtype}; use fused='auto'")
+        return None  # e.g. float64: the reference
     ext = _extension()
     if ext is None and fused is True:
         try:

@@ -11,13 +11,94 @@ import torch
 # [end section: multi_tensor]
 
 # [section: layer_norm]
+# LayerNorm / RMSNorm as csrc/layer_norm.cu computes them: fp32 math (float64 stays
+# float64, so the same code is the float64 oracle), output in the input's dtype,
+# weight/bias in the input's dtype or fp32.
+
+
+def _norm_math(t):
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def normalized_dims(x, normalized_shape):
+    """The trailing dims that ``normalized_shape`` names, checked against ``x``."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if len(shape) == 0 or tuple(x.shape[x.dim() - len(shape):]) != shape or len(shape) > x.dim():
+        raise ValueError(
+            f"normalized_shape={list(shape)} must be the trailing dims of the input, whose shape is {list(x.shape)}"
+        )
+    return shape
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """``F.layer_norm`` in fp32, result in ``x``'s dtype. Differentiable."""
+    shape = normalized_dims(x, normalized_shape)
+    w = None if weight is None else _norm_math(weight)
+    b = None if bias is None else _norm_math(bias)
+    return torch.nn.functional.layer_norm(_norm_math(x), shape, w, b, eps).to(x.dtype)
+
+
+def rms_norm_eps(x, eps):
+    """``eps=None`` means what torch means: the machine epsilon of the math dtype."""
+    return torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps if eps is None else eps
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=None):
+    """``F.rms_norm`` in fp32, result in ``x``'s dtype. Differentiable."""
+    shape = normalized_dims(x, normalized_shape)
+    xf = _norm_math(x)
+    dims = tuple(range(-len(shape), 0))
+    y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + rms_norm_eps(x, eps))
+    if weight is not None:
+        y = y * _norm_math(weight)
+    return y.to(x.dtype)
 # [end section: layer_norm]
 
 # [section: softmax]
+def softmax_mask(x, mask=None, causal=False):
+    """The effective boolean mask (True = masked out), broadcastable to ``x``, or None.
+
+    ``causal`` masks key k > query q, top-left aligned as in
+    ``scaled_dot_product_attention(is_causal=True)``; q indexes ``x``'s second-to-last dim.
+    """
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor (True = masked out), got {mask.dtype}; use mask.bool()")
+        if mask.device != x.device:
+            raise ValueError(f"mask is on {mask.device} but the input is on {x.device}; move the mask")
+        torch.broadcast_shapes(mask.shape, x.shape)  # raises with both shapes
+        if mask.dim() > x.dim():
+            raise ValueError(f"mask of shape {list(mask.shape)} has more dims than the input {list(x.shape)}")
+    if causal:
+        if x.dim() < 2:
+            raise ValueError(f"causal=True needs an input with at least 2 dims (..., queries, keys), got {list(x.shape)}")
+        sq, sk = x.shape[-2], x.shape[-1]
+        tri = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(1)
+        mask = tri if mask is None else (mask | tri)
+    return mask
+
+
+def scaled_masked_softmax(x, mask=None, scale=1.0, causal=False):
+    """softmax(masked_fill(scale * x, mask, -inf)) over the last dim in fp32, result in
+    ``x``'s dtype; a fully masked row gives zeros (and zero gradient). Differentiable."""
+    v = _norm_math(x) * scale
+    m = softmax_mask(x, mask, causal)
+    if m is None:
+        return torch.softmax(v, dim=-1).to(x.dtype)
+    v = v.masked_fill(m, float("-inf"))
+    # Rows with nothing left would be 0/0: give them finite logits, then zero them.
+    dead = m.all(dim=-1, keepdim=True)
+    v = v.masked_fill(dead, 0.0)
+    return torch.softmax(v, dim=-1).masked_fill(dead, 0.0).to(x.dtype)
 # [end section: softmax]
 
 # [section: lstm]
-# Gate order is torch's (i, f, g, o) along the 4*hidden dimension.
+# Gate order is torch's (i, f, g, o) along the 4*hidden dimension. Math is fp32 for
+# fp32/fp16/bf16 storage (float64 stays float64, so the same code is the float64 oracle).
+
+
+def _lstm_math(t):
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def lstm_cell_pointwise_forward(igates, hgates, c, b_ih=None, b_hh=None):
@@ -27,13 +108,13 @@ def lstm_cell_pointwise_forward(igates, hgates, c, b_ih=None, b_hh=None):
     gates (i, f, g, o) rounded to the storage dtype, as the kernel saves them.
     """
     dtype = igates.dtype
-    g = igates.float()
+    g = _lstm_math(igates)
     for extra in (hgates, b_ih, b_hh):
         if extra is not None:
-            g = g + extra.float()
+            g = g + _lstm_math(extra)
     i, f, gg, o = g.chunk(4, dim=-1)
     i, f, gg, o = i.sigmoid(), f.sigmoid(), gg.tanh(), o.sigmoid()
-    c_new = f * c.float() + i * gg
+    c_new = f * _lstm_math(c) + i * gg
     h_new = o * c_new.tanh()
     return h_new.to(dtype), c_new.to(dtype), torch.cat([i, f, gg, o], dim=-1).to(dtype)
 
@@ -43,14 +124,14 @@ def lstm_cell_pointwise_backward(dh, dh2, dc, c_prev, c_new, ws):
     saved workspace / c / c' (tanh(c') recomputed from the stored c', as the kernel does).
     Any of ``dh``, ``dh2``, ``dc`` may be None (zero)."""
     dtype = ws.dtype
-    i, f, gg, o = ws.float().chunk(4, dim=-1)
-    zero = torch.zeros_like(c_prev, dtype=torch.float32)
-    dhv = sum((t.float() for t in (dh, dh2) if t is not None), zero)
-    dcv = zero if dc is None else dc.float()
-    tc = c_new.float().tanh()
+    i, f, gg, o = _lstm_math(ws).chunk(4, dim=-1)
+    zero = _lstm_math(torch.zeros_like(c_prev))
+    dhv = sum((_lstm_math(t) for t in (dh, dh2) if t is not None), zero)
+    dcv = zero if dc is None else _lstm_math(dc)
+    tc = _lstm_math(c_new).tanh()
     dct = dcv + dhv * o * (1 - tc * tc)
     dgates = torch.cat(
-        [dct * gg * i * (1 - i), dct * c_prev.float() * f * (1 - f), dct * i * (1 - gg * gg), dhv * tc * o * (1 - o)],
+        [dct * gg * i * (1 - i), dct * _lstm_math(c_prev) * f * (1 - f), dct * i * (1 - gg * gg), dhv * tc * o * (1 - o)],
         dim=-1,
     )
     return dgates.to(dtype), (dct * f).to(dtype)
@@ -59,12 +140,12 @@ def lstm_cell_pointwise_backward(dh, dh2, dc, c_prev, c_new, ws):
 def lstm_cell_gates(igates, hgates, c, b_ih=None, b_hh=None):
     """Differentiable pointwise part: (h', c') with fp32 math, outputs in the gates' dtype."""
     dtype = igates.dtype
-    g = igates.float()
+    g = _lstm_math(igates)
     for extra in (hgates, b_ih, b_hh):
         if extra is not None:
-            g = g + extra.float()
+            g = g + _lstm_math(extra)
     i, f, gg, o = g.chunk(4, dim=-1)
-    c_new = f.sigmoid() * c.float() + i.sigmoid() * gg.tanh()
+    c_new = f.sigmoid() * _lstm_math(c) + i.sigmoid() * gg.tanh()
     h_new = o.sigmoid() * c_new.tanh()
     return h_new.to(dtype), c_new.to(dtype)
 

@@ -220,12 +220,16 @@ def run_module_in_fp32(module: nn.Module) -> list:
 
 # -- automatic promotion ---------------------------------------------------------
 class AutoFallback:
-    """Watches leaf modules' outputs for inf/NaN on the device; promotes offenders.
+    """Watches leaf modules' outputs for inf/NaN on the device; promotes the first offender.
 
-    ``flags`` is one int32 device tensor with a slot per watched module; hooks OR into it
-    without syncing.  ``poll()`` (called by the Trainer where it syncs anyway) reads the
-    flags once and returns the names of newly flagged modules.
+    ``first_bad`` holds, per watched module, the call number of its first non-finite output
+    since the last poll (a large value if none); hooks update it with a ``minimum`` on the
+    device, without syncing.  Modules downstream of an overflow see inf too, so ``poll()``
+    (called by the Trainer where it syncs anyway) promotes only the earliest offender in
+    execution order: the culprit, not its victims.
     """
+
+    _NONE = 2**30
 
     def __init__(self, module: nn.Module, skip: Optional[Callable[[nn.Module], bool]] = None):
         self.names: list[str] = []
@@ -235,7 +239,8 @@ class AutoFallback:
                 self.names.append(name)
                 self.modules.append(m)
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        self.flags = torch.zeros(len(self.modules), dtype=torch.int32, device=device)
+        self.first_bad = torch.full((len(self.modules),), self._NONE, dtype=torch.int32, device=device)
+        self._calls = 0
         self.promoted: set[str] = set()
         self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
 
@@ -245,21 +250,23 @@ class AutoFallback:
                 return
             t = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype in _HALF:
-                bad = (~torch.isfinite(t.detach())).any().to(torch.int32)
-                self.flags[idx : idx + 1].bitwise_or_(bad.reshape(1))
+                self._calls += 1
+                bad = (~torch.isfinite(t.detach())).any()
+                seq = torch.where(bad, self._calls, self._NONE).to(torch.int32).reshape(1)
+                torch.minimum(self.first_bad[idx : idx + 1], seq, out=self.first_bad[idx : idx + 1])
 
         return hook
 
     def poll(self) -> list[tuple[str, nn.Module]]:
-        """Names and modules flagged since the last poll (one host sync)."""
-        hits = self.flags.nonzero().flatten().tolist()
-        self.flags.zero_()
-        out = []
-        for i in hits:
-            if self.names[i] not in self.promoted:
-                self.promoted.add(self.names[i])
-                out.append((self.names[i], self.modules[i]))
-        return out
+        """The earliest module with a non-finite output since the last poll (one host sync)."""
+        first = int(self.first_bad.argmin().item())
+        hit = int(self.first_bad[first].item()) < self._NONE
+        self.first_bad.fill_(self._NONE)
+        self._calls = 0
+        if not hit or self.names[first] in self.promoted:
+            return []
+        self.promoted.add(self.names[first])
+        return [(self.names[first], self.modules[first])]
 
     def remove(self) -> None:
         for h in self._handles:

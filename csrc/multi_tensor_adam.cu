@@ -1,0 +1,150 @@
+// Adam / AdamW over a whole parameter list, with or without fp32 master weights.
+//
+// What is fused and why: one kernel reads the grad, the weight (the fp32 master, or
+// the param itself), m and v, and writes the weight, m, v and, with master weights,
+// the half param. Grad unscaling (grad_scale), the skip on found_inf, weight decay
+// (L2 or decoupled) and the bias corrections happen inside that same pass, so a
+// mixed-precision AdamW step costs 28 B/param of HBM traffic and one launch for a
+// 392-tensor model, where torch needs a grads-up copy, its fused AdamW on the
+// masters and a params-down copy.
+//
+// lr and the step counts are read on the device (lr from a tensor when given), so the
+// step never syncs with the host and can be captured in a CUDA graph. A non-zero
+// *found_inf makes every block return before touching memory: the step is skipped
+// bit-exactly, step counts included.
+//
+// Update rule (torch.optim.Adam / AdamW, fp32 math):
+//   g = grad / grad_scale, negated if maximize;  Adam: g += wd * w;  AdamW: w *= 1 - lr * wd
+//   m += (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
+//   w -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+#include "multi_tensor_apply.cuh"
+
+namespace mpt_mt {
+
+struct AdamArgs {
+  float lr;
+  const float* lr_ptr;  // overrides lr when set
+  float one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
+  double log_beta1, log_beta2;
+  bool decoupled, maximize;
+  const float* grad_scale;
+  const float* found_inf;
+};
+
+// lists: 0 grad (G), 1 param (P), 2 exp_avg (S), 3 exp_avg_sq (S), 4 step (float, one value),
+//        5 fp32 master weight (MASTER only)
+template <typename G, typename P, typename S, bool MASTER>
+struct AdamOp {
+  static constexpr int kILP = 2;  // eight streams: two groups already keep ~100 KB in flight per SM
+  static constexpr int kDepth = MASTER ? 6 : 5;
+  AdamArgs a;
+
+  __device__ bool skip() const { return a.found_inf != nullptr && *a.found_inf != 0.f; }
+
+  __device__ void operator()(const TensorListMeta<kDepth>& meta, int t, int, int64_t off, int n) const {
+    const G* g = static_cast<const G*>(meta.addr[0][t]) + off;
+    P* p = static_cast<P*>(meta.addr[1][t]) + off;
+    S* m = static_cast<S*>(meta.addr[2][t]) + off;
+    S* v = static_cast<S*>(meta.addr[3][t]) + off;
+    float* master = MASTER ? static_cast<float*>(meta.addr[kDepth - 1][t]) + off : nullptr;
+    const float step = *static_cast<const float*>(meta.addr[4][t]) + 1.f;
+    const float lr = read_or(a.lr_ptr, a.lr);
+    const float step_size = static_cast<float>(lr / bias_correction(a.log_beta1, step));
+    const float bc2_sqrt = static_cast<float>(sqrt(bias_correction(a.log_beta2, step)));
+    const float inv_scale = a.grad_scale != nullptr ? 1.f / *a.grad_scale : 1.f;
+    const float decay = 1.f - lr * a.weight_decay;
+    const bool vec = vec_aligned<G>(g) && vec_aligned<P>(p) && vec_aligned<S>(m) && vec_aligned<S>(v) &&
+                     (!MASTER || vec_aligned<float>(master));
+
+    float rg[kILP][kVec], rw[kILP][kVec], rm[kILP][kVec], rv[kILP][kVec];
+    load_frag(rg, g, n, vec);
+    if (MASTER) load_frag(rw, master, n, vec);
+    else load_frag(rw, p, n, vec);
+    load_frag(rm, m, n, vec);
+    load_frag(rv, v, n, vec);
+#pragma unroll
+    for (int k = 0; k < kILP; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        float gr = rg[k][j] * inv_scale;
+        if (a.maximize) gr = -gr;
+        float w = rw[k][j];
+        if (a.decoupled) w *= decay;
+        else if (a.weight_decay != 0.f) gr += a.weight_decay * w;
+        const float mk = rm[k][j] + a.one_minus_beta1 * (gr - rm[k][j]);
+        const float vk = a.beta2 * rv[k][j] + a.one_minus_beta2 * gr * gr;
+        const float denom = sqrtf(vk) / bc2_sqrt + a.eps;
+        rw[k][j] = w - step_size * mk / denom;
+        rm[k][j] = mk;
+        rv[k][j] = vk;
+      }
+    }
+    if (MASTER) store_frag(master, rw, n, vec);
+    store_frag(p, rw, n, vec);
+    store_frag(m, rm, n, vec);
+    store_frag(v, rv, n, vec);
+  }
+};
+
+void multi_tensor_adam(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                       const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                       const std::vector<at::Tensor>& steps, const std::vector<at::Tensor>& masters, double lr,
+                       const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2, double eps,
+                       double weight_decay, bool decoupled, bool maximize,
+                       const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  static const char* name = "multi_tensor_adam";
+  if (params.empty()) return;
+  TORCH_CHECK(beta1 > 0.0 && beta1 < 1.0 && beta2 > 0.0 && beta2 < 1.0, name,
+              ": betas must lie in (0, 1) for the fused kernel, got (", beta1, ", ", beta2, ")");
+  const at::Device device = params[0].device();
+  AdamArgs a;
+  a.lr = static_cast<float>(lr);
+  a.lr_ptr = scalar_ptr(lr_tensor, device, name, "lr");
+  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  a.beta2 = static_cast<float>(beta2);
+  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  a.eps = static_cast<float>(eps);
+  a.weight_decay = static_cast<float>(weight_decay);
+  a.log_beta1 = std::log(beta1);
+  a.log_beta2 = std::log(beta2);
+  a.decoupled = decoupled;
+  a.maximize = maximize;
+  a.grad_scale = scalar_ptr(grad_scale, device, name, "grad_scale");
+  a.found_inf = scalar_ptr(found_inf, device, name, "found_inf");
+  const at::ScalarType pt = params[0].scalar_type();
+  check_dtype(grads, pt, name, "grads");
+  check_dtype(steps, at::kFloat, name, "steps");
+  if (masters.empty()) {
+    check_dtype(exp_avgs, pt, name, "exp_avgs");
+    check_dtype(exp_avg_sqs, pt, name, "exp_avg_sqs");
+    MPT_DISPATCH_FLOAT_HALF_BF16(pt, name, T,
+      multi_tensor_apply<5>({grads, params, exp_avgs, exp_avg_sqs, steps}, 1u << 4,
+                            AdamOp<T, T, T, false>{a}, name));
+  } else {
+    TORCH_CHECK(pt == at::kHalf || pt == at::kBFloat16, name,
+                ": master weights are for float16/bfloat16 params, got ", pt,
+                "; pass an empty master list for float32 params");
+    check_dtype(masters, at::kFloat, name, "masters");
+    check_dtype(exp_avgs, at::kFloat, name, "exp_avgs");
+    check_dtype(exp_avg_sqs, at::kFloat, name, "exp_avg_sqs");
+    if (pt == at::kHalf)
+      multi_tensor_apply<6>({grads, params, exp_avgs, exp_avg_sqs, steps, masters}, 1u << 4,
+                            AdamOp<at::Half, at::Half, float, true>{a}, name);
+    else
+      multi_tensor_apply<6>({grads, params, exp_avgs, exp_avg_sqs, steps, masters}, 1u << 4,
+                            AdamOp<at::BFloat16, at::BFloat16, float, true>{a}, name);
+  }
+  step_increment(steps, a.found_inf, name);
+}
+
+}  // namespace mpt_mt
+
+void multi_tensor_adam(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                       const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                       const std::vector<at::Tensor>& steps, const std::vector<at::Tensor>& masters, double lr,
+                       const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2, double eps,
+                       double weight_decay, bool decoupled, bool maximize,
+                       const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  mpt_mt::multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, lr_tensor, beta1, beta2, eps,
+                            weight_decay, decoupled, maximize, grad_scale, found_inf);
+}

@@ -1,0 +1,140 @@
+// SGD with momentum, dampening, Nesterov and weight decay over a whole parameter
+// list, with or without fp32 master weights.
+//
+// What is fused and why: one kernel reads the grad, the weight (fp32 master or the
+// param) and the momentum buffer, and writes the weight, the buffer and, with master
+// weights, the half param: 20 B/param for bf16 params with fp32 master and momentum,
+// one launch for the whole model. Unscaling (grad_scale) and the skip on found_inf
+// are in the same pass; a non-zero *found_inf makes every block return before
+// touching memory (the step count is not advanced either).
+//
+// The step count tells the kernel whether the momentum buffer is new: on the first
+// step torch sets buf = grad (no dampening). Keeping that on the device (not a
+// Python flag) makes a skipped first step leave the next one a first step.
+//
+// Update rule (torch.optim.SGD, fp32 math):
+//   g = grad / grad_scale, negated if maximize;  g += wd * w
+//   buf = g on the first step, else momentum * buf + (1 - dampening) * g
+//   g = g + momentum * buf if nesterov else buf;  w -= lr * g
+#include "multi_tensor_apply.cuh"
+
+namespace mpt_mt {
+
+struct SgdArgs {
+  float lr;
+  const float* lr_ptr;
+  float momentum, one_minus_dampening, weight_decay;
+  bool has_momentum, nesterov, maximize;
+  const float* grad_scale;
+  const float* found_inf;
+};
+
+// lists: 0 grad (G), 1 param (P), 2 momentum buffer (S; a stand-in list when
+//        momentum == 0, never touched then), 3 step (float, one value),
+//        4 fp32 master weight (MASTER only)
+template <typename G, typename P, typename S, bool MASTER>
+struct SgdOp {
+  static constexpr int kILP = 2;
+  static constexpr int kDepth = MASTER ? 5 : 4;
+  SgdArgs a;
+
+  __device__ bool skip() const { return a.found_inf != nullptr && *a.found_inf != 0.f; }
+
+  __device__ void operator()(const TensorListMeta<kDepth>& meta, int t, int, int64_t off, int n) const {
+    const G* g = static_cast<const G*>(meta.addr[0][t]) + off;
+    P* p = static_cast<P*>(meta.addr[1][t]) + off;
+    S* buf = static_cast<S*>(meta.addr[2][t]) + off;
+    float* master = MASTER ? static_cast<float*>(meta.addr[kDepth - 1][t]) + off : nullptr;
+    const bool first = *static_cast<const float*>(meta.addr[3][t]) == 0.f;
+    const float lr = read_or(a.lr_ptr, a.lr);
+    const float inv_scale = a.grad_scale != nullptr ? 1.f / *a.grad_scale : 1.f;
+    const bool vec = vec_aligned<G>(g) && vec_aligned<P>(p) && (!a.has_momentum || vec_aligned<S>(buf)) &&
+                     (!MASTER || vec_aligned<float>(master));
+
+    float rg[kILP][kVec], rw[kILP][kVec], rb[kILP][kVec];
+    load_frag(rg, g, n, vec);
+    if (MASTER) load_frag(rw, master, n, vec);
+    else load_frag(rw, p, n, vec);
+    if (a.has_momentum && !first) load_frag(rb, buf, n, vec);
+#pragma unroll
+    for (int k = 0; k < kILP; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        float gr = rg[k][j] * inv_scale;
+        if (a.maximize) gr = -gr;
+        if (a.weight_decay != 0.f) gr += a.weight_decay * rw[k][j];
+        if (a.has_momentum) {
+          const float b = first ? gr : a.momentum * rb[k][j] + a.one_minus_dampening * gr;
+          rb[k][j] = b;
+          gr = a.nesterov ? gr + a.momentum * b : b;
+        }
+        rw[k][j] = rw[k][j] - lr * gr;
+      }
+    }
+    if (MASTER) store_frag(master, rw, n, vec);
+    store_frag(p, rw, n, vec);
+    if (a.has_momentum) store_frag(buf, rb, n, vec);
+  }
+};
+
+void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                      const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& steps,
+                      const std::vector<at::Tensor>& masters, double lr, const std::optional<at::Tensor>& lr_tensor,
+                      double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
+                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  static const char* name = "multi_tensor_sgd";
+  if (params.empty()) return;
+  const at::Device device = params[0].device();
+  SgdArgs a;
+  a.lr = static_cast<float>(lr);
+  a.lr_ptr = scalar_ptr(lr_tensor, device, name, "lr");
+  a.momentum = static_cast<float>(momentum);
+  a.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  a.weight_decay = static_cast<float>(weight_decay);
+  a.has_momentum = momentum != 0.0;
+  a.nesterov = nesterov;
+  a.maximize = maximize;
+  a.grad_scale = scalar_ptr(grad_scale, device, name, "grad_scale");
+  a.found_inf = scalar_ptr(found_inf, device, name, "found_inf");
+  const at::ScalarType pt = params[0].scalar_type();
+  const bool master = !masters.empty();
+  check_dtype(grads, pt, name, "grads");
+  check_dtype(steps, at::kFloat, name, "steps");
+  if (a.has_momentum) {
+    check_dtype(momentum_buffers, master ? at::kFloat : pt, name, "momentum_buffers");
+  } else {
+    TORCH_CHECK(momentum_buffers.empty(), name, ": momentum is 0, pass an empty momentum_buffers list");
+  }
+  if (!master) {
+    // Without momentum the buffer list is the params again; the op never touches it.
+    const std::vector<at::Tensor>& bufs = a.has_momentum ? momentum_buffers : params;
+    MPT_DISPATCH_FLOAT_HALF_BF16(pt, name, T,
+      multi_tensor_apply<4>({grads, params, bufs, steps}, 1u << 3, SgdOp<T, T, T, false>{a}, name));
+  } else {
+    TORCH_CHECK(pt == at::kHalf || pt == at::kBFloat16, name,
+                ": master weights are for float16/bfloat16 params, got ", pt,
+                "; pass an empty master list for float32 params");
+    check_dtype(masters, at::kFloat, name, "masters");
+    // Without momentum the buffer list is the masters again (same dtype, same
+    // instantiation); the op never touches it.
+    const std::vector<at::Tensor>& bufs = a.has_momentum ? momentum_buffers : masters;
+    if (pt == at::kHalf)
+      multi_tensor_apply<5>({grads, params, bufs, steps, masters}, 1u << 3,
+                            SgdOp<at::Half, at::Half, float, true>{a}, name);
+    else
+      multi_tensor_apply<5>({grads, params, bufs, steps, masters}, 1u << 3,
+                            SgdOp<at::BFloat16, at::BFloat16, float, true>{a}, name);
+  }
+  step_increment(steps, a.found_inf, name);
+}
+
+}  // namespace mpt_mt
+
+void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                      const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& steps,
+                      const std::vector<at::Tensor>& masters, double lr, const std::optional<at::Tensor>& lr_tensor,
+                      double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
+                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  mpt_mt::multi_tensor_sgd(grads, params, momentum_buffers, steps, masters, lr, lr_tensor, momentum, dampening,
+                           weight_decay, nesterov, maximize, grad_scale, found_inf);
+}

@@ -1,0 +1,177 @@
+"""LSTM benchmark cases (issue 3 targets), each against PyTorch in the same process.
+
+* cell fwd+bwd, bf16, batch x hidden 256x1024 and 1024x1024 (input = hidden):
+  FusedLSTMCell vs nn.LSTMCell. Floor = bytes of the pointwise part only (fwd 11, bwd 13
+  elements of B*H, bf16), so its "% floor" is a bound, not an efficiency; extra holds
+  the GEMM floor (FLOPs at 690 TFLOP/s) for scale.
+* pointwise kernels alone (fwd+bwd), where the floor is meaningful: ours vs torch's own
+  fused cell kernels (_thnn_fused_lstm_cell), 28 elements of B*H.
+* 2-layer LSTM, hidden 1024, T=128, batch 64, bf16, fwd+bwd over the sequence:
+  FusedLSTM(impl="auto") and FusedLSTM(impl="fused") vs nn.LSTM (cuDNN); a FusedLSTMCell
+  loop vs an nn.LSTMCell loop. No floor (latency-bound recurrence): None.
+Gradients are taken with autograd.grad (no .grad accumulation) for inputs and parameters.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mptrain.bench.common import Result, Rotating, floor_ms, median_ms, sets_for
+from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
+
+BF16 = torch.bfloat16
+GEMM_FLOPS = 690e12
+
+
+def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
+    torch.manual_seed(0)
+    ref = nn.LSTMCell(hidden, hidden, device="cuda", dtype=BF16)
+    ours = FusedLSTMCell(hidden, hidden, device="cuda", dtype=BF16, fused=True)
+    ours.load_state_dict(ref.state_dict())
+
+    def make():
+        return [torch.randn(batch, hidden, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
+
+    rot = Rotating(make, sets_for(3 * batch * hidden * 2))
+
+    def run(cell):
+        params = list(cell.parameters())
+        cot = [torch.randn(batch, hidden, device="cuda", dtype=BF16) for _ in range(2)]
+
+        def fn():
+            x, h, c = rot.next()
+            outs = cell(x, (h, c))
+            return torch.autograd.grad(outs, [x, h, c] + params, cot)
+
+        return fn
+
+    rep = 50 if quick else 200
+    t_ours = median_ms(run(ours), rep_ms=rep)
+    t_ref = median_ms(run(ref), rep_ms=rep)
+    bh = batch * hidden
+    gemm_flops = 6 * 2 * batch * hidden * 4 * hidden  # 2 fwd + 4 bwd GEMMs of (B, H) x (H, 4H)
+    return [
+        Result(
+            f"lstm cell fwd+bwd bf16 {batch}x{hidden} vs nn.LSTMCell",
+            t_ours,
+            t_ref,
+            floor_ms(24 * bh * 2),
+            {"floor": "pointwise bytes only (fwd 11 + bwd 13 elems of B*H)", "gemm_floor_ms": 1e3 * gemm_flops / GEMM_FLOPS},
+        )
+    ]
+
+
+def _pointwise_case(batch: int, hidden: int, quick: bool) -> list[Result]:
+    from mptrain.ops.lstm import _extension
+
+    ext = _extension()
+    H4 = 4 * hidden
+
+    def make():
+        t = dict(device="cuda", dtype=BF16)
+        return [torch.randn(batch, H4, **t), torch.randn(batch, H4, **t), torch.randn(batch, hidden, **t),
+                torch.randn(batch, hidden, **t), torch.randn(batch, hidden, **t)]
+
+    rot = Rotating(make, sets_for(11 * batch * hidden * 2))
+
+    def ours():
+        ig, hg, c, dh, dc = rot.next()
+        h1, c1, ws = ext.lstm_cell_pointwise_forward(ig, hg, c, None, None)
+        return ext.lstm_cell_pointwise_backward(dh, None, dc, c, c1, ws)
+
+    torch_ms = None
+    if hasattr(torch, "_thnn_fused_lstm_cell"):
+        def theirs():
+            ig, hg, c, dh, dc = rot.next()
+            ig, hg = ig.detach().requires_grad_(), hg.detach().requires_grad_()
+            hy, cy, _ = torch._thnn_fused_lstm_cell(ig, hg, c)
+            return torch.autograd.grad((hy, cy), (ig, hg), (dh, dc))
+
+        torch_ms = median_ms(theirs, rep_ms=50 if quick else 200)
+    t = median_ms(ours, rep_ms=50 if quick else 200)
+    return [
+        Result(
+            f"lstm pointwise fwd+bwd bf16 {batch}x{hidden} (torch fused)",
+            t,
+            torch_ms,
+            floor_ms(28 * batch * hidden * 2),
+            {"floor": "fwd reads 2 gate tensors + c, writes h, c, 4H workspace; bwd 13 elems of B*H"},
+        )
+    ]
+
+
+def _sequence_cases(quick: bool) -> list[Result]:
+    T, B, H, L = (32 if quick else 128), 64, 1024, 2
+    torch.manual_seed(0)
+    ref = nn.LSTM(H, H, num_layers=L, device="cuda", dtype=BF16)
+    auto = FusedLSTM(H, H, num_layers=L, device="cuda", dtype=BF16, impl="auto")
+    fused = FusedLSTM(H, H, num_layers=L, device="cuda", dtype=BF16, impl="fused")
+    for m in (auto, fused):
+        m.load_state_dict(ref.state_dict())
+    ref_cells = [nn.LSTMCell(H, H, device="cuda", dtype=BF16) for _ in range(L)]
+    our_cells = [FusedLSTMCell(H, H, device="cuda", dtype=BF16, fused=True) for _ in range(L)]
+    for k in range(L):
+        for cells in (ref_cells, our_cells):
+            cells[k].weight_ih.data.copy_(getattr(ref, f"weight_ih_l{k}"))
+            cells[k].weight_hh.data.copy_(getattr(ref, f"weight_hh_l{k}"))
+            cells[k].bias_ih.data.copy_(getattr(ref, f"bias_ih_l{k}"))
+            cells[k].bias_hh.data.copy_(getattr(ref, f"bias_hh_l{k}"))
+
+    rot = Rotating(lambda: torch.randn(T, B, H, device="cuda", dtype=BF16, requires_grad=True), 3)
+    cot = torch.randn(T, B, H, device="cuda", dtype=BF16) * 1e-2
+
+    def seq(module):
+        params = list(module.parameters())
+
+        def fn():
+            x = rot.next()
+            out, _ = module(x)
+            return torch.autograd.grad(out, [x] + params, cot)
+
+        return fn
+
+    def cell_loop(cells):
+        params = [p for c in cells for p in c.parameters()]
+
+        def fn():
+            x = rot.next()
+            layer_in = x.unbind(0)
+            for cell in cells:
+                h = c = torch.zeros(B, H, device="cuda", dtype=BF16)
+                outs = []
+                for xt in layer_in:
+                    h, c = cell(xt, (h, c))
+                    outs.append(h)
+                layer_in = outs
+            return torch.autograd.grad(torch.stack(layer_in), [x] + params, cot)
+
+        return fn
+
+    rep = 100 if quick else 400
+    t_cudnn = median_ms(seq(ref), rep_ms=rep)
+    t_auto = median_ms(seq(auto), rep_ms=rep)
+    t_fused = median_ms(seq(fused), rep_ms=rep)
+    t_ref_loop = median_ms(cell_loop(ref_cells), rep_ms=rep)
+    t_our_loop = median_ms(cell_loop(our_cells), rep_ms=rep)
+    tag = f"{L}x{H} T={T} B={B} bf16"
+    probe = torch.zeros(1, 1, H, device="cuda", dtype=BF16)
+    return [
+        Result(f"FusedLSTM auto ({auto.resolved_impl(probe)}) {tag} vs nn.LSTM", t_auto, t_cudnn, None),
+        Result(f"FusedLSTM fused {tag} vs nn.LSTM", t_fused, t_cudnn, None),
+        Result(f"FusedLSTMCell loop {tag} vs LSTMCell loop", t_our_loop, t_ref_loop, None),
+    ]
+
+
+def run(args) -> list[Result]:
+    from mptrain.ops.lstm import _extension
+
+    if _extension() is None:
+        raise RuntimeError("LSTM benchmarks: the mptrain extension did not load; see mptrain.ops.extension_status()")
+    quick = bool(getattr(args, "quick", False))
+    results = []
+    for batch in (256, 1024):
+        results += _cell_case(batch, 1024, quick)
+    for batch in (256, 1024):
+        results += _pointwise_case(batch, 1024, quick)
+    results += _sequence_cases(quick)
+    return results

@@ -1,0 +1,197 @@
+"""`mptrain bench gemm`: TFLOP/s of square matmuls in each precision the GPU has.
+
+fp32 (IEEE, TF32 off), tf32, fp16, bf16, int8 (``torch._int_mm``: int8 x int8 -> int32)
+and fp8 e4m3 (``torch._scaled_mm``, bf16 output) where the device and torch support it.
+Operands are random (never zeros: a zero operand lets some hardware save power and clock
+higher), rotated among several sets where one set is smaller than L2, and timed with CUDA
+events (median, :func:`mptrain.bench.common.median_ms`).  The speed-up is against fp32 at
+the same size.  For int8 the unit is TOP/s (integer operations).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Optional
+
+import torch
+
+from mptrain.bench.common import Rotating, device_meta, median_ms, sets_for
+
+DTYPES = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8")
+DEFAULT_SIZES = (1024, 4096, 8192)
+#: (minimum compute capability, what must exist in torch) per dtype
+REQUIREMENTS = {
+    "fp32": ((0, 0), None),
+    "tf32": ((8, 0), None),
+    "fp16": ((7, 0), None),
+    "bf16": ((8, 0), None),
+    "int8": ((7, 5), "_int_mm"),
+    "fp8": ((8, 9), "_scaled_mm"),
+}
+_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1024,4096' -> [1024, 4096]; every size a positive integer."""
+    sizes = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            n = int(part)
+        except ValueError:
+            raise ValueError(f"--sizes: {part!r} is not an integer (expected e.g. 1024,4096,8192)") from None
+        if n <= 0:
+            raise ValueError(f"--sizes: {n} must be positive")
+        sizes.append(n)
+    if not sizes:
+        raise ValueError("--sizes: no size given")
+    return sizes
+
+
+def parse_dtypes(text: str) -> list[str]:
+    chosen = [d.strip() for d in text.split(",") if d.strip()]
+    unknown = [d for d in chosen if d not in DTYPES]
+    if unknown:
+        raise ValueError(f"--dtypes: unknown {unknown}; choose from {list(DTYPES)}")
+    return chosen
+
+
+def gemm_flops(n: int) -> float:
+    """Operations of an n x n x n matrix product (one multiply and one add per term)."""
+    return 2.0 * n**3
+
+
+def unsupported_reason(dtype: str, capability: Optional[tuple[int, int]]) -> Optional[str]:
+    """None when ``dtype`` can run on a device of ``capability`` with this torch, else why not."""
+    if capability is None:
+        return "no CUDA device"
+    need_cc, attr = REQUIREMENTS[dtype]
+    if tuple(capability) < need_cc:
+        return f"needs compute capability >= {need_cc[0]}.{need_cc[1]}, device has {capability[0]}.{capability[1]}"
+    if attr and not hasattr(torch, attr):
+        return f"this torch ({torch.__version__}) has no torch.{attr}"
+    if dtype == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        return f"this torch ({torch.__version__}) has no float8_e4m3fn"
+    return None
+
+
+def make_operands(dtype: str, n: int, device, gen: Optional[torch.Generator] = None) -> tuple:
+    """Random ``(a, b)`` for ``dtype``: a row-major, b column-major where the kernel wants it."""
+    if dtype == "int8":
+        a = torch.randint(-128, 128, (n, n), dtype=torch.int8, generator=gen)
+        bt = torch.randint(-128, 128, (n, n), dtype=torch.int8, generator=gen)
+        return a.to(device), bt.to(device).t()  # b column-major: the layout cuBLASLt's IMMA kernels take
+    a = torch.randn(n, n, generator=gen)
+    b = torch.randn(n, n, generator=gen)
+    if dtype == "fp8":
+        return a.to(torch.float8_e4m3fn).to(device), b.to(torch.float8_e4m3fn).to(device).t()
+    dt = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    return a.to(device=device, dtype=dt), b.to(device=device, dtype=dt)
+
+
+def gemm_fn(dtype: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The product for ``dtype`` (TF32 on/off is set by :func:`_matmul_precision` around the timing)."""
+    if dtype == "int8":
+        return torch._int_mm
+    if dtype == "fp8":
+        def fp8_mm(a, b):
+            one = torch.ones((), device=a.device)
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return fp8_mm
+    return torch.matmul
+
+
+class _matmul_precision:
+    """Context: fp32 matmuls in IEEE ("highest") or TF32 ("high"), restored afterwards."""
+
+    def __init__(self, dtype: str):
+        self.mode = "high" if dtype == "tf32" else "highest"
+
+    def __enter__(self):
+        self.prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(self.mode)
+
+    def __exit__(self, *exc):
+        torch.set_float32_matmul_precision(self.prev)
+
+
+def run_cases(sizes: list[int], dtypes: list[str], capability: Optional[tuple[int, int]], device="cuda",
+              timer: Callable[[Callable[[], object]], float] = median_ms) -> list[dict]:
+    """Time every (size, dtype); rows carry ms, TFLOP/s and speed-up vs fp32 (or a status)."""
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for n in sizes:
+        base_ms = None
+        for dtype in dtypes:
+            row = {"n": n, "dtype": dtype, "ms": None, "tflops": None, "speedup_vs_fp32": None, "status": "ok"}
+            why = unsupported_reason(dtype, capability)
+            if why:
+                row["status"] = f"unsupported: {why}"
+                rows.append(row)
+                continue
+            try:
+                fn = gemm_fn(dtype)
+                per_set = 2 * n * n * _BYTES[dtype]
+                sets = Rotating(lambda: make_operands(dtype, n, device, gen), sets_for(per_set))
+                with _matmul_precision(dtype):
+                    def call():
+                        a, b = sets.next()
+                        return fn(a, b)
+                    call()  # fails here, not inside the timer, if the kernel is missing
+                    ms = timer(call)
+            except (RuntimeError, TypeError) as e:
+                row["status"] = f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+                rows.append(row)
+                continue
+            row["ms"] = ms
+            row["tflops"] = gemm_flops(n) / (ms * 1e-3) / 1e12
+            if dtype == "fp32":
+                base_ms = ms
+            rows.append(row)
+        for row in rows:
+            if row["n"] == n and row["ms"] and base_ms:
+                row["speedup_vs_fp32"] = base_ms / row["ms"]
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = f"{'n':>6} {'dtype':>6} {'ms':>9} {'TFLOP/s':>9} {'vs fp32':>8}  status"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ms = "—" if r["ms"] is None else f"{r['ms']:9.3f}"
+        tf = "—" if r["tflops"] is None else f"{r['tflops']:9.1f}"
+        sp = "—" if r["speedup_vs_fp32"] is None else f"{r['speedup_vs_fp32']:7.2f}x"
+        unit = " (TOP/s)" if r["dtype"] == "int8" and r["tflops"] is not None else ""
+        lines.append(f"{r['n']:>6} {r['dtype']:>6} {ms:>9} {tf:>9} {sp:>8}  {r['status']}{unit}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="mptrain bench gemm", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma list of n (n x n x n)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of {list(DTYPES)}")
+    parser.add_argument("--json", default="bench_gemm.json", help="where to write the results")
+    args = parser.parse_args(argv)
+    try:
+        sizes, dtypes = parse_sizes(args.sizes), parse_dtypes(args.dtypes)
+    except ValueError as e:
+        parser.error(str(e))
+    if not torch.cuda.is_available():
+        print("mptrain bench gemm: no CUDA device visible; the GEMM benchmark needs a GPU.", file=sys.stderr)
+        return 2
+    if "fp32" not in dtypes:
+        dtypes = ["fp32"] + dtypes  # the speed-up needs the baseline
+    cap = torch.cuda.get_device_capability()
+    rows = run_cases(sizes, dtypes, cap)
+    print(format_rows(rows))
+    with open(args.json, "w") as f:
+        json.dump({"meta": device_meta() | {"capability": f"{cap[0]}.{cap[1]}"}, "rows": rows}, f, indent=2)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

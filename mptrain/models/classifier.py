@@ -1,0 +1,75 @@
+"""Image classifier LightningModule: cross-entropy with label smoothing, SGD (momentum) or AdamW
+with warm-up + cosine, torchmetrics top-1/top-5 accuracy on validation."""
+from __future__ import annotations
+
+from typing import Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from mptrain.models.optim import decay_groups
+from mptrain.models.schedules import per_step, run_length, warmup_cosine
+from mptrain.models.vision import build_image_model
+
+
+class ImageClassifier(L.LightningModule):
+    """Args:
+        arch: ``digits_cnn`` or a torchvision model name (``resnet50``).
+        num_classes: output classes.
+        optimizer: "sgd" (momentum, optional Nesterov) or "adamw".
+        lr / momentum / nesterov / weight_decay: optimizer settings (no decay on biases and norms).
+        label_smoothing: cross-entropy label smoothing.
+        warmup_steps: linear warm-up steps before the cosine decay.
+        min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
+        total_steps: steps of the schedule; ``None`` asks the trainer (``estimated_stepping_batches``).
+    """
+
+    def __init__(self, arch: str = "digits_cnn", num_classes: int = 10, optimizer: Literal["sgd", "adamw"] = "sgd",
+                 lr: float = 0.1, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 1e-4,
+                 label_smoothing: float = 0.0, warmup_steps: int = 0, min_lr_ratio: float = 0.0,
+                 total_steps: int | None = None):
+        super().__init__()
+        if optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"model.optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+        self.save_hyperparameters()
+        self.net = build_image_model(arch, num_classes)
+        from torchmetrics.functional.classification import multiclass_accuracy
+
+        self._accuracy = multiclass_accuracy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def _loss(self, batch):
+        x, y = batch
+        if x.dim() == 4 and x.is_cuda:  # channels-last weights (trainer.channels_last) want channels-last input
+            first = next((m.weight for m in self.net.modules() if isinstance(m, torch.nn.Conv2d)), None)
+            if first is not None and first.is_contiguous(memory_format=torch.channels_last):
+                x = x.contiguous(memory_format=torch.channels_last)
+        logits = self(x)
+        return F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing), logits, y
+
+    def training_step(self, batch, batch_idx):
+        loss, _, _ = self._loss(batch)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        # Per-batch values: both Lightning and mptrain average them over the epoch (and ranks).
+        loss, logits, y = self._loss(batch)
+        logits, k = logits.float(), self.hparams.num_classes
+        self.log_dict({
+            "val/loss": loss.detach(),
+            "val/acc": self._accuracy(logits, y, k, top_k=1, average="micro"),
+            "val/acc_top5": self._accuracy(logits, y, k, top_k=min(5, k), average="micro"),
+        })
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        groups = decay_groups(self, hp.weight_decay)
+        if hp.optimizer == "sgd":
+            opt = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov)
+        else:
+            opt = torch.optim.AdamW(groups, lr=hp.lr)
+        sched = warmup_cosine(opt, hp.warmup_steps, run_length(self, hp.total_steps), hp.min_lr_ratio)
+        return {"optimizer": opt, "lr_scheduler": per_step(sched)}

@@ -1,0 +1,95 @@
+"""LSTM language model LightningModule on mptrain.nn.FusedLSTM: embedding, stacked LSTM,
+dropout, tied output projection; next-token cross-entropy and perplexity."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mptrain.models.fusion import lstm
+from mptrain.models.optim import decay_groups
+from mptrain.models.schedules import per_step, run_length, warmup_cosine
+
+
+class LSTMNet(nn.Module):
+    def __init__(self, vocab_size: int, embedding_dim: int, hidden_size: int, num_layers: int, dropout: float,
+                 tie_weights: bool, fused: bool):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embedding_dim)
+        self.drop = nn.Dropout(dropout)
+        self.rnn = lstm(embedding_dim, hidden_size, num_layers, dropout, fused)
+        self.proj = nn.Linear(hidden_size, embedding_dim) if tie_weights and hidden_size != embedding_dim else None
+        self.head = nn.Linear(embedding_dim if tie_weights else hidden_size, vocab_size)
+        if tie_weights:
+            self.head.weight = self.embed.weight  # halves the parameters and regularizes (Press & Wolf 2017)
+        nn.init.uniform_(self.embed.weight, -0.1, 0.1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.rnn(self.drop(self.embed(tokens)))
+        h = out[0] if isinstance(out, tuple) else out
+        h = self.drop(h)
+        if self.proj is not None:
+            h = self.proj(h)
+        return self.head(h)
+
+
+class LSTMLanguageModel(L.LightningModule):
+    """Args:
+        vocab_size: vocabulary (the CLI fills it from ``data.vocab_size`` when left ``None``).
+        embedding_dim / hidden_size / num_layers / dropout / tie_weights: the network.
+        fused: use ``mptrain.nn.FusedLSTM`` (falls back to ``torch.nn.LSTM`` with a warning if absent).
+        optimizer / lr / weight_decay / warmup_steps / total_steps: AdamW or SGD, warm-up + cosine.
+    """
+
+    def __init__(self, vocab_size: Optional[int] = None, embedding_dim: int = 650, hidden_size: int = 650,
+                 num_layers: int = 2, dropout: float = 0.5, tie_weights: bool = True, fused: bool = True,
+                 optimizer: Literal["adamw", "sgd"] = "adamw", lr: float = 2e-3, weight_decay: float = 0.01,
+                 warmup_steps: int = 100, total_steps: Optional[int] = None):
+        super().__init__()
+        if vocab_size is None:
+            raise ValueError("model.vocab_size is not set: give it, or let the CLI take it from data.vocab_size")
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"model.optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        self.save_hyperparameters()
+        self.net = LSTMNet(vocab_size, embedding_dim, hidden_size, num_layers, dropout, tie_weights, fused)
+        from torchmetrics.aggregation import SumMetric
+
+        self.val_loss_sum, self.val_count = SumMetric(), SumMetric()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.net(tokens)
+
+    def _loss(self, batch, reduction: str = "mean") -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction=reduction)
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        loss_sum = self._loss(batch, "sum").detach()
+        n = batch[1].numel()
+        self.log("val/loss", loss_sum / n)
+        self.val_loss_sum.update(loss_sum)
+        self.val_count.update(torch.tensor(float(n), device=loss_sum.device))
+
+    def on_validation_epoch_end(self):
+        """Perplexity over every token of the epoch: exp of the mean loss."""
+        if float(self.val_count.compute()) == 0:
+            return
+        loss = self.val_loss_sum.compute() / self.val_count.compute()
+        self.log("val/perplexity", torch.exp(loss.clamp(max=50.0)))
+        self.val_loss_sum.reset()
+        self.val_count.reset()
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        groups = decay_groups(self, hp.weight_decay)
+        opt = (torch.optim.AdamW(groups, lr=hp.lr) if hp.optimizer == "adamw"
+               else torch.optim.SGD(groups, lr=hp.lr, momentum=0.9))
+        sched = warmup_cosine(opt, hp.warmup_steps, run_length(self, hp.total_steps))
+        return {"optimizer": opt, "lr_scheduler": per_step(sched)}

@@ -1,0 +1,18 @@
+"""Parameter groups: no weight decay on biases and normalization weights (standard for ResNet
+and BERT training; decaying them hurts accuracy)."""
+from __future__ import annotations
+
+from torch import nn
+
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+
+
+def decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for mod in module.modules():
+        is_norm = isinstance(mod, _NORMS) or "norm" in type(mod).__name__.lower()
+        for name, p in mod.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            (no_decay if is_norm or name.endswith("bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

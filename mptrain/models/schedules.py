@@ -1,0 +1,60 @@
+"""Learning-rate schedules the recipes use, as ``LambdaLR`` multipliers stepped every optimizer
+step, and the number of steps a run will take."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+
+def total_steps(module, default: int = 10_000) -> int:
+    """Optimizer steps of the whole run, from the attached trainer when it knows (0 or unknown
+    before the loaders are set up: then ``default``)."""
+    try:
+        est = int(module.trainer.estimated_stepping_batches)
+    except (AttributeError, RuntimeError, TypeError, ValueError, OverflowError):
+        est = None  # no trainer attached, or an infinite run
+    return est if est and est > 0 else default
+
+
+def run_length(module, fixed: Optional[int], default: int = 10_000) -> Callable[[], int]:
+    """``fixed``, or a function asking the trainer each time: a schedule built in
+    ``configure_optimizers`` may be built before the trainer has counted its batches."""
+    if fixed:
+        return lambda: int(fixed)
+    return lambda: total_steps(module, default)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total: Callable[[], int],
+                  min_ratio: float = 0.0):
+    """Linear warm-up from ~0 to the base LR over ``warmup_steps``, then cosine to ``min_ratio``
+    at step ``total()``."""
+
+    def factor(step: int) -> float:
+        steps = total()
+        warm = min(warmup_steps, max(0, steps - 1))
+        if step < warm:
+            return (step + 1) / warm
+        progress = min(1.0, (step - warm) / max(1, steps - warm))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def warmup_linear(optimizer: torch.optim.Optimizer, warmup_steps: int, total: Callable[[], int]):
+    """Linear warm-up, then linear decay to 0 at step ``total()`` (BERT's schedule)."""
+
+    def factor(step: int) -> float:
+        steps = total()
+        warm = min(warmup_steps, max(0, steps - 1))
+        if step < warm:
+            return (step + 1) / warm
+        return max(0.0, (steps - step) / max(1, steps - warm))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def per_step(scheduler) -> dict:
+    """Lightning's scheduler config for a per-optimizer-step schedule."""
+    return {"scheduler": scheduler, "interval": "step", "frequency": 1}

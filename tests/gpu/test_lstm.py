@@ -1,0 +1,239 @@
+"""CUDA: the fused LSTM kernels against their references and against float64, on awkward
+sizes, every storage dtype, poisoned output memory, and gradients through autograd."""
+import pytest
+import torch
+from torch import nn
+
+from mptrain.ops import lstm as lstm_ops
+from mptrain.ops import reference
+from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rtol, atol) for kernel vs reference on the same inputs: both compute in fp32 and round
+# once, so they differ by about one unit in the last place of the storage dtype.
+SAME_INPUT_TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+# Relative error in norm for end-to-end results vs float64 (GEMMs in the storage dtype).
+NORM_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+SIZES = [(1, 1), (3, 3), (5, 1023), (2, 17), (7, 8), (64, 1024), (33, 40)]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    e = lstm_ops._extension()
+    if e is None:
+        pytest.fail("the mptrain extension did not load on a CUDA machine; see mptrain.ops.extension_status()")
+    return e
+
+
+def norm_tol(dtype):
+    """NORM_TOL, loosened for fp32 when the session allows TF32 GEMMs."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return 3e-3
+    return NORM_TOL[dtype]
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def poison(numels, dtype):
+    """Fill freed allocator blocks of these sizes with NaN so that an output element the
+    kernel forgets to write shows up as NaN instead of a lucky zero."""
+    blocks = [torch.full((n,), float("nan"), dtype=dtype, device="cuda") for n in numels for _ in range(4)]
+    del blocks
+
+
+def randn(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H", SIZES)
+@pytest.mark.parametrize("variant", ["two_gates_two_biases", "one_gate_no_bias", "misaligned"])
+def test_pointwise_forward_matches_reference(ext, dtype, B, H, variant):
+    torch.manual_seed(B * 1000 + H)
+    ig = randn(B, 4 * H, dtype=dtype, scale=2)
+    hg = randn(B, 4 * H, dtype=dtype) if variant != "one_gate_no_bias" else None
+    b1 = randn(4 * H, dtype=dtype) if variant != "one_gate_no_bias" else None
+    b2 = randn(4 * H, dtype=dtype) if variant != "one_gate_no_bias" else None
+    c = randn(B, H, dtype=dtype, scale=2)
+    if variant == "misaligned":  # offset views: forces the scalar (unvectorised) path
+        ig = randn(B * 4 * H + 1, dtype=dtype)[1:].view(B, 4 * H)
+        b1 = randn(4 * H + 1, dtype=dtype)[1:]
+    poison([B * H, B * 4 * H], dtype)
+    h1, c1, ws = ext.lstm_cell_pointwise_forward(ig, hg, c, b1, b2)
+    rh, rc, rws = reference.lstm_cell_pointwise_forward(ig, hg, c, b1, b2)
+    rtol, atol = SAME_INPUT_TOL[dtype]
+    for got, want in ((h1, rh), (c1, rc), (ws, rws)):
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    # Against float64 math on the same (rounded) inputs: only the output rounding remains.
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    fh, fc, _ = reference.lstm_cell_pointwise_forward(d(ig), d(hg), d(c), d(b1), d(b2))
+    torch.testing.assert_close(h1.double(), fh, rtol=rtol, atol=atol)
+    torch.testing.assert_close(c1.double(), fc, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H", SIZES)
+@pytest.mark.parametrize("grads", ["dh_dh2_dc", "dh_only", "dc_only", "none"])
+def test_pointwise_backward_matches_reference(ext, dtype, B, H, grads):
+    torch.manual_seed(B * 7 + H)
+    ig, c = randn(B, 4 * H, dtype=dtype, scale=2), randn(B, H, dtype=dtype)
+    _, c1, ws = ext.lstm_cell_pointwise_forward(ig, None, c, None, None)
+    dh = randn(B, H, dtype=dtype) if "dh" in grads else None
+    dh2 = randn(B, H, dtype=dtype) if "dh2" in grads else None
+    dc = randn(B, H, dtype=dtype) if "dc" in grads else None
+    poison([B * H, B * 4 * H], dtype)
+    dg, dcp = ext.lstm_cell_pointwise_backward(dh, dh2, dc, c, c1, ws)
+    rdg, rdcp = reference.lstm_cell_pointwise_backward(dh, dh2, dc, c, c1, ws)
+    rtol, atol = SAME_INPUT_TOL[dtype]
+    for got, want in ((dg, rdg), (dcp, rdcp)):
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    if grads == "none":
+        assert (dg == 0).all() and (dcp == 0).all()
+
+
+def _cell_inputs(B, I, H, dtype, bias=True, seed=0):
+    torch.manual_seed(seed)
+    k = 1 / H**0.5
+    t = dict(device="cuda", dtype=torch.float64)
+    x, h, c = torch.randn(B, I, **t), torch.randn(B, H, **t), torch.randn(B, H, **t)
+    w = [torch.empty(4 * H, n, **t).uniform_(-k, k) for n in (I, H)]
+    b = [torch.empty(4 * H, **t).uniform_(-k, k) for _ in range(2)] if bias else [None, None]
+    return [x, h, c] + w + b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,I,H", [(1, 1, 1), (3, 5, 3), (17, 30, 1023), (64, 256, 1024), (4, 8, 24)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cell_autograd_vs_reference_and_float64(ext, dtype, B, I, H, bias):
+    exact = _cell_inputs(B, I, H, dtype, bias)
+    ours = [None if t is None else t.to(dtype).requires_grad_() for t in exact]
+    ref = [None if t is None else t.to(dtype).requires_grad_() for t in exact]
+    f64 = [None if t is None else t.clone().requires_grad_() for t in exact]
+    out_o = lstm_ops.lstm_cell(*ours, fused=True)
+    out_r = reference.lstm_cell(*ref)
+    out_x = reference.lstm_cell(*f64)
+    cot = [torch.randn_like(t) for t in out_x]
+    for o, r, x in zip(out_o, out_r, out_x):
+        assert o.dtype == dtype and torch.isfinite(o).all()
+        assert rel_err(o, x) < norm_tol(dtype)
+        assert rel_err(o, r) < norm_tol(dtype)
+    leaves = lambda ts: [t for t in ts if t is not None]  # noqa: E731
+    g_o = torch.autograd.grad(out_o, leaves(ours), [t.to(dtype) for t in cot])
+    g_r = torch.autograd.grad(out_r, leaves(ref), [t.to(dtype) for t in cot])
+    g_x = torch.autograd.grad(out_x, leaves(f64), cot)
+    for name, o, r, x in zip(["x", "h", "c", "w_ih", "w_hh", "b_ih", "b_hh"], g_o, g_r, g_x):
+        assert o.dtype == dtype, name
+        assert torch.isfinite(o).all(), name
+        assert rel_err(o, x) < 2 * norm_tol(dtype), (name, rel_err(o, x))
+        assert rel_err(o, r) < 2 * norm_tol(dtype), (name, rel_err(o, r))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,B,I,H", [(1, 1, 1, 1), (5, 3, 7, 3), (9, 4, 16, 1023), (16, 8, 64, 128)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_autograd_vs_reference_and_float64(ext, dtype, T, B, I, H, bias):
+    exact = _cell_inputs(B, I, H, dtype, bias, seed=T)
+    exact[0] = torch.randn(T, B, I, device="cuda", dtype=torch.float64)
+    ours = [None if t is None else t.to(dtype).requires_grad_() for t in exact]
+    f64 = [None if t is None else t.clone().requires_grad_() for t in exact]
+    out_o, h_o, c_o = lstm_ops.lstm_layer(*ours, fused=True)
+    out_x, h_x, c_x = lstm_ops.lstm_layer(*f64)  # float64 on CUDA -> reference
+    tol = norm_tol(dtype) * (3 if dtype != torch.float32 else 10)  # error grows along the sequence
+    for o, x in ((out_o, out_x), (h_o, h_x), (c_o, c_x)):
+        assert o.dtype == dtype and torch.isfinite(o).all()
+        assert rel_err(o, x) < tol, rel_err(o, x)
+    cot = [torch.randn_like(out_x), torch.randn_like(c_x)]
+    leaves = lambda ts: [t for t in ts if t is not None]  # noqa: E731
+    g_o = torch.autograd.grad((out_o, c_o), leaves(ours), [t.to(dtype) for t in cot])
+    g_x = torch.autograd.grad((out_x, c_x), leaves(f64), cot)
+    for name, o, x in zip(["x", "h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh"], g_o, g_x):
+        assert o.dtype == dtype and torch.isfinite(o).all(), name
+        assert rel_err(o, x) < 2 * tol, (name, rel_err(o, x))
+
+
+def test_layer_partial_gradients(ext):
+    """Only c_n used, only some inputs requiring grad: undefined grads are handled."""
+    T, B, I, H = 6, 3, 5, 7
+    x = torch.randn(T, B, I, device="cuda", requires_grad=True)
+    h0, c0 = torch.randn(B, H, device="cuda"), torch.randn(B, H, device="cuda")
+    w_ih = torch.randn(4 * H, I, device="cuda", requires_grad=True)
+    w_hh = torch.randn(4 * H, H, device="cuda")
+    _, _, c_n = lstm_ops.lstm_layer(x, h0, c0, w_ih, w_hh, fused=True)
+    gx, gw = torch.autograd.grad(c_n.sum(), (x, w_ih))
+    x2, w2 = x.detach().double().requires_grad_(), w_ih.detach().double().requires_grad_()
+    _, _, c_r = lstm_ops.lstm_layer(x2, h0.double(), c0.double(), w2, w_hh.double())
+    rx, rw = torch.autograd.grad(c_r.sum(), (x2, w2))
+    assert rel_err(gx, rx) < 10 * norm_tol(torch.float32) and rel_err(gw, rw) < 10 * norm_tol(torch.float32)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_fused_lstm_matches_cudnn(ext, batch_first):
+    torch.manual_seed(0)
+    ref = nn.LSTM(24, 33, num_layers=2, batch_first=batch_first, device="cuda")
+    ours = FusedLSTM(24, 33, num_layers=2, batch_first=batch_first, device="cuda", impl="fused")
+    ours.load_state_dict(ref.state_dict())
+    assert FusedLSTM(24, 33, device="cuda").resolved_impl(torch.randn(2, 2, 24, device="cuda")) in ("cudnn", "fused")
+    x = torch.randn((5, 11, 24) if batch_first else (11, 5, 24), device="cuda", requires_grad=True)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # cuDNN in true fp32
+        out_r, (h_r, c_r) = ref(x)
+        g_r = torch.autograd.grad((out_r.sum() + c_r.sum()), [x, *ref.parameters()])
+    out_o, (h_o, c_o) = ours(x)
+    for o, r in ((out_o, out_r), (h_o, h_r), (c_o, c_r)):
+        assert rel_err(o, r) < 10 * norm_tol(torch.float32)
+    g_o = torch.autograd.grad((out_o.sum() + c_o.sum()), [x, *ours.parameters()])
+    for o, r in zip(g_o, g_r):
+        assert rel_err(o, r) < 10 * norm_tol(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_lstmcell_module_on_cuda(ext, dtype):
+    torch.manual_seed(0)
+    ref = nn.LSTMCell(10, 20, device="cuda", dtype=dtype)
+    ours = FusedLSTMCell(10, 20, device="cuda", dtype=dtype, fused=True)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 10, device="cuda", dtype=dtype)
+    for o, r in zip(ours(x), ref(x)):
+        assert rel_err(o, r) < norm_tol(dtype)
+
+
+def test_cell_under_autocast_runs_in_the_autocast_dtype(ext):
+    cell = FusedLSTMCell(8, 16, device="cuda", fused=True)
+    x = torch.randn(4, 8, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h, c = cell(x)
+    assert h.dtype == torch.bfloat16
+    h.float().sum().backward()
+    assert cell.weight_ih.grad.dtype == torch.float32
+
+
+def test_mixed_dtypes_give_a_clear_error(ext):
+    x, h = torch.randn(2, 3, device="cuda"), torch.randn(2, 4, device="cuda")
+    c = torch.randn(2, 4, device="cuda", dtype=torch.float16)
+    w_ih, w_hh = torch.randn(16, 3, device="cuda"), torch.randn(16, 4, device="cuda")
+    with pytest.raises(RuntimeError, match="'c' has dtype"):
+        lstm_ops.lstm_cell(x, h, c, w_ih, w_hh, fused=True)
+
+
+def test_cell_forward_is_cuda_graph_capturable(ext):
+    B, I, H = 8, 16, 32
+    args = [t.float() if t is not None else None for t in _cell_inputs(B, I, H, torch.float32)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.no_grad():
+        lstm_ops.lstm_cell(*args, fused=True)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), torch.no_grad():
+        h_g, c_g = lstm_ops.lstm_cell(*args, fused=True)
+    args[0].copy_(torch.randn_like(args[0]))
+    g.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        h_e, c_e = lstm_ops.lstm_cell(*args, fused=True)
+    torch.testing.assert_close(h_g, h_e)
+    torch.testing.assert_close(c_g, c_e)

@@ -1,0 +1,128 @@
+"""fp32 fallback: exact for direct functional calls; module policy; automatic promotion."""
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _models import quiet_trainer
+from mptrain.precision import build_precision
+from mptrain.precision.fallback import DEFAULT_FP32_OPS, resolve_op_list
+
+
+class Probe(L.LightningModule):
+    """Calls the listed ops directly inside training_step and records what they returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(12, 12)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        h = self.lin(x) * 30.0  # large logits: bf16 softmax differs visibly from fp32
+        self.seen.append(("softmax", h.detach(), F.softmax(h, -1).detach()))
+        self.seen.append(("log_softmax", h.detach(), torch.log_softmax(h, dim=-1).detach()))
+        self.seen.append(("layer_norm", h.detach(), h.layer_norm((12,)).detach() if hasattr(h, "layer_norm") else F.layer_norm(h, (12,)).detach()))
+        return F.softmax(h, -1).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+REF = {
+    "softmax": lambda h: torch.softmax(h.float(), -1).to(h.dtype),
+    "log_softmax": lambda h: torch.log_softmax(h.float(), -1).to(h.dtype),
+    "layer_norm": lambda h: F.layer_norm(h.float(), (12,)).to(h.dtype),
+}
+
+
+@pytest.mark.parametrize("precision", ["bf16-master", "16-master", "bf16-true", "bf16-mixed"])
+def test_direct_functional_calls_are_exact(precision):
+    torch.manual_seed(0)
+    model = Probe()
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 12))
+    quiet_trainer(precision=precision, max_steps=2).fit(model, torch.utils.data.DataLoader(ds, batch_size=16))
+    assert len(model.seen) == 6
+    for name, h, out in model.seen:
+        assert h.dtype in (torch.bfloat16, torch.float16)
+        assert out.dtype == h.dtype, name
+        assert torch.equal(out, REF[name](h)), name
+
+
+def test_fallback_off_is_really_off():
+    seen = []
+
+    class Half(torch.Tensor):  # records whether anything intercepted the call before it reached torch
+        pass
+
+    prec = build_precision("bf16-true", fp32_fallback=[])
+    assert prec.fallback is None
+    with prec.forward_context():
+        assert not torch._C._is_torch_function_mode_enabled()
+    on = build_precision("bf16-true")
+    with on.forward_context():
+        assert torch._C._is_torch_function_mode_enabled()
+    # an op not in the list is passed through untouched (same dtype, same kernel)
+    h = torch.randn(8, 8).bfloat16()
+    with build_precision("bf16-true", fp32_fallback=["softmax"]).forward_context():
+        out = torch.tanh(h)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, torch.tanh(h))
+
+
+def test_op_list_is_configurable_and_checked():
+    assert resolve_op_list("default") == DEFAULT_FP32_OPS
+    assert resolve_op_list(["softmax"]) == ("softmax",)
+    assert "softmax" not in resolve_op_list(["-softmax"]) and "layer_norm" in resolve_op_list(["-softmax"])
+    with pytest.raises(ValueError, match="unknown op 'softmaxx'"):
+        resolve_op_list(["softmaxx"])
+
+
+def test_batch_norm_running_stats_update_in_half_true_mode():
+    prec = build_precision("bf16-true")
+    bn = prec.convert_module(nn.BatchNorm1d(4))
+    x = (torch.randn(64, 4) * 3 + 5).bfloat16()
+    with prec.forward_context():
+        y = bn(x)
+    assert y.dtype == torch.bfloat16
+    assert bn.running_mean.abs().sum() > 0.1  # the in-place update reached the real buffer
+
+
+class Blowup(nn.Module):
+    def forward(self, x):
+        return (x * 1e5) * 1e-5  # the intermediate overflows fp16 (max 65504) for |x| > 0.65
+
+
+class WithBlowup(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.blow = Blowup()
+        self.post = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.post(self.blow(self.pre(x))).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_auto_fallback_promotes_the_overflowing_module(caplog):
+    torch.manual_seed(0)
+    model = WithBlowup()
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 8) * 3)
+    trainer = quiet_trainer(precision="16-master", max_steps=6, auto_fp32_fallback=True,
+                            loss_scaler={"init_scale": 2.0**8})
+    with caplog.at_level(logging.WARNING, logger="mptrain"):
+        trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=16))
+    lines = [r.getMessage() for r in caplog.records if "auto_fp32_fallback" in r.getMessage()]
+    assert len(lines) == 1 and "'blow'" in lines[0]
+    assert trainer._precision.auto.promoted == {"blow"}
+    # after promotion the steps are clean: the skipped count stops growing
+    assert trainer.skipped_steps <= 2
+    assert model.pre.weight.dtype == torch.float16
