@@ -547,7 +547,7 @@ int64_t check_inputs(const char* name, const at::Tensor& x, const at::Tensor& w,
   return x.numel() / H;
 }
 
-at::Tensor value_or_undefined(const c10::optional<at::Tensor>& t) {
+at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
   return t.has_value() ? *t : at::Tensor();
 }
 
@@ -555,8 +555,8 @@ at::Tensor value_or_undefined(const c10::optional<at::Tensor>& t) {
 
 // Returns {y, mean, rstd}; mean is empty for RMSNorm.  x: contiguous [rows, H] (any
 // leading shape), weight/bias: H elements in x's dtype or fp32.
-std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                                           const c10::optional<at::Tensor>& bias, int64_t hidden,
+std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                           const std::optional<at::Tensor>& bias, int64_t hidden,
                                            double eps, bool rms) {
   const at::Tensor w = value_or_undefined(weight), b = value_or_undefined(bias);
   const int64_t rows = check_inputs(kFwd, x, w, b, hidden, rms);
@@ -578,8 +578,8 @@ std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const c10::optio
 // Returns {dx, dweight, dbias}; dweight / dbias are undefined (None) when the
 // parameter was absent.  mean may be empty for RMSNorm.
 std::vector<at::Tensor> layer_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
-                                            const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
-                                            const c10::optional<at::Tensor>& bias, int64_t hidden, bool rms) {
+                                            const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+                                            const std::optional<at::Tensor>& bias, int64_t hidden, bool rms) {
   const at::Tensor w = value_or_undefined(weight), b = value_or_undefined(bias);
   const int64_t rows = check_inputs(kBwd, x, w, b, hidden, rms);
   MPT_CHECK_CUDA(dy, kBwd);

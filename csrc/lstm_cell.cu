@@ -440,6 +440,7 @@ std::vector<at::Tensor> lstm_layer_backward(const std::optional<at::Tensor>& d_o
                                             const std::vector<bool>& need) {
   const char* op = "lstm_layer_backward";
   TORCH_CHECK(need.size() == 6, op, ": 'need' must have 6 flags (x, h0, c0, w_ih, w_hh, bias)");
+  TORCH_CHECK(x.dim() == 3, op, ": input must be (T, batch, input_size), got ", x.sizes());
   const int64_t T = x.size(0), B = x.size(1), I = x.size(2), H = w_hh.size(-1);
   TORCH_CHECK(T > 0, op, ": the sequence is empty (T = 0)");
   MPT_CHECK_CONTIGUOUS(ws, op);

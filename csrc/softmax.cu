@@ -329,7 +329,7 @@ void check_x(const char* name, const at::Tensor& x) {
 // mask: bool, broadcastable to x (True = masked out).  causal masks key k > query q
 // (top-left aligned, like torch's scaled_dot_product_attention(is_causal=True)), with q
 // the index in x's second-to-last dimension.
-at::Tensor scaled_masked_softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask,
+at::Tensor scaled_masked_softmax_forward(const at::Tensor& x, const std::optional<at::Tensor>& mask,
                                          double scale, bool causal) {
   check_x(kFwd, x);
   TORCH_CHECK(!causal || x.dim() >= 2, kFwd, ": causal=True needs an input with at least 2 dims (..., queries, keys), got ",

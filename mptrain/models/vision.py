@@ -4,15 +4,15 @@ from __future__ import annotations
 from torch import nn
 
 
-def digits_cnn(num_classes: int = 10, width: int = 32) -> nn.Module:
+def digits_cnn(num_classes: int = 10, width: int = 16, hidden: int = 64) -> nn.Module:
     """Two 3x3 conv layers, one pooling, two linear layers: ~98% on scikit-learn digits in seconds."""
     return nn.Sequential(
         nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
         nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(inplace=True),
         nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(2 * width * 16, 128), nn.ReLU(inplace=True), nn.Dropout(0.25),
-        nn.Linear(128, num_classes),
+        nn.Linear(2 * width * 16, hidden), nn.ReLU(inplace=True), nn.Dropout(0.25),
+        nn.Linear(hidden, num_classes),
     )
 
 

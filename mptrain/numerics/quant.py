@@ -167,16 +167,35 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, pad: bool = True) -> torch.Ten
     m, k = a.shape
     n = b.shape[1]
     if int_mm_supported(a, b) is None:
-        return torch._int_mm(a, b)
+        # A row-major, B column-major: the layout cuBLASLt's IMMA kernels take without a
+        # transpose pass (a Linear's weight.t() already is; a row-major B costs one copy).
+        return _int_mm_checked(a.contiguous(), b if b.stride(0) == 1 else b.t().contiguous().t())
     if not pad:
         return int8_matmul_reference(a, b)
     mp, kp, np_ = max(m, 32) if m <= 16 else m, _round_up(k, 8), _round_up(n, 8)
     ap = torch.zeros((mp, kp), dtype=torch.int8, device=a.device)
     ap[:m, :k] = a
-    # B column-major (a transposed view), the layout cuBLASLt's int8 kernels prefer.
     bp = torch.zeros((np_, kp), dtype=torch.int8, device=b.device)
     bp[:n, :k] = b.t()
-    return torch._int_mm(ap, bp.t())[:m, :n]
+    return _int_mm_checked(ap, bp.t())[:m, :n]
+
+
+_warned_int_mm = False
+
+
+def _int_mm_checked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm, or (once warned) the exact reference where this cuBLAS refuses the call."""
+    global _warned_int_mm
+    try:
+        return torch._int_mm(a, b)
+    except RuntimeError as e:
+        if not _warned_int_mm:
+            import warnings
+
+            warnings.warn(f"torch._int_mm failed ({str(e).splitlines()[0][:200]}); int8 matmuls fall back to the "
+                          f"exact but slow reference", RuntimeWarning, stacklevel=3)
+            _warned_int_mm = True
+        return int8_matmul_reference(a, b)
 
 
 def _round_up(v: int, m: int) -> int:

@@ -6,9 +6,19 @@ This package imports only torch and the built extension (DESIGN §1).
 from __future__ import annotations
 
 # [section: build]
+from .build import ExtensionBuildError, extension_status, get_extension  # noqa: E402,F401  (see ops/build.py)
 # [end section: build]
 
 # [section: multi_tensor]
+from .multi_tensor import (  # noqa: E402,F401  (multi-tensor ops and optimizer steps; see ops/multi_tensor.py)
+    multi_tensor_adam,
+    multi_tensor_copy_,
+    multi_tensor_l2norm,
+    multi_tensor_lamb,
+    multi_tensor_scale_,
+    multi_tensor_sgd,
+    multi_tensor_unscale_,
+)
 # [end section: multi_tensor]
 
 # [section: layer_norm]

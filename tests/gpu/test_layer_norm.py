@@ -1,0 +1,172 @@
+"""The fused LayerNorm / RMSNorm kernels against the reference and float64, on the GPU.
+
+Fresh random inputs of awkward sizes: hidden 1, odd, not a multiple of the vector width,
+up to 65536; one row and many; misaligned views; every dtype combination including
+half input with fp32 weights; outputs allocated over NaN-poisoned memory.
+"""
+import pytest
+import torch
+
+from mptrain import ops
+from mptrain.ops import reference
+
+COMBOS = [  # (input dtype, weight/bias dtype)
+    (torch.float32, torch.float32),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float32),
+]
+HIDDEN = [1, 7, 64, 127, 256, 768, 1000, 1024, 1536, 2048, 4096, 5000, 8192, 12288, 16384, 20480, 32768, 65536]
+# (rtol-like, atol-like) relative to the tensor's largest magnitude
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    from mptrain.ops.build import get_extension
+
+    return get_extension(required=True)
+
+
+def poison(*specs):
+    """Allocate and free NaN-filled blocks of these (numel, dtype) so the outputs the
+    kernels allocate next land on NaN: anything left unwritten is caught."""
+    blocks = [torch.full((n,), float("nan"), dtype=dt, device="cuda") for n, dt in specs]
+    del blocks
+
+
+def check(out, ref, truth, what):
+    """``out`` close to the reference, and no further from float64 than it (2x + tol)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, what
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten or overflow)"
+    tol = TOL[out.dtype] * max(1.0, truth.abs().max().item())
+    diff = (out.double() - ref.double()).abs().max().item()
+    assert diff <= tol, f"{what}: max |kernel - reference| = {diff:.3g} > {tol:.3g}"
+    e_out = (out.double() - truth).abs().max().item()
+    e_ref = (ref.double() - truth).abs().max().item()
+    assert e_out <= 2 * e_ref + tol, f"{what}: error vs float64 {e_out:.3g}, reference's {e_ref:.3g}"
+
+
+def run_norm(x, shape, w, b, rms, eps, fused):
+    if rms:
+        return ops.rms_norm(x, shape, w, eps, fused=fused)
+    return ops.layer_norm(x, shape, w, b, eps, fused=fused)
+
+
+def compare(x, shape, w, b, rms, eps=1e-5, what=""):
+    """Forward and backward of the kernel vs the reference (same dtypes) and float64."""
+    leaves = [t for t in (x, w, b) if t is not None]
+    for t in leaves:
+        t.requires_grad_(True)
+    dy = torch.randn(x.shape, device="cuda").to(x.dtype)
+    rows = x.numel() // max(1, torch.Size(shape).numel())
+    poison((x.numel(), x.dtype), (rows, torch.float32), (rows, torch.float32))
+    y = run_norm(x, shape, w, b, rms, eps, True)
+    grads = torch.autograd.grad(y, leaves, dy)
+    y_ref = run_norm(x, shape, w, b, rms, eps, False)
+    grads_ref = torch.autograd.grad(y_ref, leaves, dy)
+    x64, w64, b64 = (None if t is None else t.detach().double().requires_grad_() for t in (x, w, b))
+    y64 = run_norm(x64, shape, w64, b64, rms, eps, False)
+    grads64 = torch.autograd.grad(y64, [t for t in (x64, w64, b64) if t is not None], dy.double())
+    check(y, y_ref, y64, f"{what} y")
+    for name, g, gr, g64 in zip(("dx", "dweight", "dbias"), grads, grads_ref, grads64):
+        check(g, gr, g64, f"{what} {name}")
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("affine", ["wb", "w", "none"])
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}")
+def test_matches_reference_and_float64(combo, hidden, affine, rms):
+    if rms and affine == "wb":
+        pytest.skip("RMSNorm has no bias")
+    xdt, wdt = combo
+    torch.manual_seed(hidden * 7 + len(affine))
+    for rows in (1, 203):
+        x = (torch.randn(rows, hidden, device="cuda") * 2 + 0.5).to(xdt)
+        w = (torch.randn(hidden, device="cuda") * 0.5 + 1).to(wdt) if affine != "none" else None
+        b = torch.randn(hidden, device="cuda").to(wdt) if affine == "wb" else None
+        compare(x, (hidden,), w, b, rms, what=f"rows={rows} H={hidden}")
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}")
+@pytest.mark.parametrize("rows,hidden", [(5000, 768), (3000, 1024), (517, 4096), (70, 16384)])
+def test_many_rows_per_block(combo, rows, hidden):
+    # More rows than one wave of the persistent backward grid: partial sums over many rows.
+    xdt, wdt = combo
+    x = torch.randn(rows, hidden, device="cuda").to(xdt)
+    w = torch.randn(hidden, device="cuda").to(wdt)
+    b = torch.randn(hidden, device="cuda").to(wdt)
+    compare(x, (hidden,), w, b, False, what=f"rows={rows} H={hidden}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [768, 1024, 1003])
+def test_misaligned_and_strided_views(dtype, hidden):
+    base = torch.randn(64 * hidden + 3, device="cuda").to(dtype)
+    x = base[1 : 1 + 64 * hidden].view(64, hidden)  # storage offset: not 16-byte aligned
+    wb = torch.randn(2 * hidden + 1, device="cuda").to(dtype)
+    w, b = wb[1 : hidden + 1], wb[hidden + 1 :]
+    compare(x.detach(), (hidden,), w.detach(), b.detach(), False, what="misaligned")
+    xt = torch.randn(hidden, 40, device="cuda").to(dtype).t()  # non-contiguous input
+    compare(xt, (hidden,), None, None, True, what="transposed")
+
+
+def test_multi_dim_normalized_shape_and_eps():
+    x = torch.randn(4, 6, 8, 16, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(8, 16, device="cuda")
+    b = torch.randn(8, 16, device="cuda")
+    compare(x, (8, 16), w, b, False, eps=1e-3, what="(8,16)")
+    compare(x.detach(), (8, 16), w.detach(), None, True, eps=None, what="rms (8,16)")
+
+
+def test_empty_input():
+    x = torch.randn(0, 32, device="cuda", requires_grad=True)
+    w = torch.randn(32, device="cuda", requires_grad=True)
+    y = ops.layer_norm(x, 32, w, fused=True)
+    (gw,) = torch.autograd.grad(y, (w,), torch.ones_like(y))
+    assert y.shape == (0, 32) and (gw == 0).all()
+
+
+def test_backward_is_deterministic():
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, device="cuda", requires_grad=True)
+    b = torch.randn(1024, device="cuda", requires_grad=True)
+    dy = torch.randn_like(x)
+    g1 = torch.autograd.grad(ops.layer_norm(x, 1024, w, b, fused=True), (x, w, b), dy)
+    g2 = torch.autograd.grad(ops.layer_norm(x, 1024, w, b, fused=True), (x, w, b), dy)
+    for a, c in zip(g1, g2):
+        assert torch.equal(a, c)
+
+
+def test_cuda_graph_capture():
+    x = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(768, device="cuda", requires_grad=True)
+    b = torch.randn(768, device="cuda", requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        return torch.autograd.grad(ops.layer_norm(x, 768, w, b, fused=True), (x, w, b), dy)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    for a, c in zip(out, step()):
+        assert torch.equal(a, c)
+
+
+def test_module_under_half_master_weights():
+    from mptrain.nn import FusedLayerNorm
+
+    m = FusedLayerNorm(1024).cuda()  # fp32 weights, bf16 activations (the *-master case)
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(m(x), reference.layer_norm(x, (1024,), m.weight, m.bias), rtol=1.6e-2, atol=1.6e-2)

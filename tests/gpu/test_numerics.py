@@ -1,0 +1,112 @@
+"""Numerics toolkit on the GPU: the int8 tensor-core path, layerwise reports of BERT-base and
+ResNet-50, the GEMM benchmark and the doctor (skipped without CUDA by tests/gpu/conftest.py)."""
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from mptrain.numerics import Int8DynamicLinear, QuantConfig, compare_layerwise, int8_matmul, int8_matmul_reference
+from mptrain.numerics.quant import int_mm_supported
+
+
+def _int8(shape, seed):
+    return torch.randint(-128, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a silent fallback to the reference must fail here
+@pytest.mark.parametrize("m,k,n", [(32, 64, 64), (17, 16, 8), (256, 1024, 512), (5, 13, 7), (1, 64, 8), (100, 24, 3)])
+@pytest.mark.parametrize("b_layout", ["row", "col"])
+def test_int_mm_path_equals_the_reference_exactly(m, k, n, b_layout):
+    a = _int8((m, k), 0)
+    b = _int8((k, n), 1) if b_layout == "row" else _int8((n, k), 1).t()
+    expect = int8_matmul_reference(a, b)  # CPU integer matmul
+    ac, bc = a.cuda(), b.cuda()
+    got = int8_matmul(ac, bc)
+    torch.cuda.synchronize()
+    assert got.dtype == torch.int32 and got.is_cuda
+    assert torch.equal(got.cpu(), expect)
+    if m > 16 and k % 8 == 0 and n % 8 == 0:
+        assert int_mm_supported(ac, bc) is None  # the direct torch._int_mm path, no padding
+    else:
+        assert int_mm_supported(ac, bc) is not None  # padded, still exact
+    assert torch.equal(int8_matmul(ac, bc, pad=False).cpu(), expect)  # the fallback is exact too
+
+
+@pytest.mark.parametrize("cfg", [QuantConfig(), QuantConfig("asymmetric", "per_tensor", "asymmetric", "per_tensor")])
+def test_int8_linear_cuda_matches_cpu(cfg):
+    torch.manual_seed(0)
+    lin = Int8DynamicLinear(nn.Linear(768, 3072), cfg)
+    x = torch.randn(4, 64, 768)
+    y_cpu = lin(x)
+    y_gpu = lin.cuda()(x.cuda()).cpu()
+    torch.testing.assert_close(y_gpu, y_cpu, rtol=1e-5, atol=1e-5)
+
+
+def _check_report(report, seconds):
+    assert seconds < 30, f"compare_layerwise took {seconds:.1f}s"
+    assert len(report.rows) > 50
+    overflowing = [r["module"] for r in report.rows if r["overflow_frac"] > 0]
+    assert not overflowing, f"overflow in {overflowing[:5]}"
+    final = report.rows[-1]
+    assert final["cosine"] > 0.99, final
+    assert report.grad_rows and report.grad_rows[-1]["cosine"] > 0.9
+    print(report.table(top=10))
+
+
+@pytest.mark.parametrize("precision", ["16-master", "bf16-master"])
+def test_layerwise_bert_base(precision):
+    pytest.importorskip("transformers")
+    from mptrain.numerics.report_models import bert_base
+
+    model, example, train_mode = bert_base(torch.device("cuda"))
+    t0 = time.perf_counter()
+    report = compare_layerwise(model, example, precision=precision, backward=True, train_mode=train_mode)
+    _check_report(report, time.perf_counter() - t0)
+
+
+@pytest.mark.parametrize("precision", ["16-master", "bf16-master"])
+def test_layerwise_resnet50(precision):
+    pytest.importorskip("torchvision")
+    from mptrain.numerics.report_models import resnet50
+
+    model, example, train_mode = resnet50(torch.device("cuda"))
+    t0 = time.perf_counter()
+    report = compare_layerwise(model, example, precision=precision, backward=True, train_mode=train_mode)
+    _check_report(report, time.perf_counter() - t0)
+
+
+def test_planted_overflow_on_cuda():
+    class Blowup(nn.Module):
+        def forward(self, x):
+            return x * 1e5
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), Blowup(), nn.Linear(64, 8)).cuda()
+    report = compare_layerwise(net, torch.randn(32, 64, device="cuda"), precision="16-mixed")
+    assert report.first_bad == "1" and report.worst(1) == ["1"]
+
+
+def test_gemm_bench_small():
+    from mptrain.bench import gemm
+
+    cap = torch.cuda.get_device_capability()
+    rows = gemm.run_cases([2048], list(gemm.DTYPES), cap)
+    by = {r["dtype"]: r for r in rows}
+    print(gemm.format_rows(rows))
+    assert by["fp32"]["status"] == "ok" and by["bf16"]["status"] == "ok"
+    assert by["bf16"]["tflops"] > 2 * by["fp32"]["tflops"]
+    if cap >= (7, 5):
+        assert by["int8"]["status"] == "ok", by["int8"]["status"]
+
+
+def test_doctor_on_the_gpu():
+    from mptrain.numerics.hardware import doctor_report, format_doctor
+
+    report = doctor_report(build_extension=False)
+    g = report["gpus"][0]
+    print(format_doctor(report))
+    assert g["memory_gb"] > 1 and g["capability"]
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert all(p["ok"] for p in g["probes"].values()), g["probes"]
+        assert "bf16-master" in report["recommendation"]

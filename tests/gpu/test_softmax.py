@@ -1,0 +1,122 @@
+"""The fused scaled masked softmax kernels against the reference and float64, on the GPU.
+
+Awkward row lengths (1, odd, not a multiple of the vector width, up to 40000), every
+broadcast mask layout (over heads, padding masks, key-broadcast, transposed, misaligned),
+causal with Sq != Sk, fully masked rows, misaligned inputs, NaN-poisoned outputs.
+"""
+import pytest
+import torch
+
+from mptrain import ops
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LENGTHS = [1, 7, 64, 100, 512, 1000, 2048, 4096, 8192, 16384, 20000, 32768, 40000]
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    from mptrain.ops.build import get_extension
+
+    return get_extension(required=True)
+
+
+def check(out, ref, truth, what):
+    assert out.dtype == ref.dtype and out.shape == ref.shape, what
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten, or NaN from a masked row)"
+    tol = TOL[out.dtype] * max(1.0, truth.abs().max().item())
+    diff = (out.double() - ref.double()).abs().max().item()
+    assert diff <= tol, f"{what}: max |kernel - reference| = {diff:.3g} > {tol:.3g}"
+    e_out = (out.double() - truth).abs().max().item()
+    e_ref = (ref.double() - truth).abs().max().item()
+    assert e_out <= 2 * e_ref + tol, f"{what}: error vs float64 {e_out:.3g}, reference's {e_ref:.3g}"
+
+
+def compare(x, mask, scale, causal, what):
+    x = x.detach().requires_grad_()
+    dy = torch.randn(x.shape, device="cuda").to(x.dtype)
+    blocks = [torch.full((x.numel(),), float("nan"), dtype=x.dtype, device="cuda") for _ in range(2)]
+    del blocks  # the outputs allocated next land on NaN: unwritten elements are caught
+    y = ops.scaled_masked_softmax(x, mask, scale, causal, fused=True)
+    (dx,) = torch.autograd.grad(y, (x,), dy)
+    y_ref = ops.scaled_masked_softmax(x, mask, scale, causal, fused=False)
+    (dx_ref,) = torch.autograd.grad(y_ref, (x,), dy)
+    x64 = x.detach().double().requires_grad_()
+    y64 = ops.scaled_masked_softmax(x64, mask, scale, causal, fused=False)
+    (dx64,) = torch.autograd.grad(y64, (x64,), dy.double())
+    check(y, y_ref, y64, f"{what} y")
+    check(dx, dx_ref, dx64, f"{what} dx")
+
+
+def masks(b, h, sq, sk, gen):
+    """Mask layouts for [b, h, sq, sk] scores, each with some fully masked rows."""
+    def rnd(*shape):
+        return torch.rand(shape, device="cuda", generator=gen) < 0.3
+
+    over_heads = rnd(b, 1, sq, sk)
+    over_heads[0, 0, 0] = True  # a fully masked row
+    padding = rnd(b, 1, 1, sk)
+    padding[-1] = True  # a fully masked batch
+    full = rnd(b, h, sq, sk)
+    key_bcast = rnd(b, h, sq, 1)  # whole rows on / off: key stride 0
+    transposed = rnd(b, 1, sk, sq).transpose(-1, -2)  # key stride != 1
+    misaligned = rnd(b * sq * sk + 1)[1:].view(b, 1, sq, sk)  # storage offset 1
+    return {
+        "none": None, "over_heads": over_heads, "padding": padding, "shared": rnd(1, 1, sq, sk),
+        "keys_1d": rnd(sk), "full": full, "key_bcast": key_bcast, "transposed": transposed,
+        "misaligned": misaligned,
+    }
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize("sk", LENGTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_matches_reference_and_float64(dtype, sk, causal):
+    gen = torch.Generator(device="cuda").manual_seed(sk)
+    b, h, sq = (2, 3, 5) if sk <= 4096 else (2, 2, 3)
+    x = (torch.randn(b, h, sq, sk, device="cuda", generator=gen) * 3).to(dtype)
+    for name, mask in masks(b, h, sq, sk, gen).items():
+        compare(x, mask, 0.125 if sk > 1 else 1.0, causal, f"S={sk} mask={name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_causal_rectangular_and_misaligned_input(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for sq, sk in [(3, 64), (64, 3), (17, 1024)]:
+        x = torch.randn(2, 4, sq, sk, device="cuda", generator=gen).to(dtype)
+        compare(x, None, 1.0, True, f"causal {sq}x{sk}")
+    base = torch.randn(4 * 256 + 1, device="cuda", generator=gen).to(dtype)
+    compare(base[1:].view(4, 256), None, 0.5, False, "misaligned input")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_fully_masked_rows_are_zero_with_zero_grad(dtype):
+    x = torch.randn(2, 4, 8, 512, device="cuda").to(dtype).requires_grad_()
+    mask = torch.zeros(2, 1, 8, 512, dtype=torch.bool, device="cuda")
+    mask[1] = True
+    y = ops.scaled_masked_softmax(x, mask, 0.1, fused=True)
+    (dx,) = torch.autograd.grad(y, (x,), torch.randn_like(y))
+    assert (y[1] == 0).all() and (dx[1] == 0).all() and torch.isfinite(dx).all()
+    torch.testing.assert_close(y[0].float().sum(-1), torch.ones(4, 8, device="cuda"), rtol=0, atol=2e-2)
+
+
+def test_cuda_graph_capture():
+    x = torch.randn(4, 8, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.rand(4, 1, 128, 128, device="cuda") < 0.2
+    dy = torch.randn_like(x)
+
+    def step():
+        return torch.autograd.grad(ops.scaled_masked_softmax(x, mask, 0.1, True, fused=True), (x,), dy)[0]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, step())
