@@ -130,7 +130,7 @@ def extension_info(build: bool) -> dict:
     try:
         from mptrain.ops import build as ext_build
     except ImportError as e:
-        return {"available": False, "status": f"mptrain.ops.build not importable: {e}"}
+        return {"available": False, "status": f"mptrain.ops.build not importable: {e}", "build": "not attempted"}
     info: dict[str, Any] = {"available": None, "status": None}
     status_fn = getattr(ext_build, "extension_status", None)
     if status_fn is not None:
@@ -154,11 +154,13 @@ def extension_info(build: bool) -> dict:
                 info["available"] = False
                 info["build"] = f"build failed: {type(e).__name__}: {str(e)[:500]}"
     else:
-        info["build"] = "not attempted (no GPU, or --no-build)"
+        info["build"] = "not attempted (no GPU, or --no-build; `mptrain doctor --build` tries anyway)"
     return info
 
 
 def _plain(obj: Any) -> Any:
+    if hasattr(obj, "describe"):  # mptrain.ops.build.ExtensionStatus: state plus reason / log path
+        return obj.describe()
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
     if isinstance(obj, dict):

@@ -22,27 +22,29 @@ from mptrain.numerics.layerwise import compare_layerwise
 PRECISIONS = ("16-master", "bf16-master")
 
 
-def bert_base(device):
+def bert_base(device, small: bool = False):
     try:
         from transformers import BertConfig, BertModel
     except ImportError as e:
         raise ImportError("report_models needs transformers: pip install 'mptrain[nlp]'") from e
     torch.manual_seed(0)
-    cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    size = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if small else {}
+    cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **size)
     model = BertModel(cfg).to(device)
-    ids = torch.randint(0, cfg.vocab_size, (4, 128), device=device)
+    ids = torch.randint(0, cfg.vocab_size, (4, 16 if small else 128), device=device)
     mask = torch.ones_like(ids)
     return model, {"input_ids": ids, "attention_mask": mask}, False
 
 
-def resnet50(device):
+def resnet50(device, small: bool = False):
     try:
         from torchvision.models import resnet50 as build
     except ImportError as e:
         raise ImportError("report_models needs torchvision: pip install 'mptrain[vision]'") from e
     torch.manual_seed(0)
     model = build(weights=None).to(device)
-    return model, torch.randn(8, 3, 224, 224, device=device), True
+    shape = (2, 3, 32, 32) if small else (8, 3, 224, 224)
+    return model, torch.randn(*shape, device=device), True
 
 
 MODELS = {"bert_base": bert_base, "resnet50": resnet50}
@@ -74,9 +76,10 @@ def main(argv=None) -> int:
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--device", default=None, help="default: cuda if available (the reports are meant for a GPU)")
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--small", action="store_true", help="tiny BERT config / 32x32 images: a CPU smoke test")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type != "cuda":
+    if device.type != "cuda" and not args.small:
         print("report_models: no GPU; running on the CPU will be slow", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
         parser.error(f"--models: unknown {bad}; choose from {list(MODELS)}")
     status = 0
     for name in models:
-        model, example, train_mode = MODELS[name](device)
+        model, example, train_mode = MODELS[name](device, small=args.small)
         for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
             t0 = time.perf_counter()
             try:

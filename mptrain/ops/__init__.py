@@ -6,7 +6,20 @@ This package imports only torch and the built extension (DESIGN §1).
 from __future__ import annotations
 
 # [section: build]
-from .build import ExtensionBuildError, extension_status, get_extension  # noqa: E402,F401  (see ops/build.py)
+# Thin wrappers: importing ops/build.py here would make `python -m mptrain.ops.build`
+# warn that the module was imported before it ran.
+def get_extension(required: bool = False):
+    """The built extension module (built on first use), or None; see :mod:`mptrain.ops.build`."""
+    from .build import get_extension as _get
+
+    return _get(required)
+
+
+def extension_status():
+    """"built" / "failed" (with ``.reason`` and ``.log_path``) / "not attempted"; see :mod:`mptrain.ops.build`."""
+    from .build import extension_status as _status
+
+    return _status()
 # [end section: build]
 
 # [section: multi_tensor]

@@ -8,6 +8,143 @@ from __future__ import annotations
 import torch
 
 # [section: multi_tensor]
+# The multi-tensor kernels (csrc/multi_tensor_*.cu) in plain torch: fp32 math (float64
+# stays float64, the oracle), results in each tensor's storage dtype. found_inf skips
+# are done with torch.where on the device: no host sync, and a skipped step leaves
+# every tensor bit-for-bit as it was.
+import math as _math
+
+
+def _mt_math(t):
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _mt_keep(found_inf):
+    """Bool 0-dim tensor: True when the step must change nothing (None: never)."""
+    return None if found_inf is None else found_inf.reshape(()) != 0
+
+
+def _mt_commit(dst, new, keep):
+    new = new.to(dst.dtype)
+    dst.copy_(new if keep is None else torch.where(keep.to(dst.device), dst, new))
+
+
+def _mt_inv_scale(grad_scale):
+    return None if grad_scale is None else torch.reciprocal(grad_scale.reshape(()).float())
+
+
+def _mt_grad(g, inv_scale, maximize):
+    g = _mt_math(g)
+    if inv_scale is not None:
+        g = g * inv_scale.to(g.device)
+    return -g if maximize else g
+
+
+def _mt_lr(lr, like):
+    """lr as a 0-dim float32 tensor (the kernel reads it as float)."""
+    return (lr if torch.is_tensor(lr) else torch.tensor(lr)).reshape(()).to(like.device, torch.float32)
+
+
+def _mt_steps_advance(steps, keep):
+    for s in steps:
+        s.add_(1.0 if keep is None else (~keep).to(s.dtype))
+
+
+def multi_tensor_scale(src, dst, scale=None, found_inf=None):
+    """dst = src * scale (None: copy; dst empty: check only); found_inf = 1 if any src is inf/NaN."""
+    if found_inf is not None and len(src) > 0:
+        bad = torch.stack([~torch.isfinite(x).all() for x in src]).any()
+        found_inf.masked_fill_(bad.to(found_inf.device), 1.0)
+    for s, d in zip(src, dst):
+        x = _mt_math(s)
+        if scale is not None:
+            x = x * scale.reshape(()).float().to(x.device)
+        d.copy_(x)
+
+
+def multi_tensor_l2norm(tensors, per_tensor=False):
+    """(global L2 norm, per-tensor norms or None), float32; sums of squares in float64."""
+    if len(tensors) == 0:
+        raise ValueError("multi_tensor_l2norm: got an empty list; pass at least one tensor")
+    sq = torch.stack([_mt_math(t).double().pow(2).sum() for t in tensors])
+    total = sq.sum().sqrt().float()
+    return total, (sq.sqrt().float() if per_tensor else None)
+
+
+def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps, weight_decay,
+                      decoupled, maximize=False, grad_scale=None, found_inf=None):
+    """torch.optim.Adam/AdamW's update on every tensor; ``masters`` (fp32) replace the params in the math."""
+    keep, inv = _mt_keep(found_inf), _mt_inv_scale(grad_scale)
+    for i, p in enumerate(params):
+        w_t = masters[i] if masters else p
+        s = steps[i].reshape(()).double() + 1
+        lr_t = _mt_lr(lr, p)
+        step_size = (lr_t.double() / -torch.expm1(s * _math.log(beta1))).float()
+        bc2_sqrt = (-torch.expm1(s * _math.log(beta2))).sqrt().float()
+        g = _mt_grad(grads[i], inv, maximize)
+        w = _mt_math(w_t)
+        if decoupled:
+            w = w * (1 - lr_t * weight_decay)
+        elif weight_decay != 0:
+            g = g + weight_decay * w
+        m = _mt_math(exp_avgs[i])
+        m = m + (1 - beta1) * (g - m)
+        v = beta2 * _mt_math(exp_avg_sqs[i]) + (1 - beta2) * g * g
+        w = w - step_size * m / (v.sqrt() / bc2_sqrt + eps)
+        for dst, new in ((exp_avgs[i], m), (exp_avg_sqs[i], v), (w_t, w)):
+            _mt_commit(dst, new, keep)
+        if masters:
+            _mt_commit(p, w, keep)
+    _mt_steps_advance(steps, keep)
+
+
+def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters, lr, momentum, dampening, weight_decay,
+                     nesterov, maximize=False, grad_scale=None, found_inf=None):
+    """torch.optim.SGD's update; a step count of 0 marks a new momentum buffer (buf = grad)."""
+    keep, inv = _mt_keep(found_inf), _mt_inv_scale(grad_scale)
+    for i, p in enumerate(params):
+        w_t = masters[i] if masters else p
+        g = _mt_grad(grads[i], inv, maximize)
+        w = _mt_math(w_t)
+        if weight_decay != 0:
+            g = g + weight_decay * w
+        if momentum != 0:
+            first = steps[i].reshape(()) == 0
+            buf = torch.where(first, g, momentum * _mt_math(momentum_buffers[i]) + (1 - dampening) * g)
+            _mt_commit(momentum_buffers[i], buf, keep)
+            g = g + momentum * buf if nesterov else buf
+        w = w - _mt_lr(lr, p) * g
+        _mt_commit(w_t, w, keep)
+        if masters:
+            _mt_commit(p, w, keep)
+    _mt_steps_advance(steps, keep)
+
+
+def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps, weight_decay,
+                      bias_correction=True, maximize=False, grad_scale=None, found_inf=None):
+    """LAMB: Adam-style update u plus weight decay, scaled per tensor by ||w|| / ||u||."""
+    keep, inv = _mt_keep(found_inf), _mt_inv_scale(grad_scale)
+    for i, p in enumerate(params):
+        w_t = masters[i] if masters else p
+        s = steps[i].reshape(()).double() + 1
+        one = torch.ones((), dtype=torch.float64, device=s.device)
+        bc1 = (-torch.expm1(s * _math.log(beta1)) if bias_correction else one).float()
+        bc2 = (-torch.expm1(s * _math.log(beta2)) if bias_correction else one).float()
+        g = _mt_grad(grads[i], inv, maximize)
+        w = _mt_math(w_t)
+        m = _mt_math(exp_avgs[i])
+        m = m + (1 - beta1) * (g - m)
+        v = beta2 * _mt_math(exp_avg_sqs[i]) + (1 - beta2) * g * g
+        u = (m / bc1) / ((v / bc2).sqrt() + eps) + weight_decay * w
+        wn = w.double().pow(2).sum().sqrt().float()
+        un = u.double().pow(2).sum().sqrt().float()
+        ratio = torch.where((wn > 0) & (un > 0), wn / un, torch.ones_like(wn))
+        w = w - (_mt_lr(lr, p) * ratio) * u
+        for dst, new in ((exp_avgs[i], m), (exp_avg_sqs[i], v), (w_t, w)):
+            _mt_commit(dst, new, keep)
+        if masters:
+            _mt_commit(p, w, keep)
+    _mt_steps_advance(steps, keep)
 # [end section: multi_tensor]
 
 # [section: layer_norm]

@@ -1,0 +1,226 @@
+"""Multi-tensor ops: one kernel launch for a whole list of tensors (csrc/multi_tensor_*.cu).
+
+Each function takes lists (one tensor per parameter) and a ``fused`` switch:
+``"auto"`` runs the CUDA kernel for CUDA tensors in float32/float16/bfloat16 when the
+extension builds (else the reference in :mod:`mptrain.ops.reference`, with one
+warning per process), ``True`` insists on the kernel, ``False`` always uses the
+reference. Scalars that change every step (``lr``, ``grad_scale``) may be 1-element
+float32 tensors on the device; ``found_inf`` always is. Nothing here syncs with
+the host on the kernel path, so every op can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import reference
+
+FUSED_CHOICES = (True, False, "auto")
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+Scalar = Union[float, torch.Tensor]
+
+
+def _extension(op: str, tensors: Sequence[torch.Tensor], fused) -> Optional[object]:
+    """The extension when the kernel should run on these tensors, else None (use the reference)."""
+    if fused not in FUSED_CHOICES:
+        raise ValueError(f"{op}: fused={fused!r}; expected one of {FUSED_CHOICES}")
+    if fused is False or len(tensors) == 0:
+        return None
+    t = tensors[0]
+    if not t.is_cuda or any(x.dtype not in KERNEL_DTYPES for x in tensors):
+        if fused is True:
+            raise RuntimeError(f"{op}: fused=True needs CUDA tensors in {KERNEL_DTYPES}, got {t.dtype} on {t.device}; "
+                               "use fused='auto' to fall back to the reference")
+        return None
+    from .build import get_extension  # lazily: importing torch.utils.cpp_extension is slow
+
+    return get_extension(required=fused is True)
+
+
+def _device_scalar(value: Optional[Scalar], device: torch.device, what: str, op: str) -> Optional[torch.Tensor]:
+    """A 1-element float32 tensor on ``device`` (or None)."""
+    if value is None:
+        return None
+    if not torch.is_tensor(value):
+        return torch.full((), float(value), dtype=torch.float32, device=device)
+    if value.numel() != 1:
+        raise ValueError(f"{op}: {what} must hold one value, got shape {tuple(value.shape)}")
+    return value.to(device=device, dtype=torch.float32).reshape(())
+
+
+def _check_found_inf(found_inf: Optional[torch.Tensor], device: torch.device, op: str) -> None:
+    if found_inf is None:
+        return
+    if not torch.is_tensor(found_inf) or found_inf.dtype != torch.float32 or found_inf.numel() != 1:
+        raise TypeError(f"{op}: found_inf must be a float32 tensor with one element (it is written in place), "
+                        f"got {found_inf!r:.80}")
+    if found_inf.device != device:
+        raise ValueError(f"{op}: found_inf is on {found_inf.device} but the tensors are on {device}; "
+                         "create it on the tensors' device")
+
+
+def _groups(*lists: Sequence[torch.Tensor]) -> dict:
+    """Indices grouped by (device, dtype of each list's tensor): one kernel call per group."""
+    out: dict = defaultdict(list)
+    for i in range(len(lists[0])):
+        out[(lists[0][i].device,) + tuple(lst[i].dtype for lst in lists)].append(i)
+    return out
+
+
+# ---------------------------------------------------------------- scale / copy / norm
+
+
+def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: Optional[Scalar],
+                        found_inf: Optional[torch.Tensor] = None, *, fused="auto") -> None:
+    """``dst[i] = src[i] * scale`` (any fp32/fp16/bf16 mix), and ``found_inf = 1`` if any
+    ``src`` element is inf or NaN. ``scale=None`` copies. Empty ``dst`` only checks."""
+    src, dst = list(src), list(dst)
+    if dst and len(dst) != len(src):
+        raise ValueError(f"multi_tensor_scale_: {len(src)} sources but {len(dst)} destinations")
+    if not src:
+        return
+    for key, idx in _groups(src, *([dst] if dst else [])).items():
+        s = [src[i] for i in idx]
+        d = [dst[i] for i in idx] if dst else []
+        device = key[0]
+        _check_found_inf(found_inf, device, "multi_tensor_scale_")
+        sc = _device_scalar(scale, device, "scale", "multi_tensor_scale_")
+        ext = _extension("multi_tensor_scale_", s + d, fused)
+        if ext is None:
+            reference.multi_tensor_scale(s, d, sc, found_inf)
+        else:
+            ext.multi_tensor_scale(s, d, sc, found_inf)
+
+
+def multi_tensor_unscale_(grads: Sequence[torch.Tensor], inv_scale: Scalar, found_inf: torch.Tensor, *,
+                          fused="auto") -> None:
+    """In place ``g *= inv_scale`` for every grad (fp32, fp16 **and bf16**), and
+    ``found_inf = 1`` if any grad held an inf or NaN: torch's
+    ``_amp_foreach_non_finite_check_and_unscale_`` with bf16 support."""
+    multi_tensor_scale_(grads, grads, inv_scale, found_inf, fused=fused)
+
+
+def multi_tensor_check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, *, fused="auto") -> None:
+    """``found_inf = 1`` if any element of any tensor is inf or NaN (read-only pass)."""
+    multi_tensor_scale_(tensors, [], None, found_inf, fused=fused)
+
+
+def multi_tensor_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, fused="auto") -> None:
+    """``dst[i].copy_(src[i])`` for the whole list in one launch per dtype pair (the
+    master-weight path's grads-up / params-down copies)."""
+    multi_tensor_scale_(src, dst, None, None, fused=fused)
+
+
+def multi_tensor_l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False, *, fused="auto"):
+    """The L2 norm of all tensors together, a 0-dim float32 tensor on their device;
+    with ``per_tensor=True`` also each tensor's norm (float32 [n]): ``(total, norms)``.
+    Deterministic (no atomics). Squares are summed in fp32 within chunks of a few
+    thousand elements and in float64 across them."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("multi_tensor_l2norm: got an empty list; pass at least one tensor")
+    device = tensors[0].device
+    sq_parts, per = [], torch.empty(len(tensors), dtype=torch.float32, device=device) if per_tensor else None
+    for key, idx in _groups(tensors).items():
+        if key[0] != device:
+            raise ValueError(f"multi_tensor_l2norm: tensors on {device} and {key[0]}; pass one device at a time")
+        group = [tensors[i] for i in idx]
+        ext = _extension("multi_tensor_l2norm", group, fused)
+        if ext is None:
+            total, norms = reference.multi_tensor_l2norm(group, per_tensor)
+        else:
+            total, norms = ext.multi_tensor_l2norm(group, per_tensor)
+        sq_parts.append(total.double() ** 2)
+        if per_tensor:
+            per[torch.tensor(idx, device=device)] = norms
+    total = sq_parts[0].sqrt().float() if len(sq_parts) == 1 else torch.stack(sq_parts).sum().sqrt().float()
+    return (total, per) if per_tensor else total
+
+
+# ---------------------------------------------------------------- optimizer steps
+
+
+def _step_args(op, params, steps, masters, lr, grad_scale, found_inf):
+    device = params[0].device
+    _check_found_inf(found_inf, device, op)
+    gs = _device_scalar(grad_scale, device, "grad_scale", op)
+    if masters is not None and len(masters) not in (0, len(params)):
+        raise ValueError(f"{op}: {len(masters)} masters for {len(params)} params; pass one per param or none")
+    if len(steps) != len(params):
+        raise ValueError(f"{op}: {len(steps)} step counts for {len(params)} params")
+    return device, gs, list(masters or [])
+
+
+def _lr_for_kernel(lr: Scalar, device: torch.device):
+    """(float lr, lr tensor or None): a CUDA lr tensor is read on the device, a CPU one is a float."""
+    if torch.is_tensor(lr):
+        if lr.device.type == "cpu":
+            return float(lr), None
+        return 0.0, lr.to(device=device, dtype=torch.float32).reshape(())
+    return float(lr), None
+
+
+def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None, *, lr: Scalar, beta1: float,
+                      beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
+                      grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
+                      fused="auto") -> None:
+    """One Adam (``decoupled=False``) or AdamW step over lists of one dtype, in place.
+
+    ``steps`` are float32 1-element counts (advanced here); ``masters`` (fp32, for
+    fp16/bf16 params) carry the weights, the params get their rounded copy. Grads are
+    divided by ``grad_scale``; a non-zero ``found_inf`` leaves every tensor unchanged.
+    """
+    if not params:
+        return
+    device, gs, masters = _step_args("multi_tensor_adam", params, steps, masters, lr, grad_scale, found_inf)
+    ext = _extension("multi_tensor_adam", list(params) + list(grads), fused)
+    if ext is None:
+        reference.multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps,
+                                    weight_decay, decoupled, maximize, gs, found_inf)
+        return
+    lr_f, lr_t = _lr_for_kernel(lr, device)
+    ext.multi_tensor_adam(list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), masters, lr_f,
+                          lr_t, beta1, beta2, eps, weight_decay, decoupled, maximize, gs, found_inf)
+
+
+def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters=None, *, lr: Scalar, momentum: float,
+                     dampening: float, weight_decay: float, nesterov: bool, maximize: bool = False,
+                     grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
+                     fused="auto") -> None:
+    """One SGD step over lists of one dtype, in place (``momentum_buffers`` empty when
+    momentum is 0). A step count of 0 marks new buffers: they start as the grad."""
+    if not params:
+        return
+    device, gs, masters = _step_args("multi_tensor_sgd", params, steps, masters, lr, grad_scale, found_inf)
+    bufs = list(momentum_buffers) if momentum != 0 else []
+    if momentum != 0 and len(bufs) != len(params):
+        raise ValueError(f"multi_tensor_sgd: momentum={momentum} needs one buffer per param, got {len(bufs)}")
+    ext = _extension("multi_tensor_sgd", list(params) + list(grads), fused)
+    if ext is None:
+        reference.multi_tensor_sgd(grads, params, bufs, steps, masters, lr, momentum, dampening, weight_decay,
+                                   nesterov, maximize, gs, found_inf)
+        return
+    lr_f, lr_t = _lr_for_kernel(lr, device)
+    ext.multi_tensor_sgd(list(grads), list(params), bufs, list(steps), masters, lr_f, lr_t, momentum, dampening,
+                         weight_decay, nesterov, maximize, gs, found_inf)
+
+
+def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None, *, lr: Scalar, beta1: float,
+                      beta2: float, eps: float, weight_decay: float, bias_correction: bool = True,
+                      maximize: bool = False, grad_scale: Optional[Scalar] = None,
+                      found_inf: Optional[torch.Tensor] = None, fused="auto") -> None:
+    """One LAMB step over lists of one dtype, in place (see csrc/multi_tensor_lamb.cu for the rule)."""
+    if not params:
+        return
+    device, gs, masters = _step_args("multi_tensor_lamb", params, steps, masters, lr, grad_scale, found_inf)
+    ext = _extension("multi_tensor_lamb", list(params) + list(grads), fused)
+    if ext is None:
+        reference.multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps,
+                                    weight_decay, bias_correction, maximize, gs, found_inf)
+        return
+    lr_f, lr_t = _lr_for_kernel(lr, device)
+    ext.multi_tensor_lamb(list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), masters, lr_f,
+                          lr_t, beta1, beta2, eps, weight_decay, bias_correction, maximize, gs, found_inf)
