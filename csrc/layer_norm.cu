@@ -151,12 +151,17 @@ ln_fwd_generic(const T* __restrict__ x, const W* __restrict__ gamma, const W* __
 //   dx   = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g) term)
 //   dgamma = sum_rows dy * xhat,  dbeta = sum_rows dy
 
+// x, dy and the saved statistics of one row (zeros past the end).  Issued together so
+// the next row's loads, statistics included, are in flight while this row is reduced.
 template <typename T, int NV, int TPR>
-__device__ __forceinline__ void load_rows(uint4 (&a)[NV], uint4 (&b)[NV], const T* pa, const T* pb,
-                                          int64_t row, int64_t rows, int H, int lane) {
+__device__ __forceinline__ void load_rows(uint4 (&a)[NV], uint4 (&b)[NV], float& mu, float& rs, const T* pa,
+                                          const T* pb, const float* mean, const float* rstd, int64_t row,
+                                          int64_t rows, int H, int lane) {
   constexpr int VEC = Vec16<T>::n;
   const int nvec = H / VEC;
   const bool valid = row < rows;
+  mu = (valid && mean) ? mean[row] : 0.f;  // mean is nullptr for RMSNorm
+  rs = valid ? rstd[row] : 0.f;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int j = i * TPR + lane;
@@ -190,14 +195,14 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
   const int64_t iters = (rows + stride - 1) / stride;
   int64_t row = int64_t(blockIdx.x) * RPB + g;
   uint4 cx[NV], cdy[NV];
-  load_rows<T, NV, TPR>(cx, cdy, x, dy, row, rows, H, lane);
+  float mu, rs;
+  load_rows<T, NV, TPR>(cx, cdy, mu, rs, x, dy, mean, rstd, row, rows, H, lane);
 
   for (int64_t it = 0; it < iters; ++it, row += stride) {
     uint4 nx[NV], ndy[NV];
-    if constexpr (PREFETCH) load_rows<T, NV, TPR>(nx, ndy, x, dy, row + stride, rows, H, lane);
+    float nmu, nrs;
+    if constexpr (PREFETCH) load_rows<T, NV, TPR>(nx, ndy, nmu, nrs, x, dy, mean, rstd, row + stride, rows, H, lane);
     const bool valid = row < rows;
-    const float mu = (valid && !rms) ? mean[row] : 0.f;
-    const float rs = valid ? rstd[row] : 0.f;
 
     float s[2] = {0.f, 0.f};
 #pragma unroll
@@ -246,8 +251,10 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
         cx[i] = nx[i];
         cdy[i] = ndy[i];
       }
+      mu = nmu;
+      rs = nrs;
     } else {
-      load_rows<T, NV, TPR>(cx, cdy, x, dy, row + stride, rows, H, lane);
+      load_rows<T, NV, TPR>(cx, cdy, mu, rs, x, dy, mean, rstd, row + stride, rows, H, lane);
     }
   }
   if (dg_part == nullptr && db_part == nullptr) return;

@@ -17,6 +17,8 @@
 // Math is fp32; storage fp32/fp16/bf16 (all tensors of one call share the dtype).
 #include "type_shim.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
+
 #include <optional>
 #include <vector>
 
@@ -353,6 +355,7 @@ std::vector<at::Tensor> lstm_cell_forward(const at::Tensor& x, const at::Tensor&
                                           const std::optional<at::Tensor>& b_ih,
                                           const std::optional<at::Tensor>& b_hh) {
   const char* op = "lstm_cell_forward";
+  const at::AutoDispatchBelowADInplaceOrView no_autograd;  // internal tensors: skip autograd dispatch
   MPT_CHECK_CUDA(x, op);
   const int64_t H = w_hh.size(-1);
   check_weights(x, w_ih, w_hh, H, op);
@@ -370,6 +373,7 @@ std::vector<at::Tensor> lstm_cell_backward(const std::optional<at::Tensor>& dh,
                                            const at::Tensor& w_hh, const at::Tensor& ws,
                                            const at::Tensor& c_new, const std::vector<bool>& need) {
   TORCH_CHECK(need.size() == 6, "lstm_cell_backward: 'need' must have 6 flags (x, h, c, w_ih, w_hh, bias)");
+  const at::AutoDispatchBelowADInplaceOrView no_autograd;  // internal tensors: skip autograd dispatch
   const c10::cuda::CUDAGuard guard(ws.device());
   auto r = lstm_cell_pointwise_backward(dh, std::nullopt, dc, c, c_new, ws);
   const at::Tensor& dg = r[0];
@@ -392,6 +396,7 @@ std::vector<at::Tensor> lstm_layer_forward(const at::Tensor& x, const at::Tensor
                                            const std::optional<at::Tensor>& b_ih,
                                            const std::optional<at::Tensor>& b_hh) {
   const char* op = "lstm_layer_forward";
+  const at::AutoDispatchBelowADInplaceOrView no_autograd;  // internal tensors: skip autograd dispatch
   MPT_CHECK_CUDA(x, op);
   TORCH_CHECK(x.dim() == 3, op, ": input must be (T, batch, input_size), got ", x.sizes());
   const int64_t T = x.size(0), B = x.size(1), I = x.size(2), H = w_hh.size(-1);
@@ -439,6 +444,7 @@ std::vector<at::Tensor> lstm_layer_backward(const std::optional<at::Tensor>& d_o
                                             const at::Tensor& w_ih, const at::Tensor& w_hh,
                                             const std::vector<bool>& need) {
   const char* op = "lstm_layer_backward";
+  const at::AutoDispatchBelowADInplaceOrView no_autograd;  // internal tensors: skip autograd dispatch
   TORCH_CHECK(need.size() == 6, op, ": 'need' must have 6 flags (x, h0, c0, w_ih, w_hh, bias)");
   TORCH_CHECK(x.dim() == 3, op, ": input must be (T, batch, input_size), got ", x.sizes());
   const int64_t T = x.size(0), B = x.size(1), I = x.size(2), H = w_hh.size(-1);

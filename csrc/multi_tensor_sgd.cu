@@ -51,7 +51,7 @@ struct SgdOp {
     const bool vec = vec_aligned<G>(g) && vec_aligned<P>(p) && (!a.has_momentum || vec_aligned<S>(buf)) &&
                      (!MASTER || vec_aligned<float>(master));
 
-    float rg[kILP][kVec], rw[kILP][kVec], rb[kILP][kVec];
+    float rg[kILP][kVec], rw[kILP][kVec], rb[kILP][kVec] = {};  // rb stays 0 on a first step
     load_frag(rg, g, n, vec);
     if (MASTER) load_frag(rw, master, n, vec);
     else load_frag(rw, p, n, vec);

@@ -30,10 +30,37 @@ struct MaskLayout {
   int64_t s0 = 0, s1 = 0, sq_stride = 0, key_stride = 0;
   int64_t d1 = 1, sq = 1;
   int mode = 0;  // 0 none, 1 vector loads (key stride 1, aligned), 2 one byte per row (key stride 0), 3 bytewise
+  // When the mask is broadcast over D1 (the heads of a [B, 1, Sq, Sk] mask), blocks walk
+  // the rows in (D0, Sq, D1) order: the D1 rows sharing a mask row run back to back, so
+  // the mask is read from HBM about once instead of once per head.
+  bool heads_inner = false;
 
-  __device__ __forceinline__ const uint8_t* row_ptr(int64_t row) const {
-    const int64_t q = row % sq, t = row / sq;
-    return ptr + (t / d1) * s0 + (t % d1) * s1 + q * sq_stride;
+  bool idx32 = true;  // every row index fits 32 bits: cheaper index arithmetic
+
+  // Row `lin` of the launch -> (row of x, query index q, mask row).  A few integer
+  // divisions per row, in 32 bits whenever the sizes allow (64-bit division is slow).
+  template <typename I>
+  __device__ __forceinline__ void locate_as(int64_t lin, int64_t& row, int64_t& q, const uint8_t*& mrow) const {
+    const I l = I(lin), n1 = I(d1), nq = I(sq);
+    I i0, i1, iq;
+    if (heads_inner) {
+      i1 = l % n1;
+      const I t = l / n1;
+      iq = t % nq;
+      i0 = t / nq;
+    } else {
+      iq = l % nq;
+      const I t = l / nq;
+      i1 = t % n1;
+      i0 = t / n1;
+    }
+    row = (int64_t(i0) * d1 + int64_t(i1)) * sq + int64_t(iq);
+    q = int64_t(iq);
+    mrow = mode != 0 ? ptr + int64_t(i0) * s0 + int64_t(i1) * s1 + int64_t(iq) * sq_stride : nullptr;
+  }
+  __device__ __forceinline__ void locate(int64_t lin, int64_t& row, int64_t& q, const uint8_t*& mrow) const {
+    if (idx32) locate_as<uint32_t>(lin, row, q, mrow);
+    else locate_as<uint64_t>(lin, row, q, mrow);
   }
 };
 
@@ -75,11 +102,12 @@ softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int
   constexpr int VEC = Vec16<T>::n, RPB = BLOCK / TPR;
   __shared__ float red[2][BLOCK / 32];
   const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
-  const int64_t row = int64_t(blockIdx.x) * RPB + g;
-  const bool valid = row < rows;
+  const int64_t lin = int64_t(blockIdx.x) * RPB + g;
+  const bool valid = lin < rows;
   const int nvec = S / VEC;
-  const int64_t q = row % m.sq;
-  const uint8_t* mrow = (valid && m.mode != 0) ? m.row_ptr(row) : nullptr;
+  int64_t row, q;
+  const uint8_t* mrow;
+  m.locate(valid ? lin : 0, row, q, mrow);
 
   float v[NV][VEC];
 #pragma unroll
@@ -181,10 +209,11 @@ softmax_fwd_generic(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, in
   constexpr int RPB = BLOCK / TPR;
   __shared__ float red[2][BLOCK / 32];
   const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
-  const int64_t row = int64_t(blockIdx.x) * RPB + g;
-  const bool valid = row < rows;
-  const int64_t q = row % m.sq;
-  const uint8_t* mrow = (valid && m.mode != 0) ? m.row_ptr(row) : nullptr;
+  const int64_t lin = int64_t(blockIdx.x) * RPB + g;
+  const bool valid = lin < rows;
+  int64_t row, q;
+  const uint8_t* mrow;
+  m.locate(valid ? lin : 0, row, q, mrow);
   const T* xr = x + row * S;
   auto value = [&](int c) {
     const bool masked = (mrow && mrow[c * m.key_stride]) || (causal && c > q);
@@ -272,7 +301,9 @@ void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows,
                           ml.s1 % VEC == 0 && ml.sq_stride % VEC == 0;
       ml.mode = vec_ok ? 1 : 3;
     }
+    ml.heads_inner = ml.s1 == 0 && ml.d1 > 1;
   }
+  ml.idx32 = rows <= int64_t(UINT32_MAX);
   const bool aligned = S % VEC == 0 && aligned16(xp) && aligned16(yp);
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
   if (shape != RowShape::Generic) {

@@ -127,6 +127,16 @@ def wandb_logger(root_dir: str, **kwargs):
     return WandbLogger(offline=offline, **kwargs)
 
 
+def finish_loggers(loggers: Iterable, status: str = "success") -> None:
+    """Flush and close every logger; W&B runs are finished here rather than in an exit hook
+    (which can race interpreter shutdown and leave an offline run without its summary)."""
+    for lg in loggers:
+        lg.finalize(status)
+        run = getattr(lg, "_experiment", None)
+        if type(lg).__name__ == "WandbLogger" and run is not None and hasattr(run, "finish"):
+            run.finish(exit_code=0 if status == "success" else 1)
+
+
 def redact(obj: Any, secrets: Optional[Iterable[str]] = None) -> Any:
     """A copy of ``obj`` (nested dicts/lists) with secret-looking keys and known secret values
     replaced, so a config can be logged or saved."""

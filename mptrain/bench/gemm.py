@@ -64,6 +64,12 @@ def gemm_flops(n: int) -> float:
     return 2.0 * n**3
 
 
+def products_per_call(n: int, min_flops: float = 3.5e10) -> int:
+    """Products per timed call: a 1024^3 bf16 product takes ~3 us on an H200, less than the
+    events' resolution and the launch overhead; several per call keep the timing meaningful."""
+    return max(1, min(64, int(-(-min_flops // gemm_flops(n)))))
+
+
 def unsupported_reason(dtype: str, capability: Optional[tuple[int, int]]) -> Optional[str]:
     """None when ``dtype`` can run on a device of ``capability`` with this torch, else why not."""
     if capability is None:
@@ -79,17 +85,19 @@ def unsupported_reason(dtype: str, capability: Optional[tuple[int, int]]) -> Opt
 
 
 def make_operands(dtype: str, n: int, device, gen: Optional[torch.Generator] = None) -> tuple:
-    """Random ``(a, b)`` for ``dtype``: a row-major, b column-major where the kernel wants it."""
+    """Random ``(a, b)`` for ``dtype``, drawn on ``device`` (``gen`` must live there too):
+    a row-major; b column-major for int8/fp8, the layout cuBLASLt's int8/fp8 kernels take."""
+    kw = {"device": device, "generator": gen}
     if dtype == "int8":
-        a = torch.randint(-128, 128, (n, n), dtype=torch.int8, generator=gen)
-        bt = torch.randint(-128, 128, (n, n), dtype=torch.int8, generator=gen)
-        return a.to(device), bt.to(device).t()  # b column-major: the layout cuBLASLt's IMMA kernels take
-    a = torch.randn(n, n, generator=gen)
-    b = torch.randn(n, n, generator=gen)
+        a = torch.randint(-128, 128, (n, n), dtype=torch.int8, **kw)
+        bt = torch.randint(-128, 128, (n, n), dtype=torch.int8, **kw)
+        return a, bt.t()
+    a = torch.randn(n, n, **kw)
+    b = torch.randn(n, n, **kw)
     if dtype == "fp8":
-        return a.to(torch.float8_e4m3fn).to(device), b.to(torch.float8_e4m3fn).to(device).t()
+        return a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
     dt = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    return a.to(device=device, dtype=dt), b.to(device=device, dtype=dt)
+    return a.to(dt), b.to(dt)
 
 
 def gemm_fn(dtype: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -122,7 +130,7 @@ def run_cases(sizes: list[int], dtypes: list[str], capability: Optional[tuple[in
               timer: Callable[[Callable[[], object]], float] = median_ms) -> list[dict]:
     """Time every (size, dtype); rows carry ms, TFLOP/s and speed-up vs fp32 (or a status)."""
     rows = []
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     for n in sizes:
         base_ms = None
         for dtype in dtypes:
@@ -136,12 +144,14 @@ def run_cases(sizes: list[int], dtypes: list[str], capability: Optional[tuple[in
                 fn = gemm_fn(dtype)
                 per_set = 2 * n * n * _BYTES[dtype]
                 sets = Rotating(lambda: make_operands(dtype, n, device, gen), sets_for(per_set))
+                reps = products_per_call(n)
                 with _matmul_precision(dtype):
                     def call():
-                        a, b = sets.next()
-                        return fn(a, b)
+                        for _ in range(reps):
+                            a, b = sets.next()
+                            fn(a, b)
                     call()  # fails here, not inside the timer, if the kernel is missing
-                    ms = timer(call)
+                    ms = timer(call) / reps
             except (RuntimeError, TypeError) as e:
                 row["status"] = f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
                 rows.append(row)

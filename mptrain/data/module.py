@@ -61,7 +61,8 @@ class MPTDataModule(L.LightningDataModule):
         pin_memory: pin host batches when training on a GPU (ignored without CUDA).
         seed: seed of the shuffling order and of per-sample randomness.
         synthetic: use device-generated random batches of the real shapes instead of files.
-        synthetic_batches: batches per epoch in synthetic mode.
+        synthetic_batches: training batches per epoch in synthetic mode (validation gets 2: a
+            synthetic run measures training, and a short run should not wait on validation).
     """
 
     def __init__(self, batch_size: int, num_workers: int = 0, pin_memory: bool = True, seed: int = 0,
@@ -82,8 +83,7 @@ class MPTDataModule(L.LightningDataModule):
     def synthetic_sets(self) -> None:
         device = lambda: training_device(self)  # noqa: E731  (resolved at first batch: the trainer is attached by then)
         self.train_set = SyntheticBatches(self.make_synthetic_batch, self.synthetic_batches, device, seed=self.seed)
-        self.val_set = SyntheticBatches(self.make_synthetic_batch, max(1, self.synthetic_batches // 10), device,
-                                        seed=self.seed + 1)
+        self.val_set = SyntheticBatches(self.make_synthetic_batch, 2, device, seed=self.seed + 1)
 
     # -- loaders -----------------------------------------------------------
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:

@@ -33,7 +33,7 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total: Ca
 
     def factor(step: int) -> float:
         steps = total()
-        warm = min(warmup_steps, max(0, steps - 1))
+        warm = warmup_steps
         if step < warm:
             return (step + 1) / warm
         progress = min(1.0, (step - warm) / max(1, steps - warm))
@@ -47,7 +47,7 @@ def warmup_linear(optimizer: torch.optim.Optimizer, warmup_steps: int, total: Ca
 
     def factor(step: int) -> float:
         steps = total()
-        warm = min(warmup_steps, max(0, steps - 1))
+        warm = warmup_steps
         if step < warm:
             return (step + 1) / warm
         return max(0.0, (steps - step) / max(1, steps - warm))

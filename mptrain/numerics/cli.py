@@ -149,5 +149,8 @@ def numerics_main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(numerics_main())
+if __name__ == "__main__":  # `python -m mptrain.numerics.cli doctor|numerics ...` without the top-level CLI
+    if len(sys.argv) < 2 or sys.argv[1] not in ("doctor", "numerics"):
+        print("usage: python -m mptrain.numerics.cli doctor|numerics [args]", file=sys.stderr)
+        raise SystemExit(2)
+    raise SystemExit((doctor_main if sys.argv[1] == "doctor" else numerics_main)(sys.argv[2:]))

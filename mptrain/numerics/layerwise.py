@@ -117,7 +117,7 @@ def _call_stats(ref: list[torch.Tensor], low: list[torch.Tensor], rtol: float, a
     viol = (both & (d > atol + rtol * rz.abs())).sum() + overflow.sum() + mismatch.sum()
     zero = d.new_zeros(())
     return torch.stack([
-        d.new_tensor(float(r.numel())), both.sum().double(), d.sum(),
+        d.new_full((), float(r.numel())), both.sum().double(), d.sum(),
         d.max() if d.numel() else zero, rel.max() if rel.numel() else zero,
         (rz * lz).sum(), (rz * rz).sum(), (lz * lz).sum(), (d * d).sum(),
         overflow.sum().double(), (nonzero_ref & (lz == 0)).sum().double(), viol.double(), mismatch.sum().double(),
@@ -299,7 +299,9 @@ class _Recorder:
         self.local, self.grads, self.grad_scale = local, grads, grad_scale
         self.calls: dict[str, int] = {}
         self.order: list[str] = []
-        self.inputs: dict[tuple, Any] = {}
+        self.inputs: dict[tuple, Any] = {}  # ref: cloned (args, kwargs) per call, for the local re-runs
+        self.in_finite: dict[tuple, torch.Tensor] = {}  # low: whether the call's input was all finite
+        self.in_template: dict[tuple, Any] = {}  # low: the call's (args, kwargs) as passed in
         self.outputs: dict[tuple, list] = {}
         self.out_grads: dict[tuple, list] = {}
         self.grad_order: list[tuple] = []
@@ -312,7 +314,10 @@ class _Recorder:
         self.handles = []
         self.modules = dict(_watched_modules(model))
         for name, m in self.modules.items():
-            self.handles.append(m.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            # Prepended: the pre-hook sees what the caller passed, before other pre-hooks (the
+            # fp32 policy of *-master norms upcasts half input) change it; the forward hook
+            # runs last and sees the final output.
+            self.handles.append(m.register_forward_pre_hook(self._pre(name), with_kwargs=True, prepend=True))
             self.handles.append(m.register_forward_hook(self._post(name), with_kwargs=True))
 
     def remove(self) -> None:
@@ -329,7 +334,8 @@ class _Recorder:
                 # Cloned now: an in-place module (ReLU(inplace=True)) overwrites its input.
                 self.inputs[key] = (_detach_clone(args), _detach_clone(kwargs))
             if self.role == "low":
-                self.inputs[key] = _all_finite((args, kwargs))
+                self.in_finite[key] = _all_finite((args, kwargs))
+                self.in_template[key] = (args, kwargs)  # only the dtypes are read (for the local cast)
             return None
         return hook
 
@@ -352,19 +358,21 @@ class _Recorder:
                 self.outputs[key] = [t.detach().clone() for t in outs]
                 return None
             self.dtypes.setdefault(name, str(outs[0].dtype).replace("torch.", ""))
-            ref = self.shadow.outputs.get(key)
+            # Popped: each stored fp32 tensor is compared once, then freed (peak memory).
+            ref = self.shadow.outputs.pop(key, None)
             if ref is None or [t.shape for t in ref] != [t.shape for t in outs]:
                 return None
             self.stats.setdefault(name, []).append(_call_stats(ref, outs, self.rtol, self.atol))
-            in_finite = self.inputs.pop(key, torch.tensor(True))
+            in_finite = self.in_finite.pop(key, torch.tensor(True))
             self.new_nonfinite.setdefault(name, []).append(in_finite & ~_all_finite(outs))
+            low_args, low_kwargs = self.in_template.pop(key, (args, kwargs))
             if self.local and key in self.shadow.inputs:
-                self._local(module, name, key, args, kwargs, ref)
+                self._local(module, name, key, low_args, low_kwargs, ref)
             return None
         return hook
 
     def _local(self, module, name, key, args, kwargs, ref) -> None:
-        ref_args, ref_kwargs = self.shadow.inputs[key]
+        ref_args, ref_kwargs = self.shadow.inputs.pop(key)
         cast_args, cast_kwargs = _cast_like(ref_args, args), _cast_like(ref_kwargs, kwargs)
         # The cast itself may overflow (fp32 value > fp16 max): then the damage is upstream.
         ok_in = _all_finite((cast_args, cast_kwargs)) | ~_all_finite((ref_args, ref_kwargs))
@@ -433,6 +441,7 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
         local: also measure each module's own error on its fp32 input (ranks the table).
         train_mode: keep the model's modules in training mode (BatchNorm batch statistics);
             by default both copies are in eval mode, so dropout cannot make them differ.
+            Dropout masks are not reproduced between the copies: set dropout to 0 with it.
         loss_scale: the low-precision loss is multiplied by it before backward and the
             gradients divided by it (what a loss scaler does for fp16).
     """
@@ -467,7 +476,7 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
 
 
 def _fill_forward(report: LayerwiseReport, ref_rec: _Recorder, low_rec: _Recorder) -> None:
-    unmatched = [n for n in ref_rec.order if n not in low_rec.stats and ref_rec.outputs.get((n, 0))]
+    unmatched = [n for n in ref_rec.order if n not in low_rec.stats and (n, 0) in ref_rec.outputs]
     if unmatched:
         report.notes.append(f"{len(unmatched)} module(s) had no matching low-precision output: {unmatched[:5]}")
     for name in ref_rec.order:

@@ -164,18 +164,24 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, pad: bool = True) -> torch.Ten
     _check_mm_operands(a, b)
     if not (a.is_cuda and hasattr(torch, "_int_mm")):
         return int8_matmul_reference(a, b)
-    m, k = a.shape
-    n = b.shape[1]
     if int_mm_supported(a, b) is None:
         # A row-major, B column-major: the layout cuBLASLt's IMMA kernels take without a
         # transpose pass (a Linear's weight.t() already is; a row-major B costs one copy).
         return _int_mm_checked(a.contiguous(), b if b.stride(0) == 1 else b.t().contiguous().t())
     if not pad:
         return int8_matmul_reference(a, b)
-    mp, kp, np_ = max(m, 32) if m <= 16 else m, _round_up(k, 8), _round_up(n, 8)
+    return _int_mm_padded(a, b)
+
+
+def _int_mm_padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` through ``torch._int_mm`` on operands zero-padded to shapes it accepts
+    (M > 16, K and N multiples of 8); zeros add nothing to integer sums, so it stays exact."""
+    m, k = a.shape
+    n = b.shape[1]
+    mp, kp, np_ = 32 if m <= 16 else m, _round_up(k, 8), _round_up(n, 8)
     ap = torch.zeros((mp, kp), dtype=torch.int8, device=a.device)
     ap[:m, :k] = a
-    bp = torch.zeros((np_, kp), dtype=torch.int8, device=b.device)
+    bp = torch.zeros((np_, kp), dtype=torch.int8, device=b.device)  # B^T rows: B column-major
     bp[:n, :k] = b.t()
     return _int_mm_checked(ap, bp.t())[:m, :n]
 

@@ -61,7 +61,9 @@ def summarize(name: str, precision: str, report, seconds: float) -> str:
         lines.append(f"   final output ({last['module']}): cosine={last['cosine']:.6f} max_abs={last['max_abs']:.3e} "
                      f"rel_err={report.details[-1]['rel_err']:.3e}")
     for row, det in worst:
-        lines.append(f"   worst: {row['module']:<45} local_err={det.get('local_rel_err')} rel_err={det['rel_err']:.3e} "
+        local = det.get("local_rel_err")
+        local = "—" if local is None else f"{local:.3e}"
+        lines.append(f"   worst: {row['module']:<45} local_err={local} rel_err={det['rel_err']:.3e} "
                      f"underflow={row['underflow_frac']:.2e}")
     if report.grad_rows:
         g = report.grad_rows[-1]

@@ -309,10 +309,10 @@ def build_lock(build_dir: Path, timeout: Optional[float] = None) -> Iterator[Non
                 time.sleep(0.2)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        stale = build_dir / "lock"
-        if stale.exists():
-            print(f"mptrain: removing stale build lock {stale} (left by an interrupted build)", file=sys.stderr)
-            stale.unlink(missing_ok=True)
+        # Older torch (FileBaton) blocks while this file merely exists; a killed build
+        # leaves it behind. Newer torch flocks it and leaves it in place after every
+        # build. Either way nobody can be using it while we hold our lock.
+        (build_dir / "lock").unlink(missing_ok=True)
         yield
     finally:
         os.close(fd)  # drops the flock

@@ -7,9 +7,11 @@ saves fp32 mean/rstd, and returns dx, dweight, dbias in the dtypes of x and the 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import reference
 
@@ -59,7 +61,7 @@ def _param_dtypes(x, weight, bias):
     return (None if weight is None else weight.float()), (None if bias is None else bias.float())
 
 
-def _check_param(name, p, shape, x):
+def _check_param(name, p, shape):
     if p is not None and tuple(p.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {list(p.shape)}, expected normalized_shape {list(shape)}")
     if p is not None and not p.is_floating_point():
@@ -76,6 +78,7 @@ class _NormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dw, db = ctx.ext.layer_norm_backward(dy.contiguous(), x, mean, rstd, weight, bias, ctx.hidden, ctx.rms)
@@ -83,10 +86,19 @@ class _NormFunction(torch.autograd.Function):
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None, None, None, None, None)
 
 
-def _cuda_autocast_upcast(x, weight, bias):
-    """Under CUDA autocast, torch runs layer_norm / rms_norm in fp32 and returns fp32:
-    do the same so the fused op is a drop-in there too."""
-    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+@functools.lru_cache(maxsize=None)
+def _autocast_fp32_op(op: str) -> bool:
+    """Whether CUDA autocast runs ``op`` in fp32 (layer_norm always; rms_norm in recent torch)."""
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA"))
+    except (AttributeError, RuntimeError):
+        return op == "aten::layer_norm"
+
+
+def _cuda_autocast_upcast(op, x, weight, bias):
+    """Under CUDA autocast torch runs layer_norm (and rms_norm) in fp32 and returns fp32:
+    do the same so the fused op is a drop-in there too (at the cost of one cast pass)."""
+    if x.is_cuda and torch.is_autocast_enabled("cuda") and _autocast_fp32_op(op):
         return x.float(), None if weight is None else weight.float(), None if bias is None else bias.float()
     return x, weight, bias
 
@@ -97,9 +109,9 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="
     ``weight``/``bias`` may be fp32 under fp16/bf16 ``x``; the output has ``x``'s dtype.
     """
     shape = reference.normalized_dims(x, normalized_shape)
-    _check_param("weight", weight, shape, x)
-    _check_param("bias", bias, shape, x)
-    x, weight, bias = _cuda_autocast_upcast(x, weight, bias)
+    _check_param("weight", weight, shape)
+    _check_param("bias", bias, shape)
+    x, weight, bias = _cuda_autocast_upcast("aten::layer_norm", x, weight, bias)
     ext = kernel_extension("layer_norm", x, (weight, bias), fused)
     if ext is None:
         return reference.layer_norm(x, shape, weight, bias, eps)
@@ -113,8 +125,8 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, fused="auto"):
     ``eps=None`` is torch's default (fp32 machine epsilon for fp32/fp16/bf16 input).
     """
     shape = reference.normalized_dims(x, normalized_shape)
-    _check_param("weight", weight, shape, x)
-    x, weight, _ = _cuda_autocast_upcast(x, weight, None)
+    _check_param("weight", weight, shape)
+    x, weight, _ = _cuda_autocast_upcast("aten::rms_norm", x, weight, None)
     ext = kernel_extension("rms_norm", x, (weight,), fused)
     if ext is None:
         return reference.rms_norm(x, shape, weight, eps)

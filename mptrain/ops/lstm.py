@@ -9,8 +9,6 @@ over all steps at once.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from . import reference
@@ -19,31 +17,38 @@ FUSED_CHOICES = ("auto", True, False)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+_loaded = None  # the extension once loaded: a step-by-step LSTM loop asks on every call
+
+
 def _extension():
     """The built extension, or None (not buildable here, or the loader is missing)."""
-    try:
-        from .build import get_extension
-    except ImportError:
-        return None
-    return get_extension(required=False)
+    global _loaded
+    if _loaded is None:
+        try:
+            from .build import get_extension
+        except ImportError:
+            return None
+        _loaded = get_extension(required=False)
+    return _loaded
 
 
-def _kernel_extension(tensors, fused):
-    """The extension when the kernel should run for these tensors, else None.
+def _kernel_extension(x, fused):
+    """The extension when the kernel should run for input ``x``, else None.
 
     ``fused``: "auto" uses the kernel for CUDA tensors when the extension loads; False
     always uses the reference; True requires the kernel and raises when it cannot run.
+    (Only ``x`` is inspected here, the kernel checks every other tensor's device and
+    dtype with a message naming it: this runs once per LSTM step.)
     """
-    if fused not in FUSED_CHOICES:
-        raise ValueError(f"fused={fused!r}: expected one of {FUSED_CHOICES}")
     if fused is False:
         return None
-    on_cuda = all(t.is_cuda for t in tensors if t is not None)
-    if not on_cuda:
+    if fused is not True and fused != "auto":
+        raise ValueError(f"fused={fused!r}: expected one of {FUSED_CHOICES}")
+    if not x.is_cuda:
         if fused is True:
             raise RuntimeError("fused=True: the fused LSTM kernels need CUDA tensors; use fused='auto' on the CPU")
         return None
-    dtype = _autocast_dtype("cuda") or tensors[0].dtype
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
     if dtype not in KERNEL_DTYPES:
         if fused is True:
             raise TypeError(f"fused=True: the fused LSTM kernels take {KERNEL_DTYPES}, got {dtype}; use fused='auto'")
@@ -58,22 +63,18 @@ def _kernel_extension(tensors, fused):
     return ext
 
 
-def _autocast_dtype(device_type: str):
-    """The autocast dtype when autocast is on for ``device_type``, else None."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
+def _apply(function, ext, tensors):
+    """function.apply(ext, *tensors), in the autocast dtype when autocast is on.
 
-
-def _cast_for_autocast(tensors, device_type: str):
-    """Under autocast the LSTM runs in the autocast dtype (torch puts lstm_cell on its
-    lower-precision list); the kernel needs one dtype, so cast every input to it.
-    Returns (tensors, context manager to run the kernel in)."""
-    dtype = _autocast_dtype(device_type)
-    if dtype is None:
-        return tensors, contextlib.nullcontext()
+    torch puts lstm_cell on autocast's lower-precision list; the kernel takes one dtype,
+    so under autocast every floating input is cast to it and the kernel runs with
+    autocast off."""
+    if not torch.is_autocast_enabled("cuda"):
+        return function.apply(ext, *tensors)
+    dtype = torch.get_autocast_dtype("cuda")
     cast = [None if t is None else (t.to(dtype) if t.is_floating_point() else t) for t in tensors]
-    return cast, torch.autocast(device_type, enabled=False)
+    with torch.autocast("cuda", enabled=False):
+        return function.apply(ext, *cast)
 
 
 class LSTMCellFunction(torch.autograd.Function):
@@ -132,12 +133,10 @@ def lstm_cell(x, h, c, w_ih, w_hh, b_ih=None, b_hh=None, *, fused="auto"):
     Returns (h', c'). CUDA tensors use the fused kernel when the extension is loaded.
     """
     tensors = (x, h, c, w_ih, w_hh, b_ih, b_hh)
-    ext = _kernel_extension(tensors, fused)
+    ext = _kernel_extension(x, fused)
     if ext is None:
         return reference.lstm_cell(*tensors)
-    tensors, ctx = _cast_for_autocast(tensors, "cuda")
-    with ctx:
-        return LSTMCellFunction.apply(ext, *tensors)
+    return _apply(LSTMCellFunction, ext, tensors)
 
 
 def lstm_layer(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None, *, fused="auto"):
@@ -148,11 +147,9 @@ def lstm_layer(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None, *, fused="auto"):
     if x.dim() != 3 or x.shape[0] == 0:
         raise ValueError(f"lstm_layer: x must be (T, batch, input_size) with T >= 1, got shape {tuple(x.shape)}")
     tensors = (x, h0, c0, w_ih, w_hh, b_ih, b_hh)
-    ext = _kernel_extension(tensors, fused)
+    ext = _kernel_extension(x, fused)
     if ext is None:
         out, c_n = reference.lstm_layer(*tensors)
     else:
-        tensors, ctx = _cast_for_autocast(tensors, "cuda")
-        with ctx:
-            out, c_n = LSTMLayerFunction.apply(ext, *tensors)
+        out, c_n = _apply(LSTMLayerFunction, ext, tensors)
     return out, out[-1], c_n

@@ -30,7 +30,8 @@ def _extension(op: str, tensors: Sequence[torch.Tensor], fused) -> Optional[obje
     if fused is False or len(tensors) == 0:
         return None
     t = tensors[0]
-    if not t.is_cuda or any(x.dtype not in KERNEL_DTYPES for x in tensors):
+    # Lists reach here split by dtype; the C++ side checks every tensor and names a stray one.
+    if not t.is_cuda or t.dtype not in KERNEL_DTYPES:
         if fused is True:
             raise RuntimeError(f"{op}: fused=True needs CUDA tensors in {KERNEL_DTYPES}, got {t.dtype} on {t.device}; "
                                "use fused='auto' to fall back to the reference")

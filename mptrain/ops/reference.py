@@ -238,21 +238,26 @@ def _lstm_math(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def _lstm_activated_gates(igates, hgates, b_ih, b_hh):
+    """sigmoid(i), sigmoid(f), tanh(g), sigmoid(o) of the summed pre-activations."""
+    g = _lstm_math(igates)
+    for extra in (hgates, b_ih, b_hh):
+        if extra is not None:
+            g = g + _lstm_math(extra)
+    i, f, gg, o = g.chunk(4, dim=-1)
+    return i.sigmoid(), f.sigmoid(), gg.tanh(), o.sigmoid()
+
+
 def lstm_cell_pointwise_forward(igates, hgates, c, b_ih=None, b_hh=None):
     """The forward kernel: (h', c', workspace) from pre-activation gates.
 
     ``igates`` (B, 4H) [+ ``hgates``] [+ biases] in fp32; the workspace is the activated
     gates (i, f, g, o) rounded to the storage dtype, as the kernel saves them.
     """
-    dtype = igates.dtype
-    g = _lstm_math(igates)
-    for extra in (hgates, b_ih, b_hh):
-        if extra is not None:
-            g = g + _lstm_math(extra)
-    i, f, gg, o = g.chunk(4, dim=-1)
-    i, f, gg, o = i.sigmoid(), f.sigmoid(), gg.tanh(), o.sigmoid()
+    i, f, gg, o = _lstm_activated_gates(igates, hgates, b_ih, b_hh)
     c_new = f * _lstm_math(c) + i * gg
     h_new = o * c_new.tanh()
+    dtype = igates.dtype
     return h_new.to(dtype), c_new.to(dtype), torch.cat([i, f, gg, o], dim=-1).to(dtype)
 
 
@@ -276,15 +281,10 @@ def lstm_cell_pointwise_backward(dh, dh2, dc, c_prev, c_new, ws):
 
 def lstm_cell_gates(igates, hgates, c, b_ih=None, b_hh=None):
     """Differentiable pointwise part: (h', c') with fp32 math, outputs in the gates' dtype."""
-    dtype = igates.dtype
-    g = _lstm_math(igates)
-    for extra in (hgates, b_ih, b_hh):
-        if extra is not None:
-            g = g + _lstm_math(extra)
-    i, f, gg, o = g.chunk(4, dim=-1)
-    c_new = f.sigmoid() * _lstm_math(c) + i.sigmoid() * gg.tanh()
-    h_new = o.sigmoid() * c_new.tanh()
-    return h_new.to(dtype), c_new.to(dtype)
+    i, f, gg, o = _lstm_activated_gates(igates, hgates, b_ih, b_hh)
+    c_new = f * _lstm_math(c) + i * gg
+    h_new = o * c_new.tanh()
+    return h_new.to(igates.dtype), c_new.to(igates.dtype)
 
 
 def lstm_cell(x, h, c, w_ih, w_hh, b_ih=None, b_hh=None):

@@ -7,6 +7,7 @@ between it and the pure-PyTorch reference in :mod:`mptrain.ops.reference`.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import reference
 from .layer_norm import kernel_extension
@@ -21,6 +22,7 @@ class _SoftmaxFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
         dx = ctx.ext.scaled_masked_softmax_backward(dy.contiguous(), y, ctx.scale)

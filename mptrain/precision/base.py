@@ -32,16 +32,21 @@ def accepts_device_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     return all(g.get("fused", False) for g in optimizer.param_groups)
 
 
-def unscale_and_check_(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-    """grads *= inv_scale in place; found_inf becomes 1 if any grad is inf/NaN. No host sync."""
+def unscale_and_check_(
+    grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor, use_ops: bool = True
+) -> None:
+    """grads *= inv_scale in place; found_inf becomes 1 if any grad is inf/NaN. No host sync.
+
+    ``use_ops``: mptrain's multi-tensor kernel (any dtype, one launch per list); otherwise
+    torch's ``_amp_foreach_non_finite_check_and_unscale_``.
+    """
     if not grads:
         return
-    try:
+    fn = None
+    if use_ops:
         from mptrain import ops
 
         fn = getattr(ops, "multi_tensor_unscale_", None)
-    except ImportError:  # pragma: no cover - ops is part of the package
-        fn = None
     if fn is not None:
         fn(grads, inv_scale, found_inf)
         return
@@ -85,6 +90,7 @@ class Precision:
     autocast_dtype: Optional[torch.dtype] = None
     has_master_weights: bool = False
     default_scaler: bool = False
+    use_fused_ops: bool = True  # Trainer(fused=False) turns mptrain's kernels off
 
     def __init__(self, device: torch.device | str = "cpu", fp32_fallback: Any = "default"):
         self.device = torch.device(device)
@@ -165,7 +171,7 @@ class Precision:
         dev = grads[0].device if grads else self.device
         found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
         if scaler is not None:
-            unscale_and_check_(grads, scaler.inv_scale().to(dev), found_inf)
+            unscale_and_check_(grads, scaler.inv_scale().to(dev), found_inf, self.use_fused_ops)
         if sync_found_inf is not None:
             sync_found_inf(found_inf)
         grad_norm = grad_norm_(grads, gradient_clip_val)

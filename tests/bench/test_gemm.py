@@ -58,11 +58,14 @@ def test_run_cases_computes_tflops_and_speedup_with_a_fake_timer(monkeypatch):
         return real_fn(dtype)
 
     monkeypatch.setattr(gemm, "gemm_fn", spy)
+    monkeypatch.setattr(gemm, "products_per_call", lambda n: 2)  # keep the CPU work small
     rows = gemm.run_cases([128], list(gemm.DTYPES), (9, 0), device="cpu", timer=fake_timer)
     by = {r["dtype"]: r for r in rows}
     assert by["fp32"]["speedup_vs_fp32"] == 1.0
     assert by["bf16"]["speedup_vs_fp32"] == 4.0 and by["int8"]["speedup_vs_fp32"] == 8.0
-    assert by["bf16"]["tflops"] == pytest.approx(2 * 128**3 / 1e-3 / 1e12)
+    reps = 2  # the timed call runs `reps` products
+    assert by["bf16"]["ms"] == pytest.approx(1.0 / reps)
+    assert by["bf16"]["tflops"] == pytest.approx(2 * 128**3 / (1e-3 / reps) / 1e12)
     text = gemm.format_rows(rows)
     assert "TOP/s" in text and "bf16" in text
 
@@ -84,3 +87,10 @@ def test_main_without_gpu_exits_2(capsys):
 def test_main_rejects_bad_sizes():
     with pytest.raises(SystemExit):
         gemm.main(["--sizes", "abc"])
+
+
+def test_small_products_are_batched_per_timed_call():
+    assert gemm.products_per_call(8192) == 1
+    assert gemm.products_per_call(4096) == 1
+    assert gemm.products_per_call(1024) == 17
+    assert gemm.products_per_call(64) == 64  # capped

@@ -170,3 +170,19 @@ def test_module_under_half_master_weights():
     m = FusedLayerNorm(1024).cuda()  # fp32 weights, bf16 activations (the *-master case)
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(m(x), reference.layer_norm(x, (1024,), m.weight, m.bias), rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_drop_in_under_autocast(dtype):
+    from torch import nn
+
+    from mptrain.nn import FusedLayerNorm, FusedRMSNorm
+
+    x = torch.randn(16, 768, device="cuda")
+    for ref in (nn.LayerNorm(768).cuda(), nn.RMSNorm(768).cuda()):
+        fused = (FusedLayerNorm if isinstance(ref, nn.LayerNorm) else FusedRMSNorm).from_module(ref)
+        with torch.autocast("cuda", dtype=dtype):
+            h = nn.functional.linear(x, torch.eye(768, device="cuda"))  # a half activation
+            want, got = ref(h), fused(h)
+        assert got.dtype == want.dtype, f"{type(ref).__name__}: {got.dtype} vs torch's {want.dtype}"
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)

@@ -110,3 +110,57 @@ def test_doctor_on_the_gpu():
     if torch.cuda.get_device_capability() >= (9, 0):
         assert all(p["ok"] for p in g["probes"].values()), g["probes"]
         assert "bf16-master" in report["recommendation"]
+
+
+def test_evaluate_precisions_on_cuda():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mptrain.numerics import evaluate_precisions
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(512, 64, generator=g), torch.randint(0, 10, (512,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+    table = evaluate_precisions(model, DataLoader(TensorDataset(x, y), batch_size=128), "accuracy")
+    print(table)
+    assert [r["status"] for r in table.rows] == ["ok"] * 4, table.rows
+    fp32 = table.row("32-true")["metric"]
+    assert abs(table.row("bf16-true")["metric"] - fp32) <= 2.0
+    assert abs(table.row("int8-dynamic")["metric"] - fp32) <= 3.0
+
+
+def test_monitor_names_the_culprit_with_the_cuda_trainer(tmp_path):
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mptrain import Trainer
+    from mptrain.numerics import OverflowMonitor
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.bad, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+            self.calls = 0
+            self.bad.weight.register_hook(lambda gr: gr * float("inf") if self.calls == 3 else gr)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.bad(torch.relu(self.inp(x)))))
+
+        def training_step(self, batch, batch_idx):
+            self.calls += 1
+            return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g)),
+                      batch_size=8)
+    monitor = OverflowMonitor(log_every_n_steps=4)
+    trainer = Trainer(precision="16-mixed", accelerator="cuda", devices=1, max_epochs=1, logger=False,
+                      enable_progress_bar=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                      callbacks=[monitor], log_every_n_steps=4, loss_scaler={"init_scale": 2.0**8})
+    trainer.fit(Net(), train_dataloaders=data)
+    assert trainer.skipped_steps == 1
+    assert monitor.last_nonfinite_modules == ["bad"]
+    assert "numerics/bad/grad_underflow" in trainer.logged_metrics

@@ -155,3 +155,17 @@ def test_quantization_report_ranks_a_badly_scaled_layer_worst():
     assert "int8 quantization error" in str(report)
     # Without an input only the weight error is known.
     assert quantization_report(net).rows[0]["out_rel_err"] is None
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (5, 13, 7), (16, 8, 8), (40, 20, 3)])
+def test_padding_for_int_mm_keeps_the_product_exact(m, k, n):
+    # The CUDA path pads shapes torch._int_mm refuses; this torch also has _int_mm on the CPU,
+    # which lets the padding and slicing be checked here.
+    from mptrain.numerics.quant import _int_mm_padded
+
+    a, b = _int8((m, k), 5), _int8((k, n), 6)
+    try:
+        torch._int_mm(_int8((32, 8), 0), _int8((8, 8), 1))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        pytest.skip("this torch has no CPU torch._int_mm")
+    assert torch.equal(_int_mm_padded(a, b), int8_matmul_reference(a, b))

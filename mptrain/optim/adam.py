@@ -1,0 +1,68 @@
+"""FusedAdam and FusedAdamW: torch.optim.Adam / AdamW's update in one multi-tensor kernel."""
+from __future__ import annotations
+
+import torch
+
+from mptrain.ops.multi_tensor import multi_tensor_adam
+
+from .base import FusedOptimizer
+
+
+class FusedAdam(FusedOptimizer):
+    """Drop-in for ``torch.optim.Adam`` (same arguments and state keys) plus
+    ``master_weights`` and ``fused``; see :mod:`mptrain.optim` for step().
+
+    ``amsgrad=True`` is not implemented by the fused kernel and raises.
+    ``decoupled_weight_decay=True`` makes it AdamW, as in torch.
+    """
+
+    _decoupled_default = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused="auto",
+                 decoupled_weight_decay=None, master_weights=False):
+        name = type(self).__name__
+        if not (torch.is_tensor(lr) or 0.0 <= lr):
+            raise ValueError(f"{name}: invalid learning rate {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"{name}: invalid epsilon value {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"{name}: invalid betas {betas}; each must lie in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"{name}: invalid weight_decay value {weight_decay}")
+        if amsgrad:
+            raise NotImplementedError(f"{name}: amsgrad=True is not supported by the fused kernel; "
+                                      "use torch.optim.Adam(amsgrad=True)")
+        if differentiable:
+            raise ValueError(f"{name}: differentiable=True is not supported (the step runs under no_grad)")
+        if decoupled_weight_decay is None:
+            decoupled_weight_decay = self._decoupled_default
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, foreach=foreach, differentiable=False,
+                        decoupled_weight_decay=bool(decoupled_weight_decay))
+        super().__init__(params, defaults, master_weights=master_weights, capturable=capturable, fused=fused)
+
+    def _buffers(self, group):
+        return ("exp_avg", "exp_avg_sq")
+
+    def _update(self, group, params, grads, state, masters, grad_scale, found_inf):
+        beta1, beta2 = group["betas"]
+        multi_tensor_adam(grads, params, state["exp_avg"], state["exp_avg_sq"], state["step"], masters,
+                          lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                          weight_decay=group["weight_decay"],
+                          decoupled=group.get("decoupled_weight_decay", self._decoupled_default),
+                          maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf, fused=self.fused)
+
+
+class FusedAdamW(FusedAdam):
+    """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay, default 1e-2)."""
+
+    _decoupled_default = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused="auto",
+                 master_weights=False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, master_weights=master_weights)
+

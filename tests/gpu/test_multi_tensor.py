@@ -1,0 +1,165 @@
+"""CUDA multi-tensor kernels (unscale / copy / l2norm) against the reference and float64:
+awkward sizes, misaligned views, 1..500 tensors, every dtype, guard bands around every
+output (no write outside a tensor), inf/NaN injection, CUDA-graph capture."""
+import pytest
+import torch
+
+from mptrain import ops
+from mptrain.ops import reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 3, 4, 5, 1023, 2048, 2049, 8191, 8192 + 7, 65537]
+GUARD = 64  # a multiple of 4 elements: views at offset 0 stay 16-byte aligned
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return ops.get_extension(required=True)
+
+
+class Guarded:
+    """A tensor of n elements inside a buffer filled with a sentinel on both sides;
+    ``offset`` elements of extra front padding make the view misaligned."""
+
+    def __init__(self, n, dtype, offset=0, fill=None, seed=0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.buf = torch.full((n + 2 * GUARD + offset,), 777.0, device="cuda").to(dtype)
+        self.lo, self.hi = GUARD + offset, GUARD + offset + n
+        self.t = self.buf[self.lo:self.hi]
+        if fill is None:
+            self.t.copy_(torch.randn(n, device="cuda", generator=g))
+        else:
+            self.t.fill_(fill)
+        self.sentinel = self.buf.clone()
+
+    def guards_intact(self):
+        return torch.equal(self.buf[: self.lo], self.sentinel[: self.lo]) and torch.equal(
+            self.buf[self.hi:], self.sentinel[self.hi:])
+
+
+def _lists(dtype, sizes=SIZES, misaligned_every=3, fill=None, seed=0):
+    return [Guarded(n, dtype, offset=1 if i % misaligned_every == 1 else 0, fill=fill, seed=seed + i)
+            for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unscale_matches_reference_exactly(ext, dtype):
+    gs = _lists(dtype)
+    ref = [g.t.clone() for g in gs]
+    found, found_ref = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    inv = torch.tensor([1 / 3], device="cuda")
+    ops.multi_tensor_unscale_([g.t for g in gs], inv, found, fused=True)
+    reference.multi_tensor_scale(ref, ref, inv, found_ref)
+    assert found.item() == 0 == found_ref.item()
+    for g, r in zip(gs, ref):
+        assert torch.equal(g.t, r)
+        assert g.guards_intact()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unscale_matches_torch_amp(ext, dtype):
+    gs = [torch.randn(n, device="cuda").to(dtype) for n in SIZES]
+    theirs = [g.clone() for g in gs]
+    found, found_t = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    inv = torch.tensor(2.0**-7, device="cuda")
+    ops.multi_tensor_unscale_(gs, inv, found, fused=True)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_t, inv)
+    assert all(torch.equal(a, b) for a, b in zip(gs, theirs)) and found.item() == found_t.item() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", ["first", "last", "misaligned", "tail"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_inf_nan_anywhere_sets_found_inf(ext, dtype, where, bad):
+    gs = _lists(dtype)
+    idx = {"first": (0, 0), "last": (len(gs) - 1, -1), "misaligned": (1, 2), "tail": (7, -1)}[where]
+    gs[idx[0]].t[idx[1]] = bad
+    found = torch.zeros(1, device="cuda")
+    ops.multi_tensor_unscale_([g.t for g in gs], 0.5, found, fused=True)
+    assert found.item() == 1.0
+    found = torch.zeros(1, device="cuda")
+    ops.multi_tensor.multi_tensor_check_finite_([g.t for g in gs], found, fused=True)
+    assert found.item() == 1.0
+
+
+@pytest.mark.parametrize("src_dtype", DTYPES)
+@pytest.mark.parametrize("dst_dtype", DTYPES)
+def test_copy_every_dtype_pair_overwrites_poisoned_outputs(ext, src_dtype, dst_dtype):
+    src = _lists(src_dtype)
+    dst = _lists(dst_dtype, fill=float("nan"), misaligned_every=4)
+    ops.multi_tensor_copy_([d.t for d in dst], [s.t for s in src], fused=True)
+    for s, d in zip(src, dst):
+        assert torch.equal(d.t, s.t.to(dst_dtype))
+        assert d.guards_intact()
+
+
+@pytest.mark.parametrize("n_tensors", [1, 2, 37, 500])
+def test_many_tensors_per_list(ext, n_tensors):
+    sizes = [(7 * i + 1) % 3001 + 1 for i in range(n_tensors)]
+    src = _lists(torch.bfloat16, sizes=sizes)
+    dst = _lists(torch.float32, sizes=sizes, fill=float("nan"))
+    found = torch.zeros(1, device="cuda")
+    ops.multi_tensor_scale_([s.t for s in src], [d.t for d in dst], torch.tensor(4.0, device="cuda"), found,
+                            fused=True)
+    assert found.item() == 0
+    assert all(torch.equal(d.t, s.t.float() * 4) and d.guards_intact() for s, d in zip(src, dst))
+
+
+def test_empty_tensors_in_a_list(ext):
+    ts = [torch.randn(5, device="cuda"), torch.empty(0, device="cuda"), torch.randn(3, device="cuda")]
+    total, per = ops.multi_tensor_l2norm(ts, per_tensor=True, fused=True)
+    assert per[1].item() == 0.0
+    torch.testing.assert_close(total, torch.cat([ts[0], ts[2]]).norm())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_l2norm_against_float64(ext, dtype):
+    sizes = SIZES + [1 << 20, 3]
+    ts = [g.t for g in _lists(dtype, sizes=sizes)]
+    total, per = ops.multi_tensor_l2norm(ts, per_tensor=True, fused=True)
+    exact = torch.stack([t.double().norm() for t in ts])
+    torch.testing.assert_close(per.double(), exact, rtol=2e-6, atol=0)
+    torch.testing.assert_close(total.double(), exact.pow(2).sum().sqrt(), rtol=2e-6, atol=0)
+    again = ops.multi_tensor_l2norm(ts, fused=True)
+    assert torch.equal(again, total)  # deterministic
+
+
+def test_l2norm_non_finite(ext):
+    ts = [torch.randn(10000, device="cuda") for _ in range(3)]
+    ts[2][9999] = float("nan")
+    assert torch.isnan(ops.multi_tensor_l2norm(ts, fused=True))
+
+
+def test_grid_override_gives_the_same_result(ext):
+    ts = [torch.randn(n, device="cuda") for n in SIZES]
+    base = ops.multi_tensor_l2norm(ts, fused=True)
+    try:
+        for b in (1, 3):
+            ext.multi_tensor_set_blocks_per_sm(b)
+            torch.testing.assert_close(ops.multi_tensor_l2norm(ts, fused=True), base, rtol=1e-6, atol=0)
+    finally:
+        ext.multi_tensor_set_blocks_per_sm(0)
+
+
+def test_unscale_captured_in_a_cuda_graph(ext):
+    grads = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in SIZES]
+    inv = torch.ones((), device="cuda")
+    found = torch.zeros((), device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ops.multi_tensor_unscale_(grads, inv, found, fused=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.multi_tensor_unscale_(grads, inv, found, fused=True)
+    fresh = [torch.randn_like(g) for g in grads]
+    for g, f in zip(grads, fresh):
+        g.copy_(f)
+    inv.fill_(0.5)
+    graph.replay()
+    assert all(torch.equal(g, (f.float() * 0.5).to(g.dtype)) for g, f in zip(grads, fresh))
+    assert found.item() == 0
+    grads[3][0] = float("inf")
+    graph.replay()
+    assert found.item() == 1

@@ -1,0 +1,144 @@
+"""mptrain.ops.build on the CPU: error messages of a failed build, stale locks, flags."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+
+from mptrain.ops import build
+
+
+def _broken_csrc(tmp_path, cu: bool):
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    if cu:
+        (csrc / "mptrain_ext.cpp").write_text("int mptrain_ext_placeholder = 0;\n")
+        (csrc / "broken_kernel.cu").write_text("__global__ void k() { this is not cuda; }\n")
+    else:
+        (csrc / "mptrain_ext.cpp").write_text("this is not C++;\n")
+    return csrc
+
+
+def test_failed_build_names_the_file_the_log_and_the_fix(tmp_path):
+    csrc = _broken_csrc(tmp_path, cu=False)
+    with pytest.raises(build.ExtensionBuildError) as info:
+        build.build(csrc, tmp_path / "cache")
+    e = info.value
+    assert e.failing_file.endswith("mptrain_ext.cpp")
+    assert os.path.isfile(e.log_path) and "this is not C++" in open(e.log_path).read()
+    assert "mptrain_ext.cpp" in str(e) and e.log_path in str(e) and "fused=False" in e.fix
+
+
+@pytest.mark.skipif(build.find_cuda_home() is None, reason="needs nvcc")
+def test_failed_cuda_build_names_the_cu_file(tmp_path):
+    csrc = _broken_csrc(tmp_path, cu=True)
+    with pytest.raises(build.ExtensionBuildError) as info:
+        build.build(csrc, tmp_path / "cache")
+    assert info.value.failing_file.endswith("broken_kernel.cu"), str(info.value)
+
+
+def test_get_extension_falls_back_with_one_warning_and_reports_why(tmp_path, monkeypatch):
+    csrc = _broken_csrc(tmp_path, cu=False)
+    monkeypatch.setenv("MPTRAIN_CSRC", str(csrc))
+    monkeypatch.setenv("MPTRAIN_BUILD_DIR", str(tmp_path / "cache"))
+    for name, value in (("_module", None), ("_error", None), ("_status", build.ExtensionStatus("not attempted")),
+                        ("_warned", False)):
+        monkeypatch.setattr(build, name, value)
+    assert build.extension_status() == "not attempted"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert build.get_extension() is None
+        assert build.get_extension() is None
+    assert len([w for w in caught if "reference" in str(w.message)]) == 1
+    status = build.extension_status()
+    assert status == "failed" and "mptrain_ext.cpp" in status.reason and status.log_path
+    with pytest.raises(build.ExtensionBuildError, match="mptrain_ext.cpp"):
+        build.get_extension(required=True)
+
+
+def test_stale_torch_lock_is_removed(tmp_path):
+    d = tmp_path / "ext"
+    d.mkdir()
+    (d / "lock").write_text("")  # what a build killed inside cpp_extension.load leaves behind
+    with build.build_lock(d, timeout=5):
+        assert not (d / "lock").exists()
+
+
+def _holder(d, seconds):
+    code = textwrap.dedent(f"""
+        import pathlib, sys, time
+        from mptrain.ops import build
+        d = pathlib.Path({str(d)!r})
+        with build.build_lock(d, timeout=5):
+            (d / "lock").write_text("")        # torch's baton, as during a build
+            print("held", flush=True)
+            time.sleep({seconds})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_lock_of_a_killed_build_does_not_hang_the_next(tmp_path):
+    d = tmp_path / "ext"
+    proc = _holder(d, 60)
+    proc.kill()
+    proc.wait()
+    t0 = time.monotonic()
+    with build.build_lock(d, timeout=10):
+        assert not (d / "lock").exists()
+    assert time.monotonic() - t0 < 5
+
+
+def test_live_lock_holder_times_out_with_its_pid(tmp_path):
+    d = tmp_path / "ext"
+    proc = _holder(d, 30)
+    try:
+        with pytest.raises(build.ExtensionBuildError, match=f"pid {proc.pid}"):
+            with build.build_lock(d, timeout=0.5):
+                pass
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_gencode_flags_and_arch_list(monkeypatch):
+    assert build.gencode_flags(["9.0"]) == ["-gencode=arch=compute_90,code=sm_90"]
+    assert build.gencode_flags(["8.6+PTX"]) == ["-gencode=arch=compute_86,code=sm_86",
+                                                 "-gencode=arch=compute_86,code=compute_86"]
+    assert build.gencode_flags(["9.0a"]) == ["-gencode=arch=compute_90a,code=sm_90a"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    assert build.arch_list() == ["8.0", "9.0"]
+    with pytest.raises(build.ExtensionBuildError, match="TORCH_CUDA_ARCH_LIST"):
+        build.gencode_flags(["hopper"])
+
+
+def test_cuda_home_found_through_an_nvcc_wrapper(tmp_path, monkeypatch):
+    real = tmp_path / "cuda-x"
+    (real / "bin").mkdir(parents=True)
+    wrapper = tmp_path / "bin" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/sh\necho '#$ _HERE_={real}/bin'\n")
+    wrapper.chmod(0o755)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    assert build.find_cuda_home() == real
+
+
+def test_build_dir_hash_follows_the_sources(tmp_path):
+    csrc = _broken_csrc(tmp_path, cu=False)
+    h1 = build.build_hash(csrc, ["-O3"], None)
+    (csrc / "type_shim.h").write_text("// changed\n")
+    assert build.build_hash(csrc, ["-O3"], None) != h1
+    assert build.build_hash(csrc, ["-O2"], None) != build.build_hash(csrc, ["-O3"], None)
+
+
+def test_missing_csrc_says_how_to_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPTRAIN_CSRC", str(tmp_path))
+    with pytest.raises(build.ExtensionBuildError, match="MPTRAIN_CSRC"):
+        build.csrc_dir()

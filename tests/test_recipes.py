@@ -1,0 +1,89 @@
+"""Every recipe: --print_config, and a 2-step run on synthetic data on the CPU; the quickstart
+trains to >= 95% validation accuracy on real data and validates from its checkpoint."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mptrain import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+SMOKE = ["--data.synthetic=true", "--data.batch_size=2", "--trainer.max_steps=2", "--trainer.accelerator=cpu"]
+SLOW = {"bert_base"}  # BERT-base's 110M parameters take ~30 s of CPU for two steps
+
+
+def recipe(name: str) -> str:
+    return str(ROOT / "recipes" / f"{name}.yaml")
+
+
+def last_json(out: str) -> dict:
+    lines = [ln for ln in out.splitlines() if ln.startswith("{") and '"subcommand"' in ln]
+    assert lines, f"no result line in output:\n{out[-2000:]}"
+    return json.loads(lines[-1])
+
+
+def read_metrics(log_dir: str) -> list[dict]:
+    with open(Path(log_dir) / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_all_four_recipes_exist():
+    assert {"quickstart", "resnet50", "bert_base", "lstm_lm"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_print_config(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["fit", "--config", recipe(name), *SMOKE, "--print_config"])
+    assert e.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "synthetic: true" in out and "max_steps: 2" in out and "class_path:" in out
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in RECIPES])
+def test_two_synthetic_steps_on_cpu(name, tmp_path, capsys):
+    rc = cli.main(["fit", "--config", recipe(name), *SMOKE, f"--trainer.default_root_dir={tmp_path}",
+                   "--trainer.log_every_n_steps=1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    result = last_json(out)
+    assert result["global_step"] == 2
+    rows = read_metrics(result["log_dir"])
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert (Path(result["log_dir"]) / "config.yaml").is_file()
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
+def test_quickstart_reaches_95_percent_and_validates_from_checkpoint(tmp_path, capsys):
+    rc = cli.main(["fit", "--config", recipe("quickstart"), f"--trainer.default_root_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    result = last_json(out)
+    assert result["metrics"]["val/acc"] >= 0.95, result
+
+    # Independent of the logged number: evaluate the checkpoint's weights on the whole split.
+    from mptrain.checkpoint import load_checkpoint
+    from mptrain.data import DigitsDataModule
+    from mptrain.models import ImageClassifier
+
+    model = ImageClassifier(arch="digits_cnn", num_classes=10)
+    model.load_state_dict(load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["state_dict"])
+    dm = DigitsDataModule()
+    dm.setup()
+    x, y = dm.val_set.tensors
+    with torch.no_grad():
+        acc = (model.eval()(x).argmax(1) == y).float().mean().item()
+    assert acc >= 0.95, acc
+
+    rc = cli.main(["validate", "--config", recipe("quickstart"), f"--trainer.default_root_dir={tmp_path}",
+                   "--ckpt_path=last", "--trainer.logger=none"])
+    validated = last_json(capsys.readouterr().out)
+    assert rc == 0 and validated["subcommand"] == "validate"
+    assert abs(validated["metrics"]["val/acc"] - result["metrics"]["val/acc"]) < 0.02
