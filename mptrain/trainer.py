@@ -270,6 +270,7 @@ class Trainer:
             self._optimizer = precision.setup_optimizer(opt, model)
             self._schedulers = scheds
             self.loss_scaler = self._build_scaler(precision, device)
+        precision.discard_fp32_init()
         if self.auto_fp32_fallback:
             precision.enable_auto_fallback(model)
         self._wrapped = self.fabric.setup_module(model)

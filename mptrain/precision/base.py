@@ -146,6 +146,9 @@ class Precision:
         """Prepare the optimizer (``*-master`` swaps its param groups to fp32 masters)."""
         return optimizer
 
+    def discard_fp32_init(self) -> None:
+        """Drop any fp32 copies kept for building masters (validate-only runs never build them)."""
+
     def step_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The grads the optimizer will read (``*-master`` copies them up first)."""
         return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]

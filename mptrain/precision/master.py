@@ -40,6 +40,7 @@ class MasterPrecision(Precision):
         self.master_of: dict[int, torch.Tensor] = {}
         self.fused = False
         self._names: dict[int, str] = {}
+        self._fp32_init: dict[int, torch.Tensor] = {}
 
     # -- module ----------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -50,6 +51,10 @@ class MasterPrecision(Precision):
                 continue
             for name, p in m.named_parameters(recurse=False):
                 if p.is_floating_point():
+                    if p.dtype == torch.float32:
+                        # The masters start from the full fp32 weights, not from their half copy
+                        # (apex O2 builds them from the halved model and loses the init's low bits).
+                        self._fp32_init[id(p)] = p.data
                     p.data = p.data.to(self.param_dtype)
             for name, b in m.named_buffers(recurse=False):
                 if b.is_floating_point():
@@ -70,13 +75,21 @@ class MasterPrecision(Precision):
             else:
                 optimizer.master_weights = True
             self.fused = True
+            with torch.no_grad():
+                for g in optimizer.param_groups:
+                    for p in g["params"]:
+                        init = self._fp32_init.pop(id(p), None)
+                        if init is not None and optimizer.uses_master(p):
+                            optimizer.master_param(p).copy_(init)
+            self._fp32_init.clear()
             return optimizer
         self.halfs, self.masters, self.master_of = [], [], {}
         for group in optimizer.param_groups:
             swapped = []
             for p in group["params"]:
                 if p.dtype in _HALF:
-                    master = nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                    init = self._fp32_init.pop(id(p), None)
+                    master = nn.Parameter(init if init is not None else p.detach().float(), requires_grad=p.requires_grad)
                     if p in optimizer.state:  # an optimizer that already holds state (rare)
                         optimizer.state[master] = optimizer.state.pop(p)
                     self.halfs.append(p)
@@ -86,7 +99,11 @@ class MasterPrecision(Precision):
                 else:
                     swapped.append(p)
             group["params"] = swapped
+        self._fp32_init.clear()
         return optimizer
+
+    def discard_fp32_init(self) -> None:
+        self._fp32_init.clear()
 
     def step_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         if self.fused:

@@ -22,7 +22,7 @@ def test_masters_match_fp32_reference(precision, half, opt):
     trainer = quiet_trainer(precision=precision, max_steps=5, callbacks=[Grab()])
     names = [n for n, _ in model.named_parameters()]
     dl = torch.utils.data.DataLoader(classification_data(n=160), batch_size=32, shuffle=False)
-    # Reference masters start from the converted (half) params: that is what the run starts from.
+    # The masters start from the full fp32 init (not its half copy).
     trainer.fit(model, dl)
     prec = trainer._precision
     # dtypes: Linear params half, LayerNorm params fp32; masters fp32
@@ -35,8 +35,7 @@ def test_masters_match_fp32_reference(precision, half, opt):
     ref_model = Classifier(mlp())
     ref_params = {}
     for n, p in ref_model.named_parameters():
-        is_norm = n.startswith("net.1.")
-        ref_params[n] = torch.nn.Parameter(p.detach().float() if is_norm else p.detach().to(half).float())
+        ref_params[n] = torch.nn.Parameter(p.detach().float().clone())
     plist = [ref_params[n] for n in names]
     ref_opt = (torch.optim.AdamW(plist, lr=1e-2) if opt == "adamw" else torch.optim.SGD(plist, lr=0.1, momentum=0.9))
     assert sum(g is not None for g in grads_per_step) >= 3
@@ -65,3 +64,43 @@ def test_checkpoint_holds_fp32_master_weights(tmp_path):
         m = prec.master_of.get(id(p))
         if m is not None:
             assert torch.equal(ckpt["state_dict"][n], m.detach())
+
+
+@pytest.mark.parametrize("precision", ["bf16-master", "16-master"])
+def test_mptrain_fused_adamw_takes_the_whole_step(precision):
+    """With mptrain's FusedAdamW the precision hands over the step: masters live in its state."""
+    from mptrain.optim import FusedAdamW
+
+    class M(Classifier):
+        def configure_optimizers(self):
+            return FusedAdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    model = M(mlp())
+    init = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    grads_per_step = []
+
+    class Grab:
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            skipped = bool(trainer.found_inf.item())
+            grads_per_step.append(None if skipped else {n: g.detach().clone() for n, g in trainer.unscaled_grads().items()})
+
+    trainer = quiet_trainer(precision=precision, max_steps=5, callbacks=[Grab()])
+    trainer.fit(model, torch.utils.data.DataLoader(classification_data(n=160), batch_size=32))
+    opt = trainer.optimizer
+    assert trainer._precision.fused and opt.master_weights
+    ref = {n: torch.nn.Parameter(v) for n, v in init.items()}
+    names = list(ref)
+    ref_opt = torch.optim.AdamW([ref[n] for n in names], lr=1e-2)
+    for grads in grads_per_step:
+        if grads is None:
+            continue
+        for n in names:
+            ref[n].grad = grads[n].float()
+        ref_opt.step()
+    for n, p in model.named_parameters():
+        master = opt.master_param(p)
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master.detach(), ref[n].detach(), rtol=0, atol=1e-6)
+        if p.dtype != torch.float32:
+            assert torch.equal(p.detach(), master.detach().to(p.dtype))
