@@ -237,6 +237,8 @@ int persistent_grid(int total_chunks) {
 template <int DEPTH, typename Op>
 void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, unsigned scalar_lists, const Op& op,
                         const char* name) {
+  static_assert(sizeof(TensorListMeta<DEPTH>) + sizeof(Op) <= (kLargeKernelArgs ? 32764 : 4096),
+                "kernel arguments exceed the launch limit: lower kArgBudget");
   for_each_launch<DEPTH>(lists, scalar_lists, chunk_size<Op::kILP>(), name, [&](const TensorListMeta<DEPTH>& meta, int chunks) {
     if (chunks == 0) return;
     const int grid = persistent_grid<DEPTH, Op>(chunks);

@@ -135,8 +135,8 @@ void multi_tensor_lamb(const std::vector<at::Tensor>& grads, const std::vector<a
                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   static const char* name = "multi_tensor_lamb";
   if (params.empty()) return;
-  TORCH_CHECK(beta1 > 0.0 && beta1 < 1.0 && beta2 > 0.0 && beta2 < 1.0, name,
-              ": betas must lie in (0, 1) for the fused kernel, got (", beta1, ", ", beta2, ")");
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, name, ": betas must lie in [0, 1), got (",
+              beta1, ", ", beta2, ")");  // log(0) = -inf gives a bias correction of exactly 1
   const at::Device device = params[0].device();
   LambArgs a;
   a.lr = static_cast<float>(lr);

@@ -16,7 +16,6 @@ import difflib
 import importlib
 import inspect
 import json
-import os
 import random
 import re
 import sys
@@ -27,11 +26,12 @@ from typing import Any, Optional, Sequence
 SUBCOMMANDS = {
     "fit": "train a model from a recipe: mptrain fit --config RECIPE.yaml [--key.path=value ...]",
     "validate": "evaluate a model: mptrain validate --config RECIPE.yaml [--ckpt_path=PATH] [--key.path=value ...]",
-    "bench": "benchmarks: mptrain bench gemm|kernels|e2e [options]",
+    "bench": "benchmarks: mptrain bench gemm|kernels|e2e|ddp [options]",
     "doctor": "check the GPU, the compiler toolchain and the fused kernels",
     "numerics": "precision diagnostics (layerwise fp32-vs-low-precision comparison, overflow report)",
 }
-BENCHES = {"gemm": "mptrain.bench.gemm", "kernels": "mptrain.bench.kernels", "e2e": "mptrain.bench.e2e"}
+BENCHES = {"gemm": "mptrain.bench.gemm", "kernels": "mptrain.bench.kernels", "e2e": "mptrain.bench.e2e",
+           "ddp": "mptrain.bench.ddp"}
 TOP_KEYS = ("config", "print_config", "seed_everything", "trainer", "model", "data", "ckpt_path")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 FUSED = ("auto", True, False)
@@ -83,7 +83,8 @@ def _bench(argv: list[str]) -> int:
         print("usage: mptrain bench {" + ",".join(BENCHES) + "} [options]\n\n"
               "  gemm     GEMM throughput per dtype against the hardware peak\n"
               "  kernels  fused kernels against their PyTorch baselines\n"
-              "  e2e      ResNet-50 / BERT-base training steps per precision against Lightning")
+              "  e2e      ResNet-50 / BERT-base training steps per precision against Lightning\n"
+              "  ddp      data-parallel scaling efficiency and weight agreement across ranks (torchrun)")
         return 0 if argv else 2
     if argv[0] not in BENCHES:
         print(f"mptrain bench: error: unknown benchmark {argv[0]!r}; valid: {', '.join(BENCHES)}", file=sys.stderr)
@@ -104,8 +105,20 @@ def _dispatch(module: str, func: str, argv: list[str], what: str) -> int:
 # ----------------------------------------------------------------------------- fit / validate
 def run(subcommand: str, argv: list[str]) -> int:
     """Parse and check the config, build data, model, loggers and Trainer, then fit or validate."""
-    if "-h" not in argv and "--help" not in argv and "--print_config" not in [a.split("=")[0] for a in argv]:
-        check_raw_config(merge_raw_config(argv))
+    wants_help = "-h" in argv or "--help" in argv
+    raw = None
+    if not wants_help:
+        raw = merge_raw_config([a for a in argv if a.split("=")[0] != "--print_config"])
+        check_raw_config(raw)
+    if not _has_jsonargparse():
+        if wants_help or any(a.split("=")[0] == "--print_config" for a in argv):
+            raise ImportError("--help and --print_config need jsonargparse: pip install 'jsonargparse[signatures]>=4.32'")
+        # A machine without jsonargparse (e.g. a bare GPU box) still runs recipes: the checks
+        # above covered names and choices; values keep their YAML types.
+        print("mptrain: jsonargparse is not installed; running the recipe without type coercion "
+              "(pip install 'jsonargparse[signatures]>=4.32' for full checking)", file=sys.stderr)
+        config = {"seed_everything": True, "ckpt_path": None, "trainer": {}, **raw}
+        return _execute(subcommand, config, _instantiate_plain)
     parser = build_parser(subcommand)
     try:
         cfg = parser.parse_args(argv)
@@ -116,7 +129,15 @@ def run(subcommand: str, argv: list[str]) -> int:
             raise
         raise ConfigError(explain_parse_error(str(e))) from None
     check_values(cfg)
-    return _execute(subcommand, parser, cfg)
+    return _execute(subcommand, _to_dict(parser, cfg), _instantiate)
+
+
+def _has_jsonargparse() -> bool:
+    try:
+        import jsonargparse  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def build_parser(subcommand: str):
@@ -284,6 +305,8 @@ def resolve_class(name: str, group: str):
             return getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"{group}.class_path {name!r} cannot be imported: {e}") from None
+    if group not in ("model", "data"):
+        raise ConfigError(f"{group}: class_path {name!r} must be a dotted path (package.module.Class)")
     home = importlib.import_module("mptrain.models" if group == "model" else "mptrain.data")
     if hasattr(home, name):
         return getattr(home, name)
@@ -303,7 +326,10 @@ def _check_class_spec(group: str, spec: Any) -> None:
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):
         return
     valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    hints = typing.get_type_hints(cls.__init__) if hasattr(cls, "__init__") else {}
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: leave the types to jsonargparse
+        hints = {}
     for key, value in (spec.get("init_args") or {}).items():
         if key not in valid:
             raise _unknown(f"{group}.init_args.{key}", value, valid)
@@ -352,37 +378,39 @@ def explain_parse_error(message: str) -> str:
 
 
 # ----------------------------------------------------------------------------- building and running
-def _execute(subcommand: str, parser, cfg) -> int:
+def _execute(subcommand: str, config: dict, instantiate) -> int:
+    """Build and run from the resolved ``config`` dict; ``instantiate(spec, group)`` makes the
+    ``class_path`` + ``init_args`` objects (jsonargparse's or the plain importlib fallback)."""
     import lightning as L
 
     from mptrain import Trainer
     from mptrain.loggers import build_loggers, finish_loggers, redact
 
-    seed = cfg.seed_everything
+    seed = config.get("seed_everything", True)
     if seed is True:
         seed = random.SystemRandom().randrange(2**31)
-        cfg.seed_everything = seed  # recorded in the saved config: the run can be repeated
+        config["seed_everything"] = seed  # recorded in the saved config: the run can be repeated
     if seed is not False:
         L.seed_everything(int(seed), workers=True, verbose=False)
-    data = _instantiate(cfg.data, "data", L.LightningDataModule) if cfg.get("data") else None
-    _link_vocab(cfg, data)
-    model = _instantiate(cfg.model, "model", L.LightningModule)
+    data = instantiate(config["data"], "data") if config.get("data") else None
+    _link_vocab(config, data)
+    model = instantiate(config["model"], "model")
 
-    targs = {k: v for k, v in vars(cfg.trainer).items() if k not in ("logger", "callbacks")}
-    if seed is not False and targs.get("seed") is None:
-        targs["seed"] = int(seed)
-    root = targs.get("default_root_dir") or "."
-    config_dict = redact(_to_dict(parser, cfg))
-    logger_spec = cfg.trainer.logger
+    tconf = dict(config.get("trainer") or {})
+    logger_spec, cb_specs = tconf.pop("logger", None), tconf.pop("callbacks", None) or []
+    if seed is not False and tconf.get("seed") is None:
+        tconf["seed"] = int(seed)
+    root = tconf.get("default_root_dir") or "."
+    config_dict = redact(config)
     if logger_spec in ("none", False) or logger_spec == ["none"]:
         loggers: Any = False
     else:
         loggers = build_loggers(logger_spec, str(root), hparams=config_dict)
-    callbacks = [_instantiate_plain(c, "trainer.callbacks") for c in (cfg.trainer.callbacks or [])]
-    trainer = Trainer(**targs, logger=loggers, callbacks=callbacks)
+    callbacks = [ModuleEpochHooks(), *(_instantiate_plain(c, "trainer.callbacks") for c in cb_specs)]
+    trainer = Trainer(**tconf, logger=loggers, callbacks=callbacks)
     _save_config(trainer, config_dict)
 
-    ckpt = _resolve_ckpt(cfg.ckpt_path, trainer)
+    ckpt = _resolve_ckpt(config.get("ckpt_path"), trainer)
     status = "failed"
     try:
         if subcommand == "fit":
@@ -394,7 +422,8 @@ def _execute(subcommand: str, parser, cfg) -> int:
 
                 path = resolve_ckpt_path(ckpt, trainer.checkpoint_dir)
                 model.load_state_dict(load_checkpoint(path)["state_dict"])
-            results = trainer.validate(model, datamodule=data)[0]
+            results = dict(trainer.validate(model, datamodule=data)[0])
+            results.update({k: v for k, v in trainer.callback_metrics.items() if k.startswith("val")})
         status = "success"
     finally:
         if trainer.is_global_zero:
@@ -405,33 +434,64 @@ def _execute(subcommand: str, parser, cfg) -> int:
     return 0
 
 
-def _instantiate(spec, group: str, base):
-    """jsonargparse instantiation of one ``class_path`` + ``init_args`` group."""
-    from jsonargparse import ArgumentParser, Namespace
+class ModuleEpochHooks:
+    """Calls the LightningModule's own ``on_validation_epoch_end`` (epoch-level metrics such as
+    perplexity), which Lightning calls and mptrain's Trainer leaves to callbacks.  Harmless if
+    the Trainer calls it too: the modules' hooks log once and reset."""
 
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if pl_module is None or not _defined_outside_lightning(pl_module, "on_validation_epoch_end"):
+            return
+        before = dict(trainer.callback_metrics)
+        pl_module.on_validation_epoch_end()
+        new = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val") and before.get(k) != v}
+        if new:
+            trainer.log_metrics(new)  # to the loggers now, with this epoch's validation
+
+
+def _defined_outside_lightning(obj: Any, name: str) -> bool:
+    for base in type(obj).__mro__:
+        if name in base.__dict__:
+            return not base.__module__.startswith(("lightning.", "pytorch_lightning."))
+    return False
+
+
+def _instantiate(spec: dict, group: str):
+    """jsonargparse instantiation of one ``class_path`` + ``init_args`` group (types coerced,
+    nested class specs instantiated)."""
+    import lightning as L
+    from jsonargparse import ArgumentParser
+
+    base = L.LightningModule if group == "model" else L.LightningDataModule
     p = ArgumentParser(exit_on_error=False)
     p.add_subclass_arguments(base, group, required=True)
-    ns = Namespace(**{group: spec})
+    ns = p.parse_object({group: spec})
     make = getattr(p, "instantiate", None) or p.instantiate_classes
     return make(ns)[group]
 
 
 def _instantiate_plain(spec: Any, what: str):
+    """``class_path`` + ``init_args`` by importlib (callbacks; recipes without jsonargparse)."""
+    if hasattr(spec, "as_dict"):  # a jsonargparse Namespace
+        spec = spec.as_dict()
     if not isinstance(spec, dict) or "class_path" not in spec:
         return spec
     cls = resolve_class(spec["class_path"], what)
-    return cls(**(spec.get("init_args") or {}))
+    try:
+        return cls(**(spec.get("init_args") or {}))
+    except TypeError as e:
+        raise ConfigError(f"{what}: {spec['class_path']}({spec.get('init_args') or {}}) failed: {e}") from None
 
 
-def _link_vocab(cfg, data) -> None:
+def _link_vocab(config: dict, data) -> None:
     """A model with ``vocab_size: null`` takes the data module's (e.g. a tokenizer trained at start)."""
-    init = cfg.model.get("init_args") if hasattr(cfg.model, "get") else None
-    if init is None or "vocab_size" not in init or init.vocab_size is not None:
+    init = config["model"].setdefault("init_args", {}) if isinstance(config.get("model"), dict) else None
+    if init is None or "vocab_size" not in init or init["vocab_size"] is not None:
         return
     vocab = getattr(data, "vocab_size", None)
     if vocab is None:
         raise ConfigError("model.init_args.vocab_size is null and data has no vocab_size: set model.vocab_size")
-    init.vocab_size = int(vocab)
+    init["vocab_size"] = int(vocab)
 
 
 def _resolve_ckpt(ckpt: Optional[str], trainer) -> Optional[str]:
@@ -445,17 +505,6 @@ def _to_dict(parser, cfg) -> dict:
     import yaml
 
     return yaml.safe_load(parser.dump(cfg, skip_none=False, skip_check=True))
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "/"))
-        else:
-            out[key] = v
-    return out
 
 
 def _save_config(trainer, config: dict) -> None:

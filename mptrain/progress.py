@@ -4,6 +4,9 @@ plain periodic lines when stdout is a file or a pipe (CI logs, Slurm, torchrun).
 Reading the loss or the scale is a host-device sync, so values are read only when the display
 refreshes (at most every ``refresh_s`` seconds on a terminal, every ``every_n_steps`` steps
 otherwise), never per step.
+
+For language batches the bar also logs ``tokens_per_sec`` next to the Trainer's
+``samples_per_sec`` (same window, times the tokens per sample) at the Trainer's logging steps.
 """
 from __future__ import annotations
 
@@ -112,13 +115,15 @@ class ProgressBar(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self._enabled:
             return
-        self._samples += _samples(batch)
+        samples = _samples(batch)
+        self._samples += samples
         tokens = _tokens(batch)
+        step = trainer.global_step
         if tokens is not None:
             self._tokens += tokens
+            self._log_tokens(trainer, step, tokens / max(samples, 1))
         if isinstance(outputs, dict):
             self._loss = outputs.get("loss")
-        step = trainer.global_step
         if self._progress is not None:
             now = time.perf_counter()
             if now - self._last_refresh >= self.refresh_s or (self.total and step >= self.total):
@@ -127,6 +132,15 @@ class ProgressBar(Callback):
                                       stats=self._stats(trainer, now))
         elif step != self._last_step and (step % self.interval == 0 or (self.total and step >= self.total)):
             self._print_line(trainer)
+
+    def _log_tokens(self, trainer, step: int, tokens_per_sample: float) -> None:
+        every = getattr(trainer, "log_every_n_steps", None)
+        if not every or step == 0 or step % every or step == getattr(self, "_tokens_logged_at", None):
+            return
+        self._tokens_logged_at = step
+        sps = trainer.callback_metrics.get("samples_per_sec")  # the Trainer just logged it (host value)
+        if sps is not None and hasattr(trainer, "log_metrics"):
+            trainer.log_metrics({"tokens_per_sec": float(sps) * tokens_per_sample}, step=step)
 
     def _rates(self, now: float) -> tuple[float, Optional[float]]:
         dt = max(now - self._last_t, 1e-9)
@@ -169,7 +183,7 @@ class ProgressBar(Callback):
             return
         line = f"epoch {trainer.current_epoch} validation: " + "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
         if self._progress is not None:
-            self._progress.console.print(line)
+            self._progress.console.print(line, markup=False, highlight=False)
         else:
             print(line, file=self.stream, flush=True)
 

@@ -49,7 +49,7 @@ def test_unknown_subcommand_fails(capsys):
 
 def test_bench_dispatch_rejects_unknown_benchmark(capsys):
     assert cli.main(["bench", "nosuch"]) == 2
-    assert "gemm, kernels, e2e" in capsys.readouterr().err
+    assert "gemm, kernels, e2e, ddp" in capsys.readouterr().err
 
 
 def test_bench_dispatch_calls_the_module(monkeypatch):
@@ -128,3 +128,14 @@ def test_jsonargparse_is_not_imported_by_mptrain():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def test_runs_a_recipe_without_jsonargparse(tmp_path, monkeypatch, capsys):
+    """The GPU machine has no jsonargparse: recipes still run (names and choices still checked)."""
+    monkeypatch.setattr(cli, "_has_jsonargparse", lambda: False)
+    assert cli.main(["fit", "--config", QUICKSTART, "--trainer.precision=bf17"]) == 2
+    rc = cli.main(["fit", "--config", QUICKSTART, "--data.synthetic=true", "--data.batch_size=2",
+                   "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert '"global_step": 2' in captured.out and "without type coercion" in captured.err

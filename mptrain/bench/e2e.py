@@ -96,7 +96,7 @@ def build(model_name: str, batch: int, seq_len: int, smoke: bool = False):
         data = MLMDataModule(synthetic=True, batch_size=batch, seq_len=seq_len, vocab_size=vocab,
                              synthetic_batches=10_000)
         size = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128) if smoke else {}
-        model = BertMLM(vocab_size=vocab, warmup_steps=10, **size)
+        model = BertMLM(vocab_size=vocab, warmup_steps=10, max_predictions=32, **size)
     else:
         raise ValueError(f"unknown model {model_name!r}; valid: {', '.join(MODELS)}")
     data.setup("fit")

@@ -40,6 +40,9 @@ class BertMLM(L.LightningModule):
         fused_layernorm: swap LayerNorms for mptrain.nn's fused ones.
         use_attention_mask: pass the batch's attention mask (only needed with padding: our blocks
             are never padded, and an all-ones mask keeps SDPA off its fastest kernels).
+        max_predictions: masked tokens predicted per sequence (BERT's max_predictions_per_seq):
+            a fixed-size gather without a host sync; a sequence with more masked tokens loses the
+            extra ones from the loss. ``None``: all of them, by boolean indexing (syncs).
     """
 
     def __init__(self, vocab_size: Optional[int] = None, hidden_size: int = 768, num_layers: int = 12,
@@ -47,10 +50,12 @@ class BertMLM(L.LightningModule):
                  dropout: float = 0.1, lr: float = 1e-4, weight_decay: float = 0.01,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, warmup_steps: int = 10_000,
                  total_steps: Optional[int] = None, fused_layernorm: bool = True, use_attention_mask: bool = False,
-                 attn_implementation: str = "sdpa"):
+                 max_predictions: Optional[int] = None, attn_implementation: str = "sdpa"):
         super().__init__()
         if vocab_size is None:
             raise ValueError("model.vocab_size is not set: give it, or let the CLI take it from data.vocab_size")
+        if max_predictions is not None and max_predictions < 1:
+            raise ValueError(f"model.max_predictions must be >= 1 or null, got {max_predictions}")
         self.save_hyperparameters()
         self.mlm = fuse(build_bert_mlm(vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
                                        max_position_embeddings, dropout, attn_implementation), fused_layernorm)
@@ -58,30 +63,41 @@ class BertMLM(L.LightningModule):
 
         self.val_loss_sum, self.val_count = SumMetric(), SumMetric()
 
-    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(summed loss over masked tokens, their logits, their labels).
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(summed loss over predicted tokens, their logits, their labels (-100: padding), count).
 
         Only masked positions go through the vocabulary projection: it is the largest GEMM of
-        the head and ~85% of its rows would be thrown away."""
+        the head and ~85% of its rows would be thrown away.  With ``max_predictions`` the
+        positions are gathered with a fixed size per sequence (no host sync, static shapes);
+        without it, by boolean indexing (exact for any mask count, one host sync per step)."""
         mask = batch.get("attention_mask") if self.hparams.use_attention_mask else None
         hidden = self.mlm.bert(input_ids=batch["input_ids"], attention_mask=mask)[0]
         labels = batch["labels"]
         picked = labels != -100
-        logits = self.mlm.cls(hidden[picked])
-        target = labels[picked]
-        return F.cross_entropy(logits.float(), target, reduction="sum"), logits, target
+        k = self.hparams.max_predictions
+        if k is None:
+            h, target = hidden[picked], labels[picked]
+        else:
+            k = min(k, labels.shape[1])
+            idx = picked.to(hidden.dtype).topk(k, dim=1).indices  # masked positions first
+            h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).flatten(0, 1)
+            target = labels.gather(1, idx).flatten()
+        logits = self.mlm.cls(h)
+        count = (target != -100).sum()
+        loss_sum = F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
+        return loss_sum, logits, target, count
 
     def training_step(self, batch, batch_idx):
-        loss_sum, _, target = self(batch)
-        return loss_sum / max(1, target.numel())
+        loss_sum, _, _, count = self(batch)
+        return loss_sum / count.clamp_min(1)
 
     def validation_step(self, batch, batch_idx):
-        loss_sum, logits, target = self(batch)
-        n = max(1, target.numel())
-        correct = (logits.argmax(-1) == target).sum().float()
+        loss_sum, logits, target, count = self(batch)
+        n = count.clamp_min(1).float()
+        correct = ((logits.argmax(-1) == target) & (target != -100)).sum().float()
         self.log_dict({"val/loss": loss_sum.detach() / n, "val/mlm_acc": correct / n})
         self.val_loss_sum.update(loss_sum.detach().float())
-        self.val_count.update(torch.tensor(float(n), device=logits.device))
+        self.val_count.update(n)
 
     def on_validation_epoch_end(self):
         """Perplexity over every masked token of the epoch (exp of the mean loss; averaging

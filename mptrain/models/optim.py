@@ -8,11 +8,12 @@ _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
 
 
 def decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+    decay, no_decay, seen = [], [], set()
     for mod in module.modules():
         is_norm = isinstance(mod, _NORMS) or "norm" in type(mod).__name__.lower()
         for name, p in mod.named_parameters(recurse=False):
-            if not p.requires_grad:
+            if not p.requires_grad or id(p) in seen:  # tied weights (embedding = output layer) once
                 continue
+            seen.add(id(p))
             (no_decay if is_norm or name.endswith("bias") else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

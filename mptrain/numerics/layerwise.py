@@ -415,13 +415,13 @@ def _projection_loss(out: Any, seed: int = 1234) -> torch.Tensor:
 def _resolve_precision(precision, device):
     if not isinstance(precision, str):
         return precision  # a Precision object
+    from mptrain.precision import PRECISIONS, build_precision, normalize_precision
+
     try:
-        from mptrain.precision import PRECISIONS, build_precision
-    except ImportError as e:  # the precision engine is part of mptrain; this is a broken install
-        raise ImportError(f"compare_layerwise needs mptrain.precision.build_precision: {e}") from e
-    if precision not in PRECISIONS:
-        raise ValueError(f"compare_layerwise: precision={precision!r} is not one of {tuple(PRECISIONS)}")
-    return build_precision(precision, device=device)
+        name = normalize_precision(precision)  # Lightning's aliases ("bf16", "16") included
+    except ValueError:
+        raise ValueError(f"compare_layerwise: precision={precision!r} is not one of {tuple(PRECISIONS)}") from None
+    return build_precision(name, device=device)
 
 
 def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf16-mixed", rtol: float = 1e-2,

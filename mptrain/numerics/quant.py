@@ -14,6 +14,7 @@ what the tensor cores take.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -280,8 +281,6 @@ def quantize_dynamic(model: nn.Module, config: QuantConfig = QuantConfig(), inpl
     The model is first made float32 (quantization scales are computed from fp32 weights).
     Returns the quantized model (a deep copy unless ``inplace``).
     """
-    import copy
-
     if not inplace:
         model = copy.deepcopy(model)
     model.float()
@@ -346,8 +345,6 @@ def quantization_report(model: nn.Module, example_input=None, config: QuantConfi
     The output error is local: each int8 layer gets the same fp32 input its fp32 original
     saw in a float32 forward pass, so the number belongs to that layer alone.
     """
-    import copy
-
     ref = copy.deepcopy(model).float().eval()
     skip = set(skip)
     linears = [(n, m) for n, m in ref.named_modules() if isinstance(m, nn.Linear) and n not in skip]

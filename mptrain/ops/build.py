@@ -346,8 +346,8 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
         raise ExtensionBuildError("ninja is not installed", fix="pip install ninja")
     cflags, cuda_flags = _flags()
     if cuda_home is not None:
-        # cpp_extension reads CUDA_HOME when it is imported; set it first.
-        os.environ.setdefault("CUDA_HOME", str(cuda_home))
+        # cpp_extension reads CUDA_HOME when it is imported (and trusts a stale one): set ours.
+        os.environ["CUDA_HOME"] = str(cuda_home)
         cuda_flags += [f"-I{d}" for d in _extra_include_dirs(cuda_home)]
         cflags += [f"-I{d}" for d in _extra_include_dirs(cuda_home)]
     if "MAX_JOBS" not in os.environ:
@@ -357,7 +357,7 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
     log = build_dir / "build.log"
     from torch.utils import cpp_extension
 
-    if has_cuda and cpp_extension.CUDA_HOME is None:
+    if cuda_home is not None:
         cpp_extension.CUDA_HOME = str(cuda_home)
     with build_lock(build_dir):
         try:

@@ -29,9 +29,10 @@ def _extension(op: str, tensors: Sequence[torch.Tensor], fused) -> Optional[obje
         raise ValueError(f"{op}: fused={fused!r}; expected one of {FUSED_CHOICES}")
     if fused is False or len(tensors) == 0:
         return None
-    t = tensors[0]
-    # Lists reach here split by dtype; the C++ side checks every tensor and names a stray one.
-    if not t.is_cuda or t.dtype not in KERNEL_DTYPES:
+    t, last = tensors[0], tensors[-1]
+    # Lists reach here split by dtype (src first, dst last): checking both ends covers
+    # every dtype in the call; the C++ side checks every tensor and names a stray one.
+    if not t.is_cuda or t.dtype not in KERNEL_DTYPES or last.dtype not in KERNEL_DTYPES:
         if fused is True:
             raise RuntimeError(f"{op}: fused=True needs CUDA tensors in {KERNEL_DTYPES}, got {t.dtype} on {t.device}; "
                                "use fused='auto' to fall back to the reference")
@@ -124,8 +125,13 @@ def multi_tensor_l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = Fals
     if not tensors:
         raise ValueError("multi_tensor_l2norm: got an empty list; pass at least one tensor")
     device = tensors[0].device
-    sq_parts, per = [], torch.empty(len(tensors), dtype=torch.float32, device=device) if per_tensor else None
-    for key, idx in _groups(tensors).items():
+    groups = _groups(tensors)
+    if len(groups) == 1:  # the common case: no host-side regrouping
+        ext = _extension("multi_tensor_l2norm", tensors, fused)
+        total, norms = (reference if ext is None else ext).multi_tensor_l2norm(tensors, per_tensor)
+        return (total, norms) if per_tensor else total
+    sq_parts, per = [], [None] * len(tensors)
+    for key, idx in groups.items():
         if key[0] != device:
             raise ValueError(f"multi_tensor_l2norm: tensors on {device} and {key[0]}; pass one device at a time")
         group = [tensors[i] for i in idx]
@@ -136,9 +142,10 @@ def multi_tensor_l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = Fals
             total, norms = ext.multi_tensor_l2norm(group, per_tensor)
         sq_parts.append(total.double() ** 2)
         if per_tensor:
-            per[torch.tensor(idx, device=device)] = norms
+            for j, i in enumerate(idx):  # views, gathered by one stack below: no host-to-device copy
+                per[i] = norms[j]
     total = sq_parts[0].sqrt().float() if len(sq_parts) == 1 else torch.stack(sq_parts).sum().sqrt().float()
-    return (total, per) if per_tensor else total
+    return (total, torch.stack(per)) if per_tensor else total
 
 
 # ---------------------------------------------------------------- optimizer steps

@@ -15,6 +15,11 @@ import torch
 import math as _math
 
 
+def _mt_log(beta):
+    """log(beta), -inf for 0 (then 1 - beta^t = -expm1(t * log beta) = 1, as in the kernels)."""
+    return -_math.inf if beta == 0 else _math.log(beta)
+
+
 def _mt_math(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
@@ -41,8 +46,11 @@ def _mt_grad(g, inv_scale, maximize):
 
 
 def _mt_lr(lr, like):
-    """lr as a 0-dim float32 tensor (the kernel reads it as float)."""
-    return (lr if torch.is_tensor(lr) else torch.tensor(lr)).reshape(()).to(like.device, torch.float32)
+    """lr as a 0-dim float32 tensor on ``like``'s device (the kernel reads it as float);
+    built with a fill, not a host-to-device copy, so the reference never syncs either."""
+    if torch.is_tensor(lr):
+        return lr.reshape(()).to(like.device, torch.float32)
+    return torch.full((), lr, dtype=torch.float32, device=like.device)
 
 
 def _mt_steps_advance(steps, keep):
@@ -79,8 +87,8 @@ def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, 
         w_t = masters[i] if masters else p
         s = steps[i].reshape(()).double() + 1
         lr_t = _mt_lr(lr, p)
-        step_size = (lr_t.double() / -torch.expm1(s * _math.log(beta1))).float()
-        bc2_sqrt = (-torch.expm1(s * _math.log(beta2))).sqrt().float()
+        step_size = (lr_t.double() / -torch.expm1(s * _mt_log(beta1))).float()
+        bc2_sqrt = (-torch.expm1(s * _mt_log(beta2))).sqrt().float()
         g = _mt_grad(grads[i], inv, maximize)
         w = _mt_math(w_t)
         if decoupled:
@@ -128,8 +136,8 @@ def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, 
         w_t = masters[i] if masters else p
         s = steps[i].reshape(()).double() + 1
         one = torch.ones((), dtype=torch.float64, device=s.device)
-        bc1 = (-torch.expm1(s * _math.log(beta1)) if bias_correction else one).float()
-        bc2 = (-torch.expm1(s * _math.log(beta2)) if bias_correction else one).float()
+        bc1 = (-torch.expm1(s * _mt_log(beta1)) if bias_correction else one).float()
+        bc2 = (-torch.expm1(s * _mt_log(beta2)) if bias_correction else one).float()
         g = _mt_grad(grads[i], inv, maximize)
         w = _mt_math(w_t)
         m = _mt_math(exp_avgs[i])

@@ -23,6 +23,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     # torch.amp.GradScaler hands such optimizers `grad_scale` / `found_inf` as
     # attributes instead of unscaling the grads itself.
     _step_supports_amp_scaling = True
+    # mptrain.precision hands its whole master-weight step to these (precision/base.py).
+    _mptrain_fused = True
 
     def __init__(self, params, defaults: dict, *, master_weights: bool, capturable: bool, fused):
         if fused is None:
@@ -68,6 +70,33 @@ class FusedOptimizer(torch.optim.Optimizer):
         if "master_param" not in st:
             st["master_param"] = p.detach().to(torch.float32, copy=True)
         return st["master_param"]
+
+    @torch.no_grad()
+    def enable_master_weights(self) -> None:
+        """Switch to fp32 master weights (the ``*-master`` precisions call this): every
+        fp16/bf16 param gets its master now, from its current value, and existing moments
+        become fp32."""
+        self.master_weights = True
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.uses_master(p):
+                    self.master_param(p)
+                    st = self.state[p]
+                    for name in self._buffers(group):
+                        if name in st:
+                            st[name] = st[name].float()
+
+    @torch.no_grad()
+    def disable_master_weights(self) -> None:
+        """Leave master weights (the late-epoch switch to fp32): each param with a master
+        becomes that fp32 tensor, the master leaves the state, the fp32 moments stay."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                master = self.state.get(p, {}).pop("master_param", None)
+                if master is not None:
+                    p.data = master
+                    p.grad = None
+        self.master_weights = False
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         st = self.state[p]
@@ -146,13 +175,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         local = {d: home if home.device == d else torch.zeros((), dtype=torch.float32, device=d) for d in devices}
         grads = defaultdict(list)
         for key, params in buckets.items():
-            grads[key[1]].extend(p.grad for p in params)
+            grads[key[1]].extend(self._grad_of(p) for p in params)
         for d in devices:
             multi_tensor_check_finite_(grads[d], local[d], fused=self.fused)
-        if len(devices) > 1:
+        if any(local[d] is not home for d in devices):  # params on several devices, or found_inf elsewhere
             for d in devices:
                 if local[d] is not home:
-                    torch.maximum(home, local[d].to(home.device), out=home)
+                    home.copy_(torch.maximum(home, local[d].to(home.device).reshape(home.shape)))
             local = {d: home if home.device == d else home.to(d) for d in devices}
         return local
 

@@ -22,8 +22,8 @@ class FusedLAMB(FusedOptimizer):
         name = type(self).__name__
         if not (torch.is_tensor(lr) or 0.0 <= lr):
             raise ValueError(f"{name}: invalid learning rate {lr}")
-        if not (0.0 < betas[0] < 1.0 and 0.0 < betas[1] < 1.0):
-            raise ValueError(f"{name}: invalid betas {betas}; each must lie in (0, 1)")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"{name}: invalid betas {betas}; each must lie in [0, 1)")
         if eps < 0.0 or weight_decay < 0.0:
             raise ValueError(f"{name}: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,

@@ -150,7 +150,15 @@ class MasterPrecision(Precision):
         self._fused_scale = scale
         if before_step is not None:
             before_step(found_inf)
-        optimizer.step(grad_scale=grad_scale.reshape(()).float(), found_inf=found_inf)
+        # As attributes (torch's GradScaler protocol): found_inf is trusted as computed by the
+        # norm above, so the optimizer runs no second read-only inf check over the grads.
+        optimizer.grad_scale = grad_scale.reshape(1).float()
+        optimizer.found_inf = found_inf
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
         if scaler is not None:
             scaler.update(found_inf)
         return norm, found_inf

@@ -1,5 +1,4 @@
 """mptrain bench gemm: the CPU-side logic (sizes, FLOPs, support table, operands, table, exit codes)."""
-import json
 
 import pytest
 import torch

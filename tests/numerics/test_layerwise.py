@@ -190,3 +190,15 @@ def test_table_is_worst_first(x):
     assert lines[0].startswith("layerwise fp32 vs 16-true")
     assert lines[3].split()[0] == "3"
     assert len([ln for ln in lines[3:] if ln.strip()]) == len(report.rows)
+
+
+def test_local_error_of_a_master_norm_uses_the_half_input_it_really_gets(x):
+    # In *-master a LayerNorm keeps fp32 weights: a pre-hook upcasts its half input and a
+    # forward hook casts the output back. The local re-run must start from the half input
+    # the layer was given (not the upcast one), so its error includes both roundings.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+    report = compare_layerwise(net, x, precision="16-master")
+    ln = report.details[1]
+    assert ln["module"] == "1" and ln["dtype"] == "float16"
+    assert 1e-5 < ln["local_rel_err"] < 2e-3

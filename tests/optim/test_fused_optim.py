@@ -36,6 +36,7 @@ CASES = [
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2)),
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
     (FusedAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.05, maximize=True)),
+    (FusedAdam, torch.optim.Adam, dict(lr=1e-2, betas=(0.0, 0.0))),
     (FusedAdamW, torch.optim.AdamW, dict(lr=1e-2)),
     (FusedAdamW, torch.optim.AdamW, dict(lr=3e-2, weight_decay=0.3, maximize=True)),
     (FusedSGD, torch.optim.SGD, dict(lr=0.1)),
@@ -294,3 +295,20 @@ def test_lr_as_tensor_and_arguments_validated():
     with pytest.raises(TypeError, match="found_inf"):
         opt = FusedAdamW(a)
         _run(opt, a, 1, found_inf=torch.zeros(3))
+
+
+def test_enable_and_disable_master_weights():
+    params = _params(torch.bfloat16)
+    opt = FusedAdamW(params, lr=1e-2)
+    _run(opt, params, 1)
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.bfloat16
+    opt.enable_master_weights()
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.float32
+    assert torch.equal(opt.state[params[0]]["master_param"], params[0].detach().float())
+    _run(opt, params, 2, start=1)
+    masters = [opt.state[p]["master_param"].clone() for p in params]
+    opt.disable_master_weights()
+    assert all(p.dtype == torch.float32 and torch.equal(p.detach(), m) for p, m in zip(params, masters))
+    assert all("master_param" not in opt.state[p] for p in params)
+    _run(opt, params, 1, start=3)  # continues in fp32 with the same moments
+    assert all(opt.state[p]["step"].item() == 4 for p in params)

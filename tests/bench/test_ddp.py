@@ -1,0 +1,25 @@
+"""`mptrain bench ddp --cpu`: the scaling/weight-agreement harness end to end on gloo."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mptrain.bench import ddp
+
+
+@pytest.mark.slow
+def test_cpu_scaling_run_reports_identical_weights(tmp_path):
+    out = tmp_path / "ddp.json"
+    rc = ddp.main(["--cpu", "--nproc", "2", "--recipes", "quickstart", "--warmup", "2", "--steps", "3",
+                   "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"]["quickstart"]
+    assert res["multi"]["identical_weights"] and len(res["multi"]["ranks"]) == 2
+    assert res["single"]["samples_per_s"] > 0 and res["scaling_efficiency"] > 0
+
+
+def test_refuses_without_enough_gpus(capsys, monkeypatch):
+    monkeypatch.setattr(ddp.torch.cuda, "device_count", lambda: 0)
+    assert ddp.main(["--nproc", "2"]) == 2
+    assert "needs 2 GPUs" in capsys.readouterr().err

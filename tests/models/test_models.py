@@ -1,0 +1,195 @@
+"""Model builders and LightningModules: shapes, losses, optimizer groups, schedules, metrics."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mptrain.models import BertMLM, ImageClassifier, LSTMLanguageModel, build_image_model
+from mptrain.models.optim import decay_groups
+from mptrain.models.schedules import warmup_cosine, warmup_linear
+
+
+class Logged:
+    """Stands in for the trainer side of self.log: records what the module logs."""
+
+    def __init__(self, module):
+        self.values = {}
+        module.log = lambda name, value, **kw: self.values.__setitem__(name, float(value))
+        module.log_dict = lambda d, **kw: self.values.update({k: float(v) for k, v in d.items()})
+
+
+def test_digits_cnn_and_torchvision_resnet():
+    assert build_image_model("digits_cnn", 10)(torch.rand(2, 1, 8, 8)).shape == (2, 10)
+    pytest.importorskip("torchvision")
+    net = build_image_model("resnet50", 7)
+    assert sum(p.numel() for p in net.parameters()) > 23e6
+    with pytest.raises(ValueError, match="resnet50"):
+        build_image_model("resnet51", 10)
+
+
+def test_classifier_loss_label_smoothing_and_topk_metrics():
+    torch.manual_seed(0)
+    m = ImageClassifier(arch="digits_cnn", num_classes=10, label_smoothing=0.1).eval()  # no dropout noise
+    x, y = torch.rand(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    loss = m.training_step((x, y), 0)
+    assert torch.allclose(loss, F.cross_entropy(m(x), y, label_smoothing=0.1))
+    log = Logged(m)
+    with torch.no_grad():
+        m.validation_step((x, y), 0)
+        logits = m(x)
+    assert log.values["val/acc"] == pytest.approx((logits.argmax(1) == y).float().mean().item())
+    top5 = (logits.topk(5, dim=1).indices == y[:, None]).any(1).float().mean().item()
+    assert log.values["val/acc_top5"] == pytest.approx(top5)
+
+
+def test_optimizer_groups_skip_decay_on_norms_and_biases():
+    m = ImageClassifier(arch="digits_cnn", optimizer="sgd", weight_decay=0.1, warmup_steps=3, total_steps=10)
+    conf = m.configure_optimizers()
+    opt = conf["optimizer"]
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.9
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() > 1 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert conf["lr_scheduler"]["interval"] == "step"
+
+
+def test_decay_groups_list_tied_weights_once():
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10)
+    head.weight = emb.weight
+    groups = decay_groups(torch.nn.ModuleList([emb, head]), 0.01)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == 2
+
+
+def _lrs(make, steps):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = make(opt)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_warmup_cosine_and_linear_shapes():
+    cos = _lrs(lambda o: warmup_cosine(o, 4, lambda: 20, min_ratio=0.1), 21)
+    assert cos[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert cos[4] == pytest.approx(1.0) and cos[12] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert cos[20] == pytest.approx(0.1)
+    lin = _lrs(lambda o: warmup_linear(o, 2, lambda: 10), 11)
+    assert lin[:2] == pytest.approx([0.5, 1.0]) and lin[6] == pytest.approx(0.5) and lin[10] == pytest.approx(0.0)
+
+
+def test_schedule_reads_the_run_length_when_the_trainer_knows_it():
+    m = ImageClassifier(arch="digits_cnn", warmup_steps=0)
+    total = {"n": 0}
+
+    class Shim:
+        @property
+        def estimated_stepping_batches(self):
+            return total["n"]
+
+    type(m).trainer = property(lambda self: Shim())  # what the Trainer's bridge exposes
+    try:
+        sched = m.configure_optimizers()["lr_scheduler"]["scheduler"]
+        total["n"] = 4  # known only after configure_optimizers, as in the Trainer
+        lrs = []
+        for _ in range(5):
+            lrs.append(sched.get_last_lr()[0])
+            sched.optimizer.step()
+            sched.step()
+        assert lrs[-1] == pytest.approx(0.0, abs=1e-9) and lrs[2] == pytest.approx(0.05)
+    finally:
+        del type(m).trainer
+
+
+def tiny_bert(**kw):
+    pytest.importorskip("transformers")
+    return BertMLM(vocab_size=60, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                   max_position_embeddings=32, dropout=0.0, **kw)
+
+
+def test_bert_needs_a_vocab():
+    with pytest.raises(ValueError, match="vocab_size"):
+        BertMLM()
+
+
+@pytest.mark.parametrize("max_predictions", [None, 6])
+def test_bert_sparse_head_matches_full_mlm_loss(max_predictions):
+    torch.manual_seed(0)
+    m = tiny_bert(fused_layernorm=False, max_predictions=max_predictions).eval()
+    ids = torch.randint(5, 60, (3, 16))
+    labels = torch.full_like(ids, -100)
+    labels[:, 3:7] = ids[:, 3:7]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    with torch.no_grad():
+        ours = m.training_step(batch, 0)
+        full = m.mlm(input_ids=ids, labels=labels).loss
+    assert ours.item() == pytest.approx(full.item(), rel=1e-5)
+    log = Logged(m)
+    with torch.no_grad():
+        m.validation_step(batch, 0)
+        m.on_validation_epoch_end()
+    assert log.values["val/loss"] == pytest.approx(full.item(), rel=1e-5)
+    assert 0 <= log.values["val/mlm_acc"] <= 1
+    assert log.values["val/perplexity"] == pytest.approx(math.exp(full.item()), rel=1e-4)
+
+
+def test_bert_max_predictions_caps_the_predicted_tokens():
+    torch.manual_seed(0)
+    m = tiny_bert(fused_layernorm=False, max_predictions=2).eval()
+    ids = torch.randint(5, 60, (2, 16))
+    labels = torch.full_like(ids, -100)
+    labels[:, 3:7] = ids[:, 3:7]
+    _, logits, target, count = m({"input_ids": ids, "labels": labels})
+    assert logits.shape[0] == 4 and int(count) == 4 and (target != -100).all()
+
+
+def test_bert_layernorms_are_fused_when_mptrain_nn_is_there():
+    m = tiny_bert(fused_layernorm=True)
+    kinds = {type(mod).__name__ for mod in m.modules() if "Norm" in type(mod).__name__}
+    try:
+        import mptrain.nn  # noqa: F401
+    except ImportError:
+        assert kinds == {"LayerNorm"}
+    else:
+        assert "LayerNorm" not in kinds, kinds
+
+
+def test_bert_adamw_linear_schedule():
+    m = tiny_bert(lr=1e-3, warmup_steps=2, total_steps=4)
+    conf = m.configure_optimizers()
+    assert isinstance(conf["optimizer"], torch.optim.AdamW)
+    assert conf["optimizer"].param_groups[1]["weight_decay"] == 0.0
+
+
+def test_lstm_lm_loss_perplexity_and_tied_weights():
+    torch.manual_seed(0)
+    m = LSTMLanguageModel(vocab_size=40, embedding_dim=16, hidden_size=24, num_layers=2, dropout=0.0)
+    assert m.net.head.weight is m.net.embed.weight
+    assert isinstance(m.net.rnn, torch.nn.LSTM)  # FusedLSTM subclasses it
+    x = torch.randint(0, 40, (3, 10))
+    y = torch.randint(0, 40, (3, 10))
+    loss = m.training_step((x, y), 0)
+    assert abs(loss.item() - math.log(40)) < 0.5
+    loss.backward()
+    assert m.net.embed.weight.grad is not None
+    log = Logged(m)
+    with torch.no_grad():
+        m.eval().validation_step((x, y), 0)
+        m.on_validation_epoch_end()
+    assert log.values["val/perplexity"] == pytest.approx(math.exp(log.values["val/loss"]), rel=1e-4)
+
+
+def test_lstm_uses_fused_lstm_when_available():
+    m = LSTMLanguageModel(vocab_size=10, embedding_dim=8, hidden_size=8, num_layers=1, dropout=0.0)
+    try:
+        from mptrain.nn import FusedLSTM
+    except ImportError:
+        pytest.skip("mptrain.nn.FusedLSTM not available")
+    assert isinstance(m.net.rnn, FusedLSTM)
