@@ -192,7 +192,8 @@ class Precision:
         elif accepts_device_found_inf(optimizer):
             # Grads are already unscaled: grad_scale=None, the kernel only honours found_inf.
             optimizer.grad_scale = None
-            optimizer.found_inf = found_inf
+            # torch's fused Adam subtracts found_inf from its 0-dim step counts in place: 0-dim here.
+            optimizer.found_inf = found_inf.reshape(())
             try:
                 optimizer.step()
             finally:

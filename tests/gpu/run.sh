@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: build the extension, run the CUDA tests and the benchmarks, in one
 # call on the GPU machine.  Usage: tests/gpu/run.sh [stage ...]   (default: all stages)
-# Stages: info build tests kernels gemm e2e numerics doctor.  Logs and JSON go to $OUT.
+# Stages: info build (cold, timed) load (warm) tests kernels gemm e2e numerics doctor.  Logs and JSON go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/mptrain-gpu-out}
@@ -24,12 +24,14 @@ stage() {  # stage NAME TIMEOUT CMD...
 }
 
 stage info 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch,lightning;print(torch.__version__, torch.version.cuda, lightning.__version__, torch.cuda.get_device_name())"; nvcc --version | tail -2'
-stage build 400 bash -c 'rm -rf "$MPTRAIN_BUILD_DIR"; python3 -m mptrain.ops.build && python3 -c "
-import time; t=time.perf_counter()
+stage build 330 bash -c 'rm -rf "$MPTRAIN_BUILD_DIR"; python3 -m mptrain.ops.build && python3 -c "
+import time, torch
 from mptrain.ops.build import get_extension
+t=time.perf_counter()
 get_extension(required=True)
 print(f\"warm load: {time.perf_counter()-t:.2f} s\")"'
-stage tests 420 python3 -m pytest tests/gpu -q --timeout=300 --maxfail=30 -p no:cacheprovider -o addopts=""
+stage load 120 python3 -m mptrain.ops.build
+stage tests 270 python3 -m pytest tests/gpu -q --timeout=300 --maxfail=30 -p no:cacheprovider -o addopts=""
 stage kernels 420 python3 -m mptrain.bench.kernels --json "$OUT/bench_kernels.json"
 stage gemm 200 python3 -m mptrain.bench.gemm --json "$OUT/bench_gemm.json"
 stage e2e 420 python3 -m mptrain.bench.e2e --json "$OUT/bench_e2e.json"
