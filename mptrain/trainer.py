@@ -165,6 +165,7 @@ class Trainer:
         self._resume_batch_idx = 0
         self._epoch_start_rng: list = []
         self._last_sync_check = 0
+        self._position = (0, 0)  # (epoch, batches of it trained): where a resume starts
 
     # ------------------------------------------------------------------ properties
     @property
@@ -339,10 +340,10 @@ class Trainer:
             while not self._done():
                 if switch_epoch is not None and self.current_epoch >= switch_epoch and self.precision != "32-true":
                     self._switch_to_fp32()
-                self._train_epoch()
-                if self.should_stop:
-                    break
+                if not self._train_epoch():
+                    break  # max_steps reached mid-epoch: no epoch end, position stays inside it
                 self.current_epoch += 1
+                self._position = (self.current_epoch, 0)
                 self._resume_batch_idx = 0
             if self.enable_checkpointing and self.global_step > 0:
                 self.save_checkpoint(self.checkpoint_dir / "last.ckpt")
@@ -372,7 +373,8 @@ class Trainer:
         log.info("epoch %d: switched to 32-true for the last %d epoch(s)", self.current_epoch, self.fp32_finetune_epochs)
         self.log_metrics({"precision_is_fp32": 1.0})
 
-    def _train_epoch(self) -> None:
+    def _train_epoch(self) -> bool:
+        """One epoch (or its rest, after a resume); False if max_steps stopped it part-way."""
         model, wrapped, precision = self._module, self._wrapped, self._precision
         loader = self._train_loader
         model.train()
@@ -433,19 +435,21 @@ class Trainer:
                 self._step_schedulers("step")
                 self._after_step(window_loss, grad_norm, found_inf, window_samples, window_start)
                 precision.zero_grad(self._optimizer, model)
-                self._batch_idx_done = batch_idx + 1
+                self._position = (self.current_epoch, batch_idx + 1)
                 if self.checkpoint_every_n_steps and self.global_step % self.checkpoint_every_n_steps == 0:
                     self._save_periodic(batch_idx + 1)
             self._call("on_train_batch_end", {"loss": detached}, batch, batch_idx)
-            if is_last and self.max_steps > 0 and self.global_step >= self.max_steps:
+            if is_last and self.max_steps > 0 and self.global_step >= self.max_steps and batch_idx + 1 < n:
                 self.should_stop = True
-                break
+                self._check_nonfinite(force=True)
+                return False
         self._check_nonfinite(force=True)
         if self._val_loader is not None and (self.current_epoch + 1) % self.check_val_every_n_epoch == 0:
             self._run_validation(self._val_loader)
             model.train()
         self._call("on_train_epoch_end")
         self._step_schedulers("epoch")
+        return True
 
     def _optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Unscale, inf check, clip, step (or skip), scaler update: no host sync on fused paths."""
@@ -597,17 +601,15 @@ class Trainer:
         return state
 
     def save_checkpoint(self, path: str | os.PathLike, batch_idx: Optional[int] = None) -> None:
-        """Write a full-resume checkpoint (rank 0 writes; every rank contributes its RNG state)."""
-        if batch_idx is None:  # between epochs: the next epoch starts from its first batch
-            state = self._checkpoint_state(0, self.current_epoch if not self._done_epoch() else self.current_epoch + 1)
-        else:
-            state = self._checkpoint_state(batch_idx, self.current_epoch)
+        """Write a full-resume checkpoint (rank 0 writes; every rank contributes its RNG state).
+
+        The position saved is where training resumes: (epoch, batches of it already trained).
+        """
+        epoch, done = self._position if batch_idx is None else (self.current_epoch, batch_idx)
+        state = self._checkpoint_state(done, epoch)
         if self.is_global_zero:
             save_checkpoint(state, path)
         self.fabric.barrier()
-
-    def _done_epoch(self) -> bool:
-        return getattr(self, "_batch_idx_done", 0) >= self.num_training_batches
 
     def _save_periodic(self, batch_idx: int) -> None:
         if not self.enable_checkpointing:
@@ -646,6 +648,7 @@ class Trainer:
         self.global_step = int(state["global_step"])
         self.current_epoch = int(state["epoch"])
         self._resume_batch_idx = int(state["batch_idx"])
+        self._position = (self.current_epoch, self._resume_batch_idx)
         rank = self.global_rank
         rngs, starts = state["rng"], state["epoch_start_rng"]
         self._rng_at_save = rngs[rank] if rank < len(rngs) else rngs[0]

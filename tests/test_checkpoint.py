@@ -119,3 +119,19 @@ def test_missing_and_truncated_checkpoints_name_the_file(tmp_path):
         ckpt_mod.load_checkpoint(cut)
     with pytest.raises(CheckpointError, match="last.ckpt"):
         quiet_trainer(max_steps=1, default_root_dir=str(tmp_path / "empty")).fit(model, loader, ckpt_path="last")
+
+
+def test_last_ckpt_after_max_steps_mid_epoch_resumes_there(tmp_path):
+    """fit stopped by max_steps in the middle of an epoch: last.ckpt records that position."""
+    loader = torch.utils.data.DataLoader(classification_data(n=160), batch_size=16)  # 10 batches an epoch
+    model = Classifier(mlp())
+    quiet_trainer(max_steps=13, default_root_dir=str(tmp_path), enable_checkpointing=True).fit(model, loader)
+    state = ckpt_mod.load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert (state["epoch"], state["batch_idx"], state["global_step"]) == (1, 3, 13)
+    t = quiet_trainer(max_steps=20, default_root_dir=str(tmp_path), enable_checkpointing=True)
+    t.fit(Classifier(mlp()), loader, ckpt_path="last")
+    assert t.global_step == 20 and t.current_epoch == 2
+    full = quiet_trainer(max_epochs=2, default_root_dir=str(tmp_path / "b"), enable_checkpointing=True)
+    full.fit(Classifier(mlp()), loader)
+    state = ckpt_mod.load_checkpoint(tmp_path / "b" / "checkpoints" / "last.ckpt")
+    assert (state["epoch"], state["batch_idx"], state["global_step"]) == (2, 0, 20)
