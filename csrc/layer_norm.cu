@@ -8,8 +8,8 @@
 //  * backward: one read of x and dy, one write of dx.  The same kernel accumulates the
 //    dgamma / dbeta partial sums: each thread always owns the same columns, so it sums
 //    dy*xhat and dy over every row it visits in fp32 registers; a persistent grid of
-//    about one block per SM keeps the [blocks, H] partial buffer small, and a second
-//    tiny kernel reduces it in a fixed order (deterministic, no atomics).  The next
+//    one or two blocks per SM (see BwdShape) keeps the [blocks, H] partial buffer small,
+//    and a second tiny kernel reduces it in a fixed order (deterministic, no atomics).  The next
 //    row's x / dy are loaded before the current row is reduced (software pipelining)
 //    where registers allow, to keep enough bytes in flight with one block per SM.
 //  * storage fp32 / fp16 / bf16; gamma / beta either the input's dtype or fp32 (the
@@ -20,6 +20,8 @@
 #include "row_reduce.cuh"
 #include "type_shim.h"
 
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -150,6 +152,11 @@ ln_fwd_generic(const T* __restrict__ x, const W* __restrict__ gamma, const W* __
 //   g    = dy * gamma
 //   dx   = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g) term)
 //   dgamma = sum_rows dy * xhat,  dbeta = sum_rows dy
+//
+// kExactGd: g = dy * gamma is rounded to fp32 (__fmul_rn) in both passes.  Left to the
+// compiler, the second pass's `g - mean(g)` may become fma(dy, gamma, -mean(g)), which
+// keeps the product's rounding error that mean(g) has: at H = 1 (dx exactly 0) that left
+// |dx| ~ rstd * ulp(g) ~ 1e-4 instead of 0.
 
 // x, dy and the saved statistics of one row (zeros past the end).  Issued together so
 // the next row's loads, statistics included, are in flight while this row is reduced.
@@ -171,8 +178,8 @@ __device__ __forceinline__ void load_rows(uint4 (&a)[NV], uint4 (&b)[NV], float&
   }
 }
 
-template <typename T, typename W, int TPR, int NV, int BLOCK, bool PREFETCH>
-__global__ void __launch_bounds__(BLOCK, 1)
+template <typename T, typename W, int TPR, int NV, int BLOCK, int MINB, bool PREFETCH>
+__global__ void __launch_bounds__(BLOCK, MINB)
 ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
               const float* __restrict__ rstd, const W* __restrict__ gamma, T* __restrict__ dx,
               float* __restrict__ dg_part, float* __restrict__ db_part, int64_t rows, int H,
@@ -216,7 +223,7 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           const float xh = (xf[k] - mu) * rs;
-          const float gd = gamma ? df[k] * gw[k] : df[k];
+          const float gd = gamma ? __fmul_rn(df[k], gw[k]) : df[k];  // no FMA contraction: see kExactGd
           s[0] += gd;
           s[1] += gd * xh;
           dg[i][k] += df[k] * xh;
@@ -238,7 +245,7 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             const float xh = (xf[k] - mu) * rs;
-            const float gd = gamma ? df[k] * gw[k] : df[k];
+            const float gd = gamma ? __fmul_rn(df[k], gw[k]) : df[k];  // no FMA contraction: see kExactGd
             xf[k] = rs * (gd - c1 - xh * c2);
           }
           store16(dx + row * H + j * VEC, pack<T>(xf));
@@ -322,7 +329,7 @@ ln_bwd_dx_generic(const T* __restrict__ dy, const T* __restrict__ x, const float
     for (int c = lane; c < H; c += TPR) {
       const float xh = (static_cast<float>(xr[c]) - mu) * rs;
       float gd = static_cast<float>(dr[c]);
-      if (gamma) gd *= static_cast<float>(gamma[c]);
+      if (gamma) gd = __fmul_rn(gd, static_cast<float>(gamma[c]));
       s[0] += gd;
       s[1] += gd * xh;
     }
@@ -333,7 +340,7 @@ ln_bwd_dx_generic(const T* __restrict__ dy, const T* __restrict__ x, const float
   for (int c = lane; c < H; c += TPR) {
     const float xh = (static_cast<float>(xr[c]) - mu) * rs;
     float gd = static_cast<float>(dr[c]);
-    if (gamma) gd *= static_cast<float>(gamma[c]);
+    if (gamma) gd = __fmul_rn(gd, static_cast<float>(gamma[c]));
     o[c] = static_cast<T>(rs * (gd - c1 - xh * c2));
   }
 }
@@ -380,11 +387,25 @@ ln_param_finish(const float* __restrict__ dg_part, const float* __restrict__ db_
   __shared__ float s[2][16][33];
   const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
   const int c = blockIdx.x * 32 + tx;
+  // The partials were just written (L2-resident): issue U loads before summing them, so
+  // a thread waits about one L2 latency per U partials instead of one per partial.  The
+  // summation order stays fixed (deterministic).
+  constexpr int U = 8;
   float a = 0.f, b = 0.f;
   if (c < H)
-    for (int p = ty; p < P; p += 16) {
-      if (dg_part) a += dg_part[int64_t(p) * H + c];
-      if (db_part) b += db_part[int64_t(p) * H + c];
+    for (int p0 = ty; p0 < P; p0 += 16 * U) {
+      float va[U], vb[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int p = p0 + 16 * u;
+        va[u] = (dg_part && p < P) ? dg_part[int64_t(p) * H + c] : 0.f;
+        vb[u] = (db_part && p < P) ? db_part[int64_t(p) * H + c] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        a += va[u];
+        b += vb[u];
+      }
     }
   s[0][ty][tx] = a;
   s[1][ty][tx] = b;
@@ -415,8 +436,29 @@ const W* opt_ptr(const at::Tensor& t) {
 
 // The (TPR, NV) shapes of the backward kernel: NV = 2 with prefetch where the row fits,
 // so the per-thread dgamma/dbeta accumulators plus two rows of vectors stay in registers.
-enum class BwdShape { W32x2, W64x2, W128x2, W256x2, W512x2, W512x4, Generic };
+// Two launch families, chosen per call by $MPT_LN_BWD (read on every call so one process
+// can benchmark both; a CUDA graph keeps the one it captured):
+//  * "b512": 512-thread blocks, one per SM, the table below (the first design).
+//  * "b256" (default): for rows of <= 128 vectors (1024 bf16), one warp per row with
+//    NV = ceil(nvec / 32) (768 bf16 = 96 vectors = 32 x 3: no idle slots, no barriers),
+//    256-thread blocks, two per SM (__launch_bounds__(256, 2): <= 128 registers), so a
+//    block's dgamma tail and barrier-free rows overlap the other block's loads.  NV 3-4
+//    without prefetch: with it ptxas spilled 84-92 B/thread at the 128-register cap.
+//    Longer rows use the b512 table.
+enum class BwdShape { W32x2, W64x2, W128x2, W256x2, W512x2, W512x4, N32x1, N32x2, N32x3, N32x4, Generic };
+bool bwd_family_b512() {
+  const char* v = std::getenv("MPT_LN_BWD");
+  if (v == nullptr || *v == 0 || std::strcmp(v, "b256") == 0) return false;
+  TORCH_CHECK(std::strcmp(v, "b512") == 0, "MPT_LN_BWD=", v, " is not a backward variant; use b256 or b512");
+  return true;
+}
 BwdShape pick_bwd_shape(int64_t nvec) {
+  if (nvec <= 128 && !bwd_family_b512()) {
+    if (nvec <= 32) return BwdShape::N32x1;
+    if (nvec <= 64) return BwdShape::N32x2;
+    if (nvec <= 96) return BwdShape::N32x3;
+    return BwdShape::N32x4;
+  }
   if (nvec <= 64) return BwdShape::W32x2;
   if (nvec <= 128) return BwdShape::W64x2;
   if (nvec <= 256) return BwdShape::W128x2;
@@ -455,20 +497,24 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
   }
 }
 
-template <typename T, typename W, int TPR, int NV, bool PREFETCH>
+template <typename T, typename W, int TPR, int NV, bool PREFETCH, int BLOCK = 512, int MINB = 1>
 void launch_bwd_cached(const T* dyp, const T* xp, const float* mean, const float* rstd, const W* gp,
                        T* dxp, bool want_dg, bool want_db, int64_t rows, int H, bool rms,
                        const at::TensorOptions& fopts, at::Tensor& dg_part, at::Tensor& db_part) {
-  constexpr int BLOCK = 512, RPB = BLOCK / TPR;
-  auto kernel = ln_bwd_kernel<T, W, TPR, NV, BLOCK, PREFETCH>;
+  constexpr int RPB = BLOCK / TPR;
+  auto kernel = ln_bwd_kernel<T, W, TPR, NV, BLOCK, MINB, PREFETCH>;
   static const int per_sm = [&] {
     int n = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, BLOCK, 0));
     return n < 1 ? 1 : n;
   }();
+  // As many row-group iterations per block as the resident grid needs, then the fewest
+  // blocks that cover the rows in that many: the last iteration is (nearly) full instead
+  // of, e.g., 64 of 2112 rows at 65536x768 on 264 blocks.
   const int64_t want = (rows + RPB - 1) / RPB;
   const int64_t cap = int64_t(num_sms()) * per_sm;
-  const int64_t grid = want < cap ? want : cap;
+  const int64_t iters = (want + cap - 1) / cap;
+  const int64_t grid = (want + iters - 1) / iters;
   if (want_dg) dg_part = at::empty({grid, H}, fopts);
   if (want_db) db_part = at::empty({grid, H}, fopts);
   kernel<<<grid, BLOCK, 0, at::cuda::getCurrentCUDAStream()>>>(
@@ -499,6 +545,10 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
     case BwdShape::W256x2: launch_bwd_cached<T, W, 256, 2, true>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
     case BwdShape::W512x2: launch_bwd_cached<T, W, 512, 2, true>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
     case BwdShape::W512x4: launch_bwd_cached<T, W, 512, 4, false>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
+    case BwdShape::N32x1: launch_bwd_cached<T, W, 32, 1, true, 256, 2>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
+    case BwdShape::N32x2: launch_bwd_cached<T, W, 32, 2, true, 256, 2>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
+    case BwdShape::N32x3: launch_bwd_cached<T, W, 32, 3, false, 256, 2>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
+    case BwdShape::N32x4: launch_bwd_cached<T, W, 32, 4, false, 256, 2>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
     default: {
       if (H <= 1024) {
         ln_bwd_dx_generic<T, W, 32, 128><<<(rows + 3) / 4, 128, 0, stream>>>(dyp, xp, mean, rstd, gp, dxp, rows, H, rms);

@@ -28,6 +28,7 @@ void multi_tensor_lamb(const std::vector<at::Tensor>& grads, const std::vector<a
                        double weight_decay, bool bias_correction, bool maximize,
                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
 void multi_tensor_set_blocks_per_sm(int64_t blocks);
+void multi_tensor_set_variant(int64_t variant);
 // [end section: multi_tensor]
 
 // ---- normalization (layer_norm.cu) ----
@@ -78,6 +79,12 @@ std::vector<at::Tensor> lstm_layer_backward(const std::optional<at::Tensor>& d_o
                                             const at::Tensor& c_all, const at::Tensor& ws,
                                             const at::Tensor& w_ih, const at::Tensor& w_hh,
                                             const std::vector<bool>& need);
+// lstm_autograd.cu: the cell step as a C++ autograd Function (no Python per step).
+std::tuple<at::Tensor, at::Tensor> lstm_cell_autograd(const at::Tensor& x, const at::Tensor& h,
+                                                      const at::Tensor& c, const at::Tensor& w_ih,
+                                                      const at::Tensor& w_hh,
+                                                      const std::optional<at::Tensor>& b_ih,
+                                                      const std::optional<at::Tensor>& b_hh);
 // [end section: lstm]
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -90,6 +97,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("multi_tensor_lamb", &multi_tensor_lamb, "LAMB step over lists (masters [] = no master weights)");
   m.def("multi_tensor_set_blocks_per_sm", &multi_tensor_set_blocks_per_sm,
         "persistent grid size of the multi-tensor kernels in blocks per SM (0 = occupancy maximum)");
+  m.def("multi_tensor_set_variant", &multi_tensor_set_variant,
+        "code variant of the master-weight Adam and half unscale kernels (0 = default; for benchmarking)");
   // [end defs: multi_tensor]
   // [defs: layer_norm]
   m.def("layer_norm_forward", &layer_norm_forward,
@@ -115,5 +124,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lstm_layer_forward", &lstm_layer_forward, "LSTM layer over (T, B, I) -> [out, c_all, workspace]");
   m.def("lstm_layer_backward", &lstm_layer_backward,
         "LSTM layer backward -> [dx, dh0, dc0, dw_ih, dw_hh, dbias] (undefined where not needed)");
+  m.def("lstm_cell_autograd", &lstm_cell_autograd,
+        "LSTM step with a C++ autograd node: (x, h, c, w_ih, w_hh, b_ih?, b_hh?) -> (h', c')");
   // [end defs: lstm]
 }

@@ -33,9 +33,16 @@ struct AdamArgs {
 
 // lists: 0 grad (G), 1 param (P), 2 exp_avg (S), 3 exp_avg_sq (S), 4 step (float, one value),
 //        5 fp32 master weight (MASTER only)
-template <typename G, typename P, typename S, bool MASTER>
+// ILP x V elements per thread per chunk (see kAdamVariants below for the choices).
+template <typename G, typename P, typename S, bool MASTER, int ILP = 2, int V = kVec>
 struct AdamOp {
-  static constexpr int kILP = 2;  // eight streams: two groups already keep ~100 KB in flight per SM
+  static constexpr int kILP = ILP;
+  static constexpr int kVecElems = V;
+  // Four fp32 streams of ILP * V floats each are live at once, beside the double
+  // bias-correction math that runs while they are in flight: 8 floats per stream need
+  // ~70 registers (64 spilled 120 B), i.e. 3 blocks of 256 per SM, which run-1's
+  // blocks/SM sweep also found fastest; 16 floats need ~128, i.e. 2 blocks.
+  static constexpr int kMinBlocks = ILP * V > 8 ? 2 : 3;
   static constexpr int kDepth = MASTER ? 6 : 5;
   AdamArgs a;
 
@@ -47,25 +54,34 @@ struct AdamOp {
     S* m = static_cast<S*>(meta.addr[2][t]) + off;
     S* v = static_cast<S*>(meta.addr[3][t]) + off;
     float* master = MASTER ? static_cast<float*>(meta.addr[kDepth - 1][t]) + off : nullptr;
+    const bool vec = vec_aligned<G, V>(g) && vec_aligned<P, V>(p) && vec_aligned<S, V>(m) &&
+                     vec_aligned<S, V>(v) && (!MASTER || vec_aligned<float, V>(master));
+    // Nearly every chunk is whole and aligned: give it branch-free code.
+    if (vec && n == op_chunk<AdamOp>()) update<true>(meta, t, g, p, m, v, master, n, true);
+    else update<false>(meta, t, g, p, m, v, master, n, vec);
+  }
+
+  template <bool FULL>
+  __device__ __forceinline__ void update(const TensorListMeta<kDepth>& meta, int t, const G* g, P* p, S* m, S* v,
+                                         float* master, int n, bool vec) const {
+    // Loads first: the step count, lr and scale reads and the double-precision bias
+    // corrections below then run while the chunk's bytes are in flight.
+    float rg[ILP][V], rw[ILP][V], rm[ILP][V], rv[ILP][V];
+    load_frag<FULL>(rg, g, n, vec);
+    if (MASTER) load_frag<FULL>(rw, master, n, vec);
+    else load_frag<FULL>(rw, p, n, vec);
+    load_frag<FULL>(rm, m, n, vec);
+    load_frag<FULL>(rv, v, n, vec);
     const float step = *static_cast<const float*>(meta.addr[4][t]) + 1.f;
     const float lr = read_or(a.lr_ptr, a.lr);
     const float step_size = static_cast<float>(lr / bias_correction(a.log_beta1, step));
     const float bc2_sqrt = static_cast<float>(sqrt(bias_correction(a.log_beta2, step)));
     const float inv_scale = a.grad_scale != nullptr ? 1.f / *a.grad_scale : 1.f;
     const float decay = 1.f - lr * a.weight_decay;
-    const bool vec = vec_aligned<G>(g) && vec_aligned<P>(p) && vec_aligned<S>(m) && vec_aligned<S>(v) &&
-                     (!MASTER || vec_aligned<float>(master));
-
-    float rg[kILP][kVec], rw[kILP][kVec], rm[kILP][kVec], rv[kILP][kVec];
-    load_frag(rg, g, n, vec);
-    if (MASTER) load_frag(rw, master, n, vec);
-    else load_frag(rw, p, n, vec);
-    load_frag(rm, m, n, vec);
-    load_frag(rv, v, n, vec);
 #pragma unroll
-    for (int k = 0; k < kILP; ++k) {
+    for (int k = 0; k < ILP; ++k) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
+      for (int j = 0; j < V; ++j) {
         float gr = rg[k][j] * inv_scale;
         if (a.maximize) gr = -gr;
         float w = rw[k][j];
@@ -79,12 +95,30 @@ struct AdamOp {
         rv[k][j] = vk;
       }
     }
-    if (MASTER) store_frag(master, rw, n, vec);
-    store_frag(p, rw, n, vec);
-    store_frag(m, rm, n, vec);
-    store_frag(v, rv, n, vec);
+    if (MASTER) store_frag<FULL>(master, rw, n, vec);
+    store_frag<FULL>(p, rw, n, vec);
+    store_frag<FULL>(m, rm, n, vec);
+    store_frag<FULL>(v, rv, n, vec);
   }
 };
+
+// Variants of the master-weight kernel (multi_tensor_set_variant; the benchmark
+// sweeps them): 0 = 2 groups of 4 (8-byte half / 16-byte fp32 accesses, 2048-element
+// chunks), 1 = 4 groups of 4 (twice the bytes in flight per thread, 2 blocks/SM),
+// 2 = 2 groups of 8 (16-byte half accesses, two 16-byte accesses per fp32 group).
+template <typename T>
+void adam_master_launch(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& a, const char* name) {
+  switch (variant_override()) {
+    case 1:
+      multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 4, 4>{a}, name);
+      break;
+    case 2:
+      multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name);
+      break;
+    default:
+      multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true>{a}, name);
+  }
+}
 
 void multi_tensor_adam(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
                        const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
@@ -127,12 +161,9 @@ void multi_tensor_adam(const std::vector<at::Tensor>& grads, const std::vector<a
     check_dtype(masters, at::kFloat, name, "masters");
     check_dtype(exp_avgs, at::kFloat, name, "exp_avgs");
     check_dtype(exp_avg_sqs, at::kFloat, name, "exp_avg_sqs");
-    if (pt == at::kHalf)
-      multi_tensor_apply<6>({grads, params, exp_avgs, exp_avg_sqs, steps, masters}, 1u << 4,
-                            AdamOp<at::Half, at::Half, float, true>{a}, name);
-    else
-      multi_tensor_apply<6>({grads, params, exp_avgs, exp_avg_sqs, steps, masters}, 1u << 4,
-                            AdamOp<at::BFloat16, at::BFloat16, float, true>{a}, name);
+    const std::vector<std::vector<at::Tensor>> lists{grads, params, exp_avgs, exp_avg_sqs, steps, masters};
+    if (pt == at::kHalf) adam_master_launch<at::Half>(lists, a, name);
+    else adam_master_launch<at::BFloat16>(lists, a, name);
   }
   step_increment(steps, a.found_inf, name);
 }

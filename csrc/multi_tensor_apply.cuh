@@ -18,12 +18,17 @@
 //   one 16-byte access for fp32 and one 8-byte access for fp16/bf16, and a warp
 //   covers 128 consecutive elements per group, so every access is fully coalesced
 //   for every dtype mix (half grads next to fp32 masters). All loads of a chunk
-//   are issued before any math, which keeps enough bytes in flight per SM.
+//   are issued before any math, which keeps enough bytes in flight per SM. Ops give
+//   whole, aligned chunks (nearly all of them) a branch-free path (load_frag<true>):
+//   behind a per-group bounds test each load sits in its own branch, and the
+//   compiler may wait for it (to convert it) before issuing the next one.
+// * An op may choose 8 elements per access (kVecElems) for 16-byte half accesses.
 // * A tensor whose pointers are not all aligned to the group size (a view with a
 //   storage offset) takes the same element mapping with scalar accesses.
 // * Math is fp32 whatever the storage type.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "type_shim.h"
@@ -61,51 +66,57 @@ struct TensorListMeta {
 };
 
 // ---------------------------------------------------------------- fragments
+// V (elements per access) defaults to kVec; ops may pick 8 for 16-byte half accesses
+// (then fp32 streams take two 16-byte accesses per group).
 
-template <typename T>
-struct alignas(sizeof(T) * kVec) Pack {
-  T v[kVec];
+template <typename T, int V = kVec>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
 };
 
-template <typename T>
+template <typename T, int V = kVec>
 __device__ __forceinline__ bool vec_aligned(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kVec)) == 0;
+  return (reinterpret_cast<uintptr_t>(p) % (sizeof(T) * V)) == 0;
 }
 
 // Element index of group k of this thread inside a chunk.
-__device__ __forceinline__ int group_start(int k) { return (k * kBlock + threadIdx.x) * kVec; }
+template <int V = kVec>
+__device__ __forceinline__ int group_start(int k) { return (k * kBlock + threadIdx.x) * V; }
 
-// Loads the thread's ILP x kVec elements as float; elements past n read as 0.
-template <typename T, int ILP>
-__device__ __forceinline__ void load_frag(float (&r)[ILP][kVec], const T* p, int n, bool vec) {
+// Loads the thread's ILP x V elements as float; elements past n read as 0.
+// FULL: the caller knows the chunk is whole and every pointer vector-aligned, so
+// the loads are straight-line code with no per-group test; the compiler then issues
+// every load of every stream before the first use (all bytes in flight at once).
+template <bool FULL = false, typename T, int ILP, int V>
+__device__ __forceinline__ void load_frag(float (&r)[ILP][V], const T* p, int n, bool vec) {
 #pragma unroll
   for (int k = 0; k < ILP; ++k) {
-    const int i = group_start(k);
-    if (vec && i + kVec <= n) {
-      const Pack<T> pk = *reinterpret_cast<const Pack<T>*>(p + i);
+    const int i = group_start<V>(k);
+    if (FULL || (vec && i + V <= n)) {
+      const Pack<T, V> pk = *reinterpret_cast<const Pack<T, V>*>(p + i);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) r[k][j] = static_cast<float>(pk.v[j]);
+      for (int j = 0; j < V; ++j) r[k][j] = static_cast<float>(pk.v[j]);
     } else {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) r[k][j] = (i + j < n) ? static_cast<float>(p[i + j]) : 0.f;
+      for (int j = 0; j < V; ++j) r[k][j] = (i + j < n) ? static_cast<float>(p[i + j]) : 0.f;
     }
   }
 }
 
 // Stores the elements below n, converting from float to T (round to nearest).
-template <typename T, int ILP>
-__device__ __forceinline__ void store_frag(T* p, const float (&r)[ILP][kVec], int n, bool vec) {
+template <bool FULL = false, typename T, int ILP, int V>
+__device__ __forceinline__ void store_frag(T* p, const float (&r)[ILP][V], int n, bool vec) {
 #pragma unroll
   for (int k = 0; k < ILP; ++k) {
-    const int i = group_start(k);
-    if (vec && i + kVec <= n) {
-      Pack<T> pk;
+    const int i = group_start<V>(k);
+    if (FULL || (vec && i + V <= n)) {
+      Pack<T, V> pk;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) pk.v[j] = static_cast<T>(r[k][j]);
-      *reinterpret_cast<Pack<T>*>(p + i) = pk;
+      for (int j = 0; j < V; ++j) pk.v[j] = static_cast<T>(r[k][j]);
+      *reinterpret_cast<Pack<T, V>*>(p + i) = pk;
     } else {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j)
+      for (int j = 0; j < V; ++j)
         if (i + j < n) p[i + j] = static_cast<T>(r[k][j]);
     }
   }
@@ -117,16 +128,31 @@ __device__ __forceinline__ float read_or(const float* p, float dflt) { return p 
 // ---------------------------------------------------------------- the kernel
 
 // Op provides:
-//   static constexpr int kILP;       // groups of kVec elements per thread per chunk
+//   static constexpr int kILP;       // groups of V elements per thread per chunk
+//   static constexpr int kVecElems;  // optional: V, elements per access (default kVec)
+//   static constexpr int kMinBlocks; // optional: __launch_bounds__ min blocks/SM (default 4)
 //   __device__ bool skip() const;   // true: the whole launch does nothing (found_inf set)
 //   __device__ void operator()(const TensorListMeta<DEPTH>&, int t, int chunk, int64_t off, int n) const;
 // `chunk` is the launch-local chunk index, `off` the element offset of the chunk in
-// tensor t, n <= chunk_size<Op::kILP>() the number of elements in it. All threads of a block call
+// tensor t, n <= op_chunk<Op>() the number of elements in it. All threads of a block call
 // the op for the same chunk, so ops may use __syncthreads.
+template <typename Op, typename = void>
+struct op_vec { static constexpr int value = kVec; };
+template <typename Op>
+struct op_vec<Op, std::void_t<decltype(Op::kVecElems)>> { static constexpr int value = Op::kVecElems; };
+template <typename Op, typename = void>
+struct op_min_blocks { static constexpr int value = 4; };
+template <typename Op>
+struct op_min_blocks<Op, std::void_t<decltype(Op::kMinBlocks)>> { static constexpr int value = Op::kMinBlocks; };
+
+// Elements per chunk of an op.
+template <typename Op>
+constexpr int op_chunk() { return kBlock * op_vec<Op>::value * Op::kILP; }
+
 template <int DEPTH, typename Op>
-__global__ void __launch_bounds__(kBlock, 4)
+__global__ void __launch_bounds__(kBlock, op_min_blocks<Op>::value)
     multi_tensor_kernel(const __grid_constant__ TensorListMeta<DEPTH> meta, const __grid_constant__ Op op) {
-  constexpr int kChunk = chunk_size<Op::kILP>();
+  constexpr int kChunk = op_chunk<Op>();
   if (op.skip()) return;
   const int total = meta.chunk_end[meta.ntensors - 1];
   int t = 0;
@@ -144,6 +170,11 @@ __global__ void __launch_bounds__(kBlock, 4)
 // Blocks per SM for a persistent grid; 0 = ask the occupancy calculator.
 // Settable from Python (multi_tensor_set_blocks_per_sm) so the benchmark can sweep it.
 int& blocks_per_sm_override();
+
+// Which code variant an op family runs (0 = the default); set from Python
+// (multi_tensor_set_variant) so one benchmark run can compare alternatives. Each
+// family documents its variants next to its launcher; unknown numbers mean 0.
+int& variant_override();
 
 void check_large_kernel_args_supported();
 
@@ -239,7 +270,7 @@ void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, unsig
                         const char* name) {
   static_assert(sizeof(TensorListMeta<DEPTH>) + sizeof(Op) <= (kLargeKernelArgs ? 32764 : 4096),
                 "kernel arguments exceed the launch limit: lower kArgBudget");
-  for_each_launch<DEPTH>(lists, scalar_lists, chunk_size<Op::kILP>(), name, [&](const TensorListMeta<DEPTH>& meta, int chunks) {
+  for_each_launch<DEPTH>(lists, scalar_lists, op_chunk<Op>(), name, [&](const TensorListMeta<DEPTH>& meta, int chunks) {
     if (chunks == 0) return;
     const int grid = persistent_grid<DEPTH, Op>(chunks);
     multi_tensor_kernel<DEPTH, Op><<<grid, kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(meta, op);

@@ -22,6 +22,11 @@ int& blocks_per_sm_override() {
   return value;
 }
 
+int& variant_override() {
+  static int value = 0;
+  return value;
+}
+
 void check_large_kernel_args_supported() {
   if (!kLargeKernelArgs) return;
   static const int driver = [] {
@@ -39,37 +44,68 @@ void check_large_kernel_args_supported() {
 // ---------------------------------------------------------------- scale / check
 
 // lists: 0 src (Tin), 1 dst (Tout; same as src when only checking)
-template <typename Tin, typename Tout, bool WRITE>
+// ILP x V elements per thread per chunk (see scale_launch for the choices).
+template <typename Tin, typename Tout, bool WRITE, int ILP = 4, int V = kVec>
 struct ScaleOp {
-  static constexpr int kILP = 4;  // two streams at most: more groups keep bytes in flight
+  static constexpr int kILP = ILP;  // two streams at most: more groups keep bytes in flight
+  static constexpr int kVecElems = V;
+  // 32 elements per thread spill at 64 registers (4 blocks/SM); allow 128.
+  static constexpr int kMinBlocks = ILP * V > 16 ? 2 : 4;
   const float* scale;  // nullptr: plain copy
   float* found_inf;    // nullptr: no check
   __device__ bool skip() const { return false; }
   __device__ void operator()(const TensorListMeta<2>& meta, int t, int, int64_t off, int n) const {
     const Tin* src = static_cast<const Tin*>(meta.addr[0][t]) + off;
     Tout* dst = static_cast<Tout*>(meta.addr[1][t]) + off;
-    const bool vec = vec_aligned<Tin>(src) && (!WRITE || vec_aligned<Tout>(dst));
-    float r[kILP][kVec];
-    load_frag(r, src, n, vec);
+    const bool vec = vec_aligned<Tin, V>(src) && (!WRITE || vec_aligned<Tout, V>(dst));
+    // Nearly every chunk is whole and aligned: give it branch-free code.
+    if (vec && n == op_chunk<ScaleOp>()) apply<true>(src, dst, n, true);
+    else apply<false>(src, dst, n, vec);
+  }
+
+  template <bool FULL>
+  __device__ __forceinline__ void apply(const Tin* src, Tout* dst, int n, bool vec) const {
+    float r[ILP][V];
+    load_frag<FULL>(r, src, n, vec);
     bool bad = false;
 #pragma unroll
-    for (int k = 0; k < kILP; ++k)
+    for (int k = 0; k < ILP; ++k)
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) bad |= !isfinite(r[k][j]);  // padding reads as 0
+      for (int j = 0; j < V; ++j) bad |= !isfinite(r[k][j]);  // padding reads as 0
     if (WRITE) {
       if (scale != nullptr) {
         const float s = *scale;
 #pragma unroll
-        for (int k = 0; k < kILP; ++k)
+        for (int k = 0; k < ILP; ++k)
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) r[k][j] *= s;
+          for (int j = 0; j < V; ++j) r[k][j] *= s;
       }
-      store_frag(dst, r, n, vec);
+      store_frag<FULL>(dst, r, n, vec);
     }
     // Every writer stores the same 1.0, so the race is benign; one store per warp.
     if (found_inf != nullptr && __any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) *found_inf = 1.f;
   }
 };
+
+// Variants for half -> half (the loss scaler's in-place unscale_) and the read-only
+// half check (multi_tensor_set_variant; the benchmark sweeps them): 0 = 4 groups of 4
+// (8-byte accesses, 32 B in flight per thread, 4096-element chunks), 1 = 4 groups of 8
+// (16-byte accesses, 64 B in flight, 8192), 2 = 2 groups of 8 (16-byte accesses,
+// 32 B in flight, 4096: the access width alone). Other dtype pairs always run 0.
+template <typename Tin, typename Tout, bool WRITE>
+void scale_launch(const std::vector<std::vector<at::Tensor>>& lists, const float* s, float* fi, const char* name) {
+  if constexpr (sizeof(Tin) == 2 && sizeof(Tout) == 2) {
+    switch (variant_override()) {
+      case 1:
+        return multi_tensor_apply<2>(lists, 0, ScaleOp<Tin, Tout, WRITE, 4, 8>{s, fi}, name);
+      case 2:
+        return multi_tensor_apply<2>(lists, 0, ScaleOp<Tin, Tout, WRITE, 2, 8>{s, fi}, name);
+      default:
+        break;
+    }
+  }
+  multi_tensor_apply<2>(lists, 0, ScaleOp<Tin, Tout, WRITE>{s, fi}, name);
+}
 
 void multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst,
                         const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& found_inf) {
@@ -82,10 +118,10 @@ void multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at
   const std::vector<std::vector<at::Tensor>> lists{src, write ? dst : src};
   MPT_DISPATCH_FLOAT_HALF_BF16(src[0].scalar_type(), name, Tin,
     if (!write) {
-      multi_tensor_apply<2>(lists, 0, ScaleOp<Tin, Tin, false>{s, fi}, name);
+      scale_launch<Tin, Tin, false>(lists, s, fi, name);
     } else {
       MPT_DISPATCH_FLOAT_HALF_BF16(dst[0].scalar_type(), name, Tout,
-        multi_tensor_apply<2>(lists, 0, ScaleOp<Tin, Tout, true>{s, fi}, name));
+        scale_launch<Tin, Tout, true>(lists, s, fi, name));
     });
 }
 
@@ -114,7 +150,9 @@ struct L2PartialOp {
   __device__ void operator()(const TensorListMeta<1>& meta, int t, int chunk, int64_t off, int n) const {
     const T* x = static_cast<const T*>(meta.addr[0][t]) + off;
     float r[kILP][kVec];
-    load_frag(r, x, n, vec_aligned<T>(x));
+    const bool vec = vec_aligned<T>(x);
+    if (vec && n == op_chunk<L2PartialOp>()) load_frag<true>(r, x, n, true);
+    else load_frag<false>(r, x, n, vec);
     float acc = 0.f;
 #pragma unroll
     for (int k = 0; k < kILP; ++k)
@@ -154,13 +192,14 @@ std::vector<at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tenso
   const auto fopts = tensors[0].options().dtype(at::kFloat);
   at::Tensor total = at::empty({}, fopts);
   at::Tensor norms = per_tensor ? at::empty({static_cast<int64_t>(tensors.size())}, fopts) : at::Tensor();
-  at::Tensor sq = at::zeros({static_cast<int64_t>(tensors.size())}, fopts.dtype(at::kDouble));
-  at::Tensor partial = at::empty({std::max<int64_t>(1, count_chunks(tensors, chunk_size<L2PartialOp<float>::kILP>()))}, fopts);
+  // Every entry is written by l2norm_per_tensor_kernel (empty tensors too): no fill needed.
+  at::Tensor sq = at::empty({static_cast<int64_t>(tensors.size())}, fopts.dtype(at::kDouble));
+  at::Tensor partial = at::empty({std::max<int64_t>(1, count_chunks(tensors, op_chunk<L2PartialOp<float>>()))}, fopts);
   float* partial_ptr = partial.data_ptr<float>();
   double* sq_ptr = sq.data_ptr<double>();
   const std::vector<std::vector<at::Tensor>> lists{tensors};
   MPT_DISPATCH_FLOAT_HALF_BF16(tensors[0].scalar_type(), name, T,
-    for_each_launch<1>(lists, 0, chunk_size<L2PartialOp<T>::kILP>(), name, [&](const TensorListMeta<1>& meta, int chunks) {
+    for_each_launch<1>(lists, 0, op_chunk<L2PartialOp<T>>(), name, [&](const TensorListMeta<1>& meta, int chunks) {
       auto stream = at::cuda::getCurrentCUDAStream();
       if (chunks > 0) {
         const int grid = persistent_grid<1, L2PartialOp<T>>(chunks);
@@ -206,6 +245,12 @@ void multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at
 
 std::vector<at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors, bool per_tensor) {
   return mpt_mt::multi_tensor_l2norm(tensors, per_tensor);
+}
+
+void multi_tensor_set_variant(int64_t variant) {
+  TORCH_CHECK(variant >= 0 && variant <= 2, "multi_tensor_set_variant: variant must be 0 (default), 1 or 2, got ",
+              variant);
+  mpt_mt::variant_override() = static_cast<int>(variant);
 }
 
 void multi_tensor_set_blocks_per_sm(int64_t blocks) {

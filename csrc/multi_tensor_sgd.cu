@@ -45,35 +45,49 @@ struct SgdOp {
     P* p = static_cast<P*>(meta.addr[1][t]) + off;
     S* buf = static_cast<S*>(meta.addr[2][t]) + off;
     float* master = MASTER ? static_cast<float*>(meta.addr[kDepth - 1][t]) + off : nullptr;
-    const bool first = *static_cast<const float*>(meta.addr[3][t]) == 0.f;
-    const float lr = read_or(a.lr_ptr, a.lr);
-    const float inv_scale = a.grad_scale != nullptr ? 1.f / *a.grad_scale : 1.f;
     const bool vec = vec_aligned<G>(g) && vec_aligned<P>(p) && (!a.has_momentum || vec_aligned<S>(buf)) &&
                      (!MASTER || vec_aligned<float>(master));
+    // Nearly every chunk is whole and aligned: give it branch-free code.
+    if (vec && n == op_chunk<SgdOp>()) update<true>(meta, t, g, p, buf, master, n, true);
+    else update<false>(meta, t, g, p, buf, master, n, vec);
+  }
 
+  // Every product and sum is rounded on its own (__fmul_rn / __fadd_rn are never
+  // contracted into an FMA), exactly as the update rule above and the reference
+  // write it. An FMA would differ from the rule by one fp32 ulp now and then; a half
+  // momentum buffer turns that into a whole half ulp when the rounding sits on a
+  // tie boundary, and the next step's momentum * buf - g cancellation magnifies it
+  // to percents of a small buffer value (the nesterov/maximize test caught this).
+  template <bool FULL>
+  __device__ __forceinline__ void update(const TensorListMeta<kDepth>& meta, int t, const G* g, P* p, S* buf,
+                                         float* master, int n, bool vec) const {
+    const bool first = *static_cast<const float*>(meta.addr[3][t]) == 0.f;
     float rg[kILP][kVec], rw[kILP][kVec], rb[kILP][kVec] = {};  // rb stays 0 on a first step
-    load_frag(rg, g, n, vec);
-    if (MASTER) load_frag(rw, master, n, vec);
-    else load_frag(rw, p, n, vec);
-    if (a.has_momentum && !first) load_frag(rb, buf, n, vec);
+    load_frag<FULL>(rg, g, n, vec);
+    if (MASTER) load_frag<FULL>(rw, master, n, vec);
+    else load_frag<FULL>(rw, p, n, vec);
+    if (a.has_momentum && !first) load_frag<FULL>(rb, buf, n, vec);
+    const float lr = read_or(a.lr_ptr, a.lr);
+    const float inv_scale = a.grad_scale != nullptr ? 1.f / *a.grad_scale : 1.f;
 #pragma unroll
     for (int k = 0; k < kILP; ++k) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        float gr = rg[k][j] * inv_scale;
+        float gr = __fmul_rn(rg[k][j], inv_scale);
         if (a.maximize) gr = -gr;
-        if (a.weight_decay != 0.f) gr += a.weight_decay * rw[k][j];
+        if (a.weight_decay != 0.f) gr = __fadd_rn(gr, __fmul_rn(a.weight_decay, rw[k][j]));
         if (a.has_momentum) {
-          const float b = first ? gr : a.momentum * rb[k][j] + a.one_minus_dampening * gr;
+          const float b =
+              first ? gr : __fadd_rn(__fmul_rn(a.momentum, rb[k][j]), __fmul_rn(a.one_minus_dampening, gr));
           rb[k][j] = b;
-          gr = a.nesterov ? gr + a.momentum * b : b;
+          gr = a.nesterov ? __fadd_rn(gr, __fmul_rn(a.momentum, b)) : b;
         }
-        rw[k][j] = rw[k][j] - lr * gr;
+        rw[k][j] = __fsub_rn(rw[k][j], __fmul_rn(lr, gr));
       }
     }
-    if (MASTER) store_frag(master, rw, n, vec);
-    store_frag(p, rw, n, vec);
-    if (a.has_momentum) store_frag(buf, rb, n, vec);
+    if (MASTER) store_frag<FULL>(master, rw, n, vec);
+    store_frag<FULL>(p, rw, n, vec);
+    if (a.has_momentum) store_frag<FULL>(buf, rb, n, vec);
   }
 };
 

@@ -11,12 +11,16 @@
 //  * a fully masked row gives zeros (and zero gradient), not NaN.
 //  * backward: dx = scale * y * (dy - sum(dy * y)) from the saved output, one read of
 //    y and dy and one write of dx.
+//  * launch layout (row-group shape, persistent or not) by $MPT_SOFTMAX_SHAPE, see
+//    pick_wide_shape: the benchmark times each variant in one process.
 //  * rows that are misaligned, not a multiple of the 16-byte vector or longer than the
 //    register cache (32768 half / 16384 fp32 elements) use scalar kernels that re-read
 //    the row from L1/L2.
 #include "row_reduce.cuh"
 #include "type_shim.h"
 
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -200,6 +204,194 @@ softmax_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __restr
   }
 }
 
+// ---- persistent kernels ($MPT_SOFTMAX_SHAPE=persist) ---------------------------------
+// One launch of about as many blocks as fit on the GPU; each row group walks rows
+// lin, lin + stride, ... and, with PREFETCH, issues the next row's loads (x and its mask
+// bytes; y and dy) before reducing the current row, so a warp always has loads in
+// flight instead of idling through its reductions, exp and stores.  Row groups of at
+// most one warp only (no barriers: groups may run different trip counts).
+
+// Up to 8 mask bytes (one per element, 0/1) of the VEC columns at `col`, raw.
+template <int VEC>
+__device__ __forceinline__ uint2 mask_raw(const MaskLayout& m, const uint8_t* mrow, int col) {
+  if (m.mode == 1) {
+    if constexpr (VEC == 8) return __ldg(reinterpret_cast<const uint2*>(mrow + col));
+    else return make_uint2(__ldg(reinterpret_cast<const unsigned int*>(mrow + col)), 0u);
+  }
+  bool b[VEC];
+  mask_bits<VEC>(m, mrow, col, b);
+  uint2 r = make_uint2(0u, 0u);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    if (k < 4) r.x |= uint32_t(b[k]) << (8 * k);
+    else r.y |= uint32_t(b[k]) << (8 * (k - 4));
+  }
+  return r;
+}
+
+template <typename T, int NV, int TPR>
+struct FwdRow {
+  uint4 x[NV];
+  uint2 mk[NV];
+  int64_t row, q;
+  bool valid;
+};
+
+template <typename T, int TPR, int NV>
+__device__ __forceinline__ void fwd_load(FwdRow<T, NV, TPR>& r, const T* x, const MaskLayout& m, int64_t lin,
+                                         int64_t rows, int S, int lane) {
+  constexpr int VEC = Vec16<T>::n;
+  const int nvec = S / VEC;
+  const uint8_t* mrow;
+  r.valid = lin < rows;
+  m.locate(r.valid ? lin : 0, r.row, r.q, mrow);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int j = i * TPR + lane;
+    const bool ok = r.valid && j < nvec;
+    r.x[i] = ok ? load16(x + r.row * S + j * VEC) : make_uint4(0, 0, 0, 0);
+    r.mk[i] = (ok && mrow) ? mask_raw<VEC>(m, mrow, j * VEC) : make_uint2(0u, 0u);
+  }
+}
+
+template <typename T, int TPR, int NV>
+__device__ __forceinline__ void fwd_finish(const FwdRow<T, NV, TPR>& r, T* y, int S, float scale, bool causal,
+                                           int lane) {
+  constexpr int VEC = Vec16<T>::n;
+  const int nvec = S / VEC;
+  float v[NV][VEC];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int j = i * TPR + lane;
+    unpack<T>(r.x[i], v[i]);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const uint32_t byte = (k < 4 ? r.mk[i].x >> (8 * k) : r.mk[i].y >> (8 * (k - 4))) & 0xffu;
+      const bool masked = j >= nvec || byte != 0u || (causal && j * VEC + k > r.q);
+      v[i][k] = masked ? -INFINITY : v[i][k] * scale;
+    }
+  }
+  float mx[1] = {-INFINITY};
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) mx[0] = fmaxf(mx[0], v[i][k]);
+  group_allreduce<TPR, 1>(mx, nullptr, MaxOp());
+  const float mref = mx[0] == -INFINITY ? 0.f : mx[0];
+  float sum[1] = {0.f};
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      v[i][k] = exp2f((v[i][k] - mref) * kLog2e);
+      sum[0] += v[i][k];
+    }
+  group_allreduce<TPR, 1>(sum, nullptr, SumOp());
+  if (!r.valid) return;
+  const float inv = sum[0] > 0.f ? 1.f / sum[0] : 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int j = i * TPR + lane;
+    if (j < nvec) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[i][k] *= inv;
+      store16(y + r.row * S + j * VEC, pack<T>(v[i]));
+    }
+  }
+}
+
+template <typename T, int TPR, int NV, int BLOCK, bool PREFETCH>
+__global__ void __launch_bounds__(BLOCK)
+softmax_fwd_persist(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64_t rows, int S, float scale,
+                    bool causal) {
+  static_assert(TPR <= 32, "persistent kernels: at most one warp per row (no barriers)");
+  constexpr int RPB = BLOCK / TPR;
+  const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
+  const int64_t stride = int64_t(gridDim.x) * RPB;
+  // Whole warps stay together (shuffles need every lane): a half-warp pair shares a
+  // trip count by rounding the start down to the warp's first row.
+  const int64_t lin0 = int64_t(blockIdx.x) * RPB + g;
+  const int64_t warp_first = int64_t(blockIdx.x) * RPB + (threadIdx.x / 32) * (32 / TPR);
+  const int64_t iters = rows > warp_first ? (rows - warp_first + stride - 1) / stride : 0;
+  FwdRow<T, NV, TPR> cur;
+  fwd_load<T, TPR, NV>(cur, x, m, lin0, rows, S, lane);
+  for (int64_t it = 0; it < iters; ++it) {
+    const int64_t lin = lin0 + it * stride;
+    if constexpr (PREFETCH) {
+      FwdRow<T, NV, TPR> nxt;
+      fwd_load<T, TPR, NV>(nxt, x, m, lin + stride, rows, S, lane);
+      fwd_finish<T, TPR, NV>(cur, y, S, scale, causal, lane);
+      cur = nxt;
+    } else {
+      fwd_finish<T, TPR, NV>(cur, y, S, scale, causal, lane);
+      fwd_load<T, TPR, NV>(cur, x, m, lin + stride, rows, S, lane);
+    }
+  }
+}
+
+template <typename T, int TPR, int NV, int BLOCK, bool PREFETCH>
+__global__ void __launch_bounds__(BLOCK)
+softmax_bwd_persist(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, int64_t rows, int S,
+                    float scale) {
+  static_assert(TPR <= 32, "persistent kernels: at most one warp per row (no barriers)");
+  constexpr int VEC = Vec16<T>::n, RPB = BLOCK / TPR;
+  const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
+  const int nvec = S / VEC;
+  const int64_t stride = int64_t(gridDim.x) * RPB;
+  const int64_t lin0 = int64_t(blockIdx.x) * RPB + g;
+  const int64_t warp_first = int64_t(blockIdx.x) * RPB + (threadIdx.x / 32) * (32 / TPR);
+  const int64_t iters = rows > warp_first ? (rows - warp_first + stride - 1) / stride : 0;
+  auto load = [&](uint4 (&a)[NV], uint4 (&b)[NV], int64_t row) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * TPR + lane;
+      const bool ok = row < rows && j < nvec;
+      a[i] = ok ? load16(y + row * S + j * VEC) : make_uint4(0, 0, 0, 0);
+      b[i] = ok ? load16(dy + row * S + j * VEC) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  uint4 ry[NV], rd[NV];
+  load(ry, rd, lin0);
+  for (int64_t it = 0; it < iters; ++it) {
+    const int64_t row = lin0 + it * stride;
+    uint4 ny[NV], nd[NV];
+    if constexpr (PREFETCH) load(ny, nd, row + stride);
+    float dot[1] = {0.f};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      float a[VEC], b[VEC];
+      unpack<T>(ry[i], a);
+      unpack<T>(rd[i], b);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) dot[0] += a[k] * b[k];
+    }
+    group_allreduce<TPR, 1>(dot, nullptr, SumOp());
+    if (row < rows) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int j = i * TPR + lane;
+        if (j < nvec) {
+          float a[VEC], b[VEC];
+          unpack<T>(ry[i], a);
+          unpack<T>(rd[i], b);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) a[k] = scale * a[k] * (b[k] - dot[0]);
+          store16(dx + row * S + j * VEC, pack<T>(a));
+        }
+      }
+    }
+    if constexpr (PREFETCH) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        ry[i] = ny[i];
+        rd[i] = nd[i];
+      }
+    } else {
+      load(ry, rd, row + stride);
+    }
+  }
+}
+
 // ---- generic kernels: any length, any alignment, scalar loads, re-reads ---------------
 
 template <typename T, int TPR, int BLOCK>
@@ -287,6 +479,69 @@ bool describe_mask(const at::Tensor& m, MaskLayout& ml) {
   return true;
 }
 
+// Row-group shapes with more 16-byte vectors per thread than the shared row_reduce
+// table, chosen by $MPT_SOFTMAX_SHAPE (read on every call so one process can benchmark
+// both; a CUDA graph keeps the one it captured):
+//  * "wide" (default): rows of 33..64 vectors (512 bf16) take half a warp with 4 vectors
+//    per thread (two rows per warp), rows of 129..256 vectors (2048 bf16) a whole warp
+//    with 8 (no shared-memory reduction, no barrier).  Twice the bytes in flight per
+//    thread of the table's 32 x 2 / 64 x 4, for the same occupancy-limited warp count.
+//  * "rows": always the row_reduce table (run 1's layout).
+//  * "persist": rows of <= 256 vectors take one warp (NV = 1, 2, 4, 8) in the persistent
+//    kernels above, with next-row prefetch for NV <= 4; longer rows as "wide".
+enum class WideShape { None, W16x4, W32x8, P32x1, P32x2, P32x4, P32x8 };
+WideShape pick_wide_shape(int64_t nvec) {
+  const char* v = std::getenv("MPT_SOFTMAX_SHAPE");
+  if (v != nullptr && *v != 0) {
+    if (std::strcmp(v, "rows") == 0) return WideShape::None;
+    if (std::strcmp(v, "persist") == 0) {
+      if (nvec <= 32) return WideShape::P32x1;
+      if (nvec <= 64) return WideShape::P32x2;
+      if (nvec <= 128) return WideShape::P32x4;
+      if (nvec <= 256) return WideShape::P32x8;
+      return WideShape::None;
+    }
+    TORCH_CHECK(std::strcmp(v, "wide") == 0, "MPT_SOFTMAX_SHAPE=", v,
+                " is not a softmax variant; use wide, rows or persist");
+  }
+  if (nvec > 32 && nvec <= 64) return WideShape::W16x4;
+  if (nvec > 128 && nvec <= 256) return WideShape::W32x8;
+  return WideShape::None;
+}
+
+bool is_persistent(WideShape s) { return s >= WideShape::P32x1; }
+
+// Blocks of `kernel` that fit on the GPU at once (at least one per SM).
+template <typename K>
+int64_t resident_blocks(K kernel, int block) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0));
+  return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * (per_sm < 1 ? 1 : per_sm);
+}
+
+// Persistent grid for `want` blocks' worth of rows: the iterations the resident grid
+// needs, then the fewest blocks covering the rows in that many (a full last iteration).
+int64_t persistent_grid(int64_t want, int64_t cap) {
+  const int64_t iters = (want + cap - 1) / cap;
+  return (want + iters - 1) / iters;
+}
+
+// Runs the statement with constexpr TPR and NV bound to the wide shape (nothing for None).
+#define MPT_WIDE_SHAPE_SWITCH(SHAPE, ...)                                          \
+  switch (SHAPE) {                                                                 \
+    case WideShape::W16x4: { constexpr int TPR = 16, NV = 4; __VA_ARGS__; break; } \
+    case WideShape::W32x8: { constexpr int TPR = 32, NV = 8; __VA_ARGS__; break; } \
+    default: break;                                                                \
+  }
+#define MPT_PERSIST_SHAPE_SWITCH(SHAPE, ...)                                       \
+  switch (SHAPE) {                                                                 \
+    case WideShape::P32x1: { constexpr int NV = 1; __VA_ARGS__; break; }           \
+    case WideShape::P32x2: { constexpr int NV = 2; __VA_ARGS__; break; }           \
+    case WideShape::P32x4: { constexpr int NV = 4; __VA_ARGS__; break; }           \
+    case WideShape::P32x8: { constexpr int NV = 8; __VA_ARGS__; break; }           \
+    default: break;                                                                \
+  }
+
 template <typename T>
 void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows, int S, float scale, bool causal) {
   constexpr int VEC = Vec16<T>::n;
@@ -306,7 +561,23 @@ void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows,
   ml.idx32 = rows <= int64_t(UINT32_MAX);
   const bool aligned = S % VEC == 0 && aligned16(xp) && aligned16(yp);
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
-  if (shape != RowShape::Generic) {
+  const WideShape wide = aligned ? pick_wide_shape(S / VEC) : WideShape::None;
+  if (is_persistent(wide)) {
+    MPT_PERSIST_SHAPE_SWITCH(wide, {
+      constexpr int BLOCK = 128, RPB = BLOCK / 32;
+      auto kernel = softmax_fwd_persist<T, 32, NV, BLOCK, (NV <= 4)>;
+      static const int64_t cap = resident_blocks(kernel, BLOCK);
+      const int64_t want = (rows + RPB - 1) / RPB;
+      kernel<<<persistent_grid(want, cap), BLOCK, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
+      MPT_CHECK_LAUNCH(kFwd);
+    });
+  } else if (wide != WideShape::None) {
+    MPT_WIDE_SHAPE_SWITCH(wide, {
+      constexpr int BLOCK = 128, RPB = BLOCK / TPR;
+      softmax_fwd_kernel<T, TPR, NV, BLOCK><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
+      MPT_CHECK_LAUNCH(kFwd);
+    });
+  } else if (shape != RowShape::Generic) {
     MPT_ROW_SHAPE_SWITCH(shape, {
       constexpr int BLOCK = TPR < 128 ? 128 : TPR;
       constexpr int RPB = BLOCK / TPR;
@@ -331,7 +602,23 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& y, at::Tensor& dx, int64
   T* dxp = reinterpret_cast<T*>(dx.data_ptr());
   const bool aligned = S % VEC == 0 && aligned16(dyp) && aligned16(yp) && aligned16(dxp);
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
-  if (shape != RowShape::Generic) {
+  const WideShape wide = aligned ? pick_wide_shape(S / VEC) : WideShape::None;
+  if (is_persistent(wide)) {
+    MPT_PERSIST_SHAPE_SWITCH(wide, {
+      constexpr int BLOCK = 128, RPB = BLOCK / 32;
+      auto kernel = softmax_bwd_persist<T, 32, NV, BLOCK, (NV <= 4)>;
+      static const int64_t cap = resident_blocks(kernel, BLOCK);
+      const int64_t want = (rows + RPB - 1) / RPB;
+      kernel<<<persistent_grid(want, cap), BLOCK, 0, stream>>>(dyp, yp, dxp, rows, S, scale);
+      MPT_CHECK_LAUNCH(kBwd);
+    });
+  } else if (wide != WideShape::None) {
+    MPT_WIDE_SHAPE_SWITCH(wide, {
+      constexpr int BLOCK = 128, RPB = BLOCK / TPR;
+      softmax_bwd_kernel<T, TPR, NV, BLOCK><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(dyp, yp, dxp, rows, S, scale);
+      MPT_CHECK_LAUNCH(kBwd);
+    });
+  } else if (shape != RowShape::Generic) {
     MPT_ROW_SHAPE_SWITCH(shape, {
       constexpr int BLOCK = TPR < 128 ? 128 : TPR;
       constexpr int RPB = BLOCK / TPR;

@@ -8,12 +8,13 @@
 # MAX_RESTARTS times (default 3); every (re)start runs with --ckpt_path=auto, so it resumes from
 # <default_root_dir>/checkpoints/last.ckpt when one exists. default_root_dir must be on a file
 # system all nodes share, and the recipe should set trainer.checkpoint_every_n_steps.
+# Devices and nodes follow torchrun's environment at each (re)start (elastic sizes included).
 # Environment: RDZV_ID (job id shared by the nodes; default mptrain-<recipe name>),
 # MAX_RESTARTS, PYTHON.
 set -euo pipefail
 
 if [[ $# -lt 4 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
     exit $([[ $# -ge 1 && ( "$1" == "-h" || "$1" == "--help" ) ]] && echo 0 || echo 2)
 fi
 recipe=$1 nnodes=$2 nproc=$3 endpoint=$4; shift 4
@@ -22,12 +23,9 @@ if [[ ! -f "$recipe" ]]; then
 fi
 PYTHON=${PYTHON:-python}
 rdzv_id=${RDZV_ID:-mptrain-$(basename "$recipe" .yaml)}
-max_nodes=${nnodes##*:}
 
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes="$nnodes" --nproc-per-node="$nproc" \
     --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id" \
     --max-restarts="${MAX_RESTARTS:-3}" \
-    -m mptrain fit --config "$recipe" \
-    --trainer.devices="$nproc" --trainer.num_nodes="$max_nodes" --trainer.strategy=ddp \
-    --ckpt_path=auto "$@"
+    -m mptrain fit --config "$recipe" --ckpt_path=auto "$@"

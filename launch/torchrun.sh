@@ -27,6 +27,7 @@ fi
 cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nprocs > 0 ? cores / nprocs : 1 ))}
 
+# trainer.devices / num_nodes / strategy follow torchrun's environment (mptrain.cli: devices "auto"
+# becomes LOCAL_WORLD_SIZE, strategy "auto" becomes ddp); a recipe that pins another count fails.
 exec "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$nprocs" \
-    -m mptrain fit --config "$recipe" \
-    --trainer.devices="$nprocs" --trainer.num_nodes=1 --trainer.strategy=ddp "$@"
+    -m mptrain fit --config "$recipe" "$@"

@@ -407,6 +407,7 @@ def _execute(subcommand: str, config: dict, instantiate) -> int:
     else:
         loggers = build_loggers(logger_spec, str(root), hparams=config_dict)
     callbacks = [ModuleEpochHooks(), *(_instantiate_plain(c, "trainer.callbacks") for c in cb_specs)]
+    _match_launcher(tconf)
     trainer = Trainer(**tconf, logger=loggers, callbacks=callbacks)
     _save_config(trainer, config_dict)
 
@@ -428,10 +429,36 @@ def _execute(subcommand: str, config: dict, instantiate) -> int:
     finally:
         if trainer.is_global_zero:
             finish_loggers(trainer.loggers, status)
-    if trainer.is_global_zero and results:
+    if trainer.is_global_zero:  # one machine-readable line (metrics empty when no validation ran)
         print(json.dumps({"subcommand": subcommand, "global_step": trainer.global_step, "log_dir": trainer.log_dir,
                           "metrics": {k: round(float(v), 6) for k, v in sorted(results.items())}}), flush=True)
     return 0
+
+
+def _match_launcher(tconf: dict) -> None:
+    """Under torchrun, make the Trainer's device count agree with the processes torchrun started.
+
+    Fabric with ``devices="auto"`` counts the machine's devices (1 CPU, or every GPU), not the
+    processes: ``torchrun --nproc-per-node=2`` on a CPU would run two independent trainings.
+    ``auto`` becomes torchrun's local world size; an explicit count that disagrees is an error.
+    """
+    import os
+
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), os.environ.get("LOCAL_WORLD_SIZE")
+    if world <= 1 or local is None:
+        return
+    local = int(local)
+    devices, nodes = tconf.get("devices", "auto"), tconf.get("num_nodes", 1) or 1
+    if devices in ("auto", None, -1, "-1"):
+        tconf["devices"], tconf["num_nodes"] = local, max(1, world // local)
+        if tconf.get("strategy", "auto") == "auto":
+            tconf["strategy"] = "ddp"
+        return
+    count = len(devices) if isinstance(devices, (list, tuple)) else int(str(devices).rstrip(","))
+    if count * nodes != world:
+        raise ConfigError(f"trainer.devices={devices!r} x trainer.num_nodes={nodes} = {count * nodes} processes, but the "
+                          f"launcher started WORLD_SIZE={world} ({local} per node): set --trainer.devices={local} "
+                          f"--trainer.num_nodes={world // local}, or leave devices at 'auto'")
 
 
 class ModuleEpochHooks:

@@ -22,7 +22,9 @@ class SaveWeights:
         self.out_dir = out_dir
 
     def on_fit_end(self, trainer, pl_module):
-        state = {k: v.detach().float().cpu() for k, v in pl_module.state_dict().items()}
+        # parameters: BatchNorm running statistics may differ after the last step (DDP syncs
+        # buffers at the start of each forward, from rank 0)
+        state = {k: v.detach().float().cpu() for k, v in pl_module.named_parameters()}
         torch.save(state, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 

@@ -88,7 +88,8 @@ def test_wandb_offline_run_logs_metrics_and_never_the_key(tmp_path):
     env = dict(os.environ, WANDB_API_KEY=sentinel, WANDB_MODE="offline", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "mptrain", "fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
-           "--trainer.logger=wandb", "--trainer.max_steps=12", "--trainer.log_every_n_steps=4",
+           "--trainer.logger=wandb", "--trainer.max_epochs=2", "--trainer.limit_train_batches=6",
+           "--trainer.log_every_n_steps=4",
            "--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path}"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

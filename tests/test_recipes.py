@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,10 +50,20 @@ def test_print_config(name, capsys):
     assert "synthetic: true" in out and "max_steps: 2" in out and "class_path:" in out
 
 
+def test_the_literal_smoke_command(tmp_path):
+    """Exactly the documented overrides, through ``python -m mptrain``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "mptrain", "fit", "--config", recipe("quickstart"), *SMOKE],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert last_json(r.stdout)["global_step"] == 2
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in RECIPES])
 def test_two_synthetic_steps_on_cpu(name, tmp_path, capsys):
+    # limit_train_batches=2 makes step 2 the epoch's last batch, so the epoch's validation runs too
     rc = cli.main(["fit", "--config", recipe(name), *SMOKE, f"--trainer.default_root_dir={tmp_path}",
-                   "--trainer.log_every_n_steps=1"])
+                   "--trainer.log_every_n_steps=1", "--trainer.limit_train_batches=2"])
     out = capsys.readouterr().out
     assert rc == 0
     result = last_json(out)

@@ -13,6 +13,8 @@ Floors (bytes moved per parameter / 4.25 TB/s):
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from mptrain import ops
@@ -33,6 +35,47 @@ def per_call_ms(fn) -> float:
             fn()
 
     return median_ms(batch) / BACK_TO_BACK
+
+
+def graph_ms(fn) -> Optional[float]:
+    """GPU time per call with the host taken out: BACK_TO_BACK calls captured in one CUDA
+    graph, timed by replaying it. Set beside the eager time, it tells whether a small op is
+    host-bound (then the eager number measures Python + pybind, not the kernel). None if
+    the capture fails (the error is printed)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm-up outside the capture (first-call allocations, occupancy queries)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(BACK_TO_BACK):
+                fn()
+        return median_ms(graph.replay) / BACK_TO_BACK
+    except Exception as e:  # noqa: BLE001 - a diagnostic only: never lose the other numbers
+        print(f"[optim] graph timing failed: {type(e).__name__}: {e}")
+        return None
+
+
+def _variant_sweep(ext, fn, label: str, variants=(0, 1, 2), blocks=(0,)) -> dict:
+    """per_call_ms of fn for each code variant x blocks/SM (0 = occupancy default); prints
+    one line per setting and restores the defaults."""
+    out = {}
+    try:
+        for v in variants:
+            ext.multi_tensor_set_variant(v)
+            for b in blocks:
+                ext.multi_tensor_set_blocks_per_sm(b)
+                ms = per_call_ms(fn)
+                out[f"variant={v},blocks_per_sm={b or 'auto'}"] = round(ms, 4)
+                print(f"[optim sweep] {label:<28} variant={v} blocks_per_sm={b or 'auto':<4} {ms:8.4f} ms")
+    finally:
+        ext.multi_tensor_set_variant(0)
+        ext.multi_tensor_set_blocks_per_sm(0)
+    best = min(out, key=out.get)
+    print(f"[optim sweep] {label:<28} best: {best} {out[best]:.4f} ms")
+    return out
 
 
 def bert_large_shapes(layers: int = 24, hidden: int = 1024, inter: int = 4096, vocab: int = 30522) -> list[tuple]:
@@ -87,12 +130,10 @@ def _adamw_cases(shapes, n) -> list[Result]:
 
     ours_ms = per_call_ms(ours)
     single_ms = median_ms(ours)
-    sweep = {}
+    # Variants of the master kernel (csrc/multi_tensor_adam.cu, adam_master_launch):
+    # 0 = 2 groups x 4 elements (default), 1 = 4 x 4 (2 blocks/SM), 2 = 2 x 8 (16-byte bf16).
     ext = ops.get_extension(required=True)
-    for b in (1, 2, 3, 4, 6, 8):
-        ext.multi_tensor_set_blocks_per_sm(b)
-        sweep[f"blocks_per_sm={b}"] = round(per_call_ms(ours), 4)
-    ext.multi_tensor_set_blocks_per_sm(0)
+    sweep = _variant_sweep(ext, ours, "AdamW master bf16", blocks=(0, 2, 3, 4, 8))
     torch_ms = per_call_ms(torch_path)
     checked_ms = per_call_ms(ours_checked)
     assert found.item() == 0, "benchmark data produced a non-finite gradient"
@@ -172,12 +213,18 @@ def _unscale_cases(shapes, n) -> list[Result]:
                 torch._amp_foreach_non_finite_check_and_unscale_(up, found, next_scale())
                 torch._foreach_copy_(grads, up)
 
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
         ours_ms = per_call_ms(ours)
         torch_ms = per_call_ms(theirs)
+        # Variants (csrc/multi_tensor_scale.cu, scale_launch): 0 = 4 x 4 elements (8-byte
+        # accesses, default), 1 = 4 x 8 (16-byte, 64 B in flight), 2 = 2 x 8 (16-byte, 32 B).
+        ext = ops.get_extension(required=True)
+        sweep = _variant_sweep(ext, ours, f"unscale {name}")
+        g_ms = graph_ms(ours)
         assert found.item() == 0, "benchmark data produced a non-finite gradient"
-        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
         results.append(Result(f"unscale + inf check {name} grads (4 B/param)", ours_ms, torch_ms, floor_ms(4 * n),
-                              dict(baseline=label, single_call_ms=round(median_ms(ours), 4))))
+                              dict(baseline=label, single_call_ms=round(median_ms(ours), 4), sweep_ms=sweep,
+                                   graph_ms=None if g_ms is None else round(g_ms, 4))))
         del grads
     return results
 
@@ -193,8 +240,9 @@ def _l2norm_case(shapes, n) -> Result:
 
     exact = torch.stack([g.double().norm() for g in grads]).norm()  # torch's bf16 _foreach_norm rounds to bf16
     torch.testing.assert_close(ops.multi_tensor_l2norm(grads, fused=True).double(), exact, rtol=1e-5, atol=0)
+    g_ms = graph_ms(ours)
     return Result("l2norm bf16 grads (2 B/param)", per_call_ms(ours), per_call_ms(theirs), floor_ms(2 * n),
-                  dict(single_call_ms=round(median_ms(ours), 4)))
+                  dict(single_call_ms=round(median_ms(ours), 4), graph_ms=None if g_ms is None else round(g_ms, 4)))
 
 
 def run(args) -> list[Result]:

@@ -4,18 +4,24 @@
 Floor (DESIGN §5): forward reads x and writes y, backward reads y and dy and writes dx:
 10 B/elem in bf16.  The mask is [B, 1, Sq, Sk] broadcast over the heads; its bytes are
 1/heads of a score tensor's in bool and are not counted.
+Timing: both sides as GPU work, several fwd+bwd steps captured in one CUDA graph
+(mptrain/bench/graph_timing.py); each row-shape variant of ours is reported.
 """
 from __future__ import annotations
 
 import torch
 
 from mptrain import ops
-from mptrain.bench.common import Result, Rotating, floor_ms, median_ms, sets_for
+from mptrain.bench.common import Result, Rotating, floor_ms, sets_for
+from mptrain.bench.graph_timing import env_var, step_ms
 
 # (batch, heads, S): 512x512x512 and 128x2048x2048 rows x cols from the issue's table.
 CASES = [(32, 16, 512), (8, 16, 2048)]
 QUICK_CASES = [(32, 16, 512)]
 SCALE = 0.125
+# Row-shape variants of csrc/softmax.cu ($MPT_SOFTMAX_SHAPE), the default first.
+SHAPE_ENV = "MPT_SOFTMAX_SHAPE"
+SHAPE_VARIANTS = ("wide", "rows", "persist")
 
 
 def _eager(x, mask):
@@ -28,7 +34,7 @@ def _fwd_bwd(fn, inputs):
     return torch.autograd.grad(fn(x, mask), (x,), dy)[0]
 
 
-def _one_case(b, h, s, masked, causal, args) -> Result:
+def _one_case(b, h, s, masked, causal, args) -> list[Result]:
     dt = torch.bfloat16
 
     def make():
@@ -40,23 +46,34 @@ def _one_case(b, h, s, masked, causal, args) -> Result:
     ours = lambda x, m: ops.scaled_masked_softmax(x, m, SCALE, causal, fused=True)  # noqa: E731
     tri = torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1) if causal else None
     theirs = lambda x, m: _eager(x, tri if causal else m)  # noqa: E731
-    torch.testing.assert_close(_fwd_bwd(ours, sets.sets[0]).float(), _fwd_bwd(theirs, sets.sets[0]).float(),
-                               rtol=3e-2, atol=3e-2)
+    expected = _fwd_bwd(theirs, sets.sets[0]).float()
     rep = 50.0 if args.quick else 200.0
-    t_ours = median_ms(lambda: _fwd_bwd(ours, sets.next()), rep_ms=rep)
-    t_torch = median_ms(lambda: _fwd_bwd(theirs, sets.next()), rep_ms=rep)
+    # Both sides timed as GPU work: several fwd+bwd steps in one CUDA graph (graph_timing).
+    t_torch, how_torch = step_ms(lambda st: _fwd_bwd(theirs, st), sets.sets, rep)
     what = "causal" if causal else ("masked [B,1,S,S]" if masked else "no mask")
-    return Result(
-        case=f"softmax fwd+bwd bf16 {what} {b * h}x{s}x{s}",
-        ours_ms=t_ours,
-        torch_ms=t_torch,
-        floor_ms=floor_ms(10 * b * h * s * s),
-        extra={"batch": b, "heads": h, "seq": s, "mask": what},
-    )
+    name = f"softmax fwd+bwd bf16 {what} {b * h}x{s}x{s}"
+    results = []
+    # The default shape variant keeps the plain case name; the others are labelled.
+    for variant in SHAPE_VARIANTS:
+        with env_var(SHAPE_ENV, variant):
+            # Never time a broken kernel.
+            torch.testing.assert_close(_fwd_bwd(ours, sets.sets[0]).float(), expected, rtol=3e-2, atol=3e-2)
+            t_ours, how = step_ms(lambda st: _fwd_bwd(ours, st), sets.sets, rep)
+        results.append(Result(
+            case=name if variant == SHAPE_VARIANTS[0] else f"{name} [{SHAPE_ENV}={variant}]",
+            ours_ms=t_ours,
+            torch_ms=t_torch,
+            floor_ms=floor_ms(10 * b * h * s * s),
+            extra={"batch": b, "heads": h, "seq": s, "mask": what, SHAPE_ENV: variant,
+                   "timing": how, "timing_torch": how_torch},
+        ))
+    return results
 
 
 def run(args) -> list[Result]:
     cases = QUICK_CASES if args.quick else CASES
-    results = [_one_case(b, h, s, True, False, args) for b, h, s in cases]
-    results += [_one_case(b, h, s, False, True, args) for b, h, s in cases]
+    results = []
+    for masked, causal in ((True, False), (False, True)):
+        for b, h, s in cases:
+            results += _one_case(b, h, s, masked, causal, args)
     return results

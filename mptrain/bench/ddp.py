@@ -3,7 +3,7 @@
 For each recipe, the same synthetic-data run (the recipe's per-GPU batch) is launched with 1
 and with N processes; a ``Probe`` callback in every rank times ``steps`` optimizer steps after
 ``warmup`` (two ``cuda.synchronize()``), and at the end of fit writes a digest of the rank's
-weights.  Reported: global samples/s for 1 and N GPUs, scaling efficiency
+parameters (and, separately, of its buffers: BatchNorm statistics differ across ranks by design).  Reported: global samples/s for 1 and N GPUs, scaling efficiency
 ``rate_N / (N * rate_1)`` (target >= 0.9), and whether every rank ended with identical weights.
 
     python -m mptrain.bench.ddp --nproc 2 --json ddp.json          # on a 2-GPU machine
@@ -52,15 +52,22 @@ class Probe:
             self._sync()
             self.t1 = time.perf_counter()
 
-    def on_fit_end(self, trainer, pl_module):
+    @staticmethod
+    def _digest(named) -> str:
         digest = hashlib.sha256()
-        for name, t in sorted(pl_module.state_dict().items()):
+        for name, t in sorted(named):
             digest.update(name.encode())
             digest.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+    def on_fit_end(self, trainer, pl_module):
         elapsed = None if self.t1 is None else self.t1 - self.t0
+        # Parameters must agree bit for bit; BatchNorm running statistics legitimately differ
+        # after the last step (DDP broadcasts buffers from rank 0 at the start of each forward).
         record = {"rank": trainer.global_rank, "world_size": trainer.world_size, "batch": self.batch,
-                  "steps": self.steps, "elapsed_s": elapsed, "weights_sha256": digest.hexdigest(),
-                  "global_step": trainer.global_step}
+                  "steps": self.steps, "elapsed_s": elapsed, "global_step": trainer.global_step,
+                  "weights_sha256": self._digest(pl_module.named_parameters()),
+                  "buffers_sha256": self._digest(pl_module.named_buffers())}
         Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -86,7 +93,8 @@ def launch(recipe: str, nproc: int, out_dir: str, warmup: int, steps: int, cpu: 
     r0 = next(rec for rec in records if rec["rank"] == 0)
     rate = nproc * r0["batch"] * r0["steps"] / r0["elapsed_s"]
     return {"nproc": nproc, "samples_per_s": rate, "wall_s": wall,
-            "identical_weights": len({rec["weights_sha256"] for rec in records}) == 1, "ranks": records}
+            "identical_weights": len({rec["weights_sha256"] for rec in records}) == 1,
+            "identical_buffers": len({rec["buffers_sha256"] for rec in records}) == 1, "ranks": records}
 
 
 def main(argv=None) -> int:

@@ -51,6 +51,11 @@ class FusedLSTMCell(nn.LSTMCell):
         return new.train(cell.training)
 
     def forward(self, input, hx=None):
+        if hx is not None and input.dim() == 2 and hx[0].dim() == 2 and hx[1].dim() == 2:
+            # The common case of a step loop, kept short: it runs once per step.
+            return ops.lstm_cell(
+                input, hx[0], hx[1], self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh, fused=self.fused
+            )
         if input.dim() not in (1, 2):
             raise ValueError(f"FusedLSTMCell: expected input to be 1-D or 2-D, got {input.dim()}-D")
         if hx is not None:
@@ -135,6 +140,34 @@ class FusedLSTM(nn.LSTM):
             setattr(new, name, getattr(lstm, name))
         new._init_flat_weights()
         return new.train(lstm.training)
+
+    def flatten_parameters(self) -> None:
+        """nn.LSTM's, plus bfloat16: torch skips bf16 weights (cudnn.is_acceptable lists
+        only fp16/fp32/fp64), so a bf16 nn.LSTM hands cuDNN scattered weights and cuDNN
+        copies them into one buffer at every call (the "not part of single contiguous
+        chunk of memory" warning). cuDNN runs bf16 RNNs, so flatten them here too."""
+        super().flatten_parameters()
+        weights = self._flat_weights
+        if len(weights) != len(self._flat_weights_names) or not weights:
+            return
+        if not all(
+            isinstance(w, torch.Tensor) and w.is_cuda and w.dtype == torch.bfloat16 for w in weights
+        ) or len({w.data_ptr() for w in weights}) != len(weights):
+            return
+        if not (torch.backends.cudnn.enabled and torch.backends.cudnn.is_available()):
+            return
+        if not torch._use_cudnn_rnn_flatten_weight():
+            return
+        from torch.backends.cudnn import rnn as cudnn_rnn
+
+        try:
+            with torch.cuda.device_of(weights[0]), torch.no_grad():
+                torch._cudnn_rnn_flatten_weight(
+                    weights, 4 if self.bias else 2, self.input_size, cudnn_rnn.get_cudnn_mode(self.mode),
+                    self.hidden_size, self.proj_size, self.num_layers, self.batch_first, bool(self.bidirectional),
+                )
+        except RuntimeError:
+            pass  # a cuDNN without bf16 RNNs: keep torch's behaviour (copy per call)
 
     def resolved_impl(self, input) -> str:
         """"cudnn" or "fused": what forward(input) runs under this module's policy."""

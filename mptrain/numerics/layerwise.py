@@ -18,6 +18,7 @@ Statistics stay on the device until the end (one host transfer for the whole rep
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -412,6 +413,37 @@ def _projection_loss(out: Any, seed: int = 1234) -> torch.Tensor:
     return total
 
 
+@contextlib.contextmanager
+def _strict_fp32():
+    """fp32 math really in fp32 while the comparison runs.
+
+    CUDA convolutions default to TF32 (cudnn allow_tf32=True): a 10-bit mantissa, as coarse
+    as fp16, so the "fp32" shadow of a conv net would carry half-precision-sized error of its
+    own.  The flags are process-wide; they are restored on exit.
+    """
+    matmul = torch.get_float32_matmul_precision()
+    # torch >= 2.9 has per-op fp32_precision (mixing it with the legacy allow_tf32 flag raises
+    # on read); before, allow_tf32 is the only switch.  conv and rnn together keep them consistent.
+    ops = [getattr(torch.backends.cudnn, op, None) for op in ("conv", "rnn")]
+    new_api = all(o is not None and hasattr(o, "fp32_precision") for o in ops)
+    saved = [o.fp32_precision for o in ops] if new_api else torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    try:
+        if new_api:
+            for o in ops:
+                o.fp32_precision = "ieee"
+        else:
+            torch.backends.cudnn.allow_tf32 = False
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        if new_api:
+            for o, v in zip(ops, saved):
+                o.fp32_precision = v
+        else:
+            torch.backends.cudnn.allow_tf32 = saved
+
+
 def _resolve_precision(precision, device):
     if not isinstance(precision, str):
         return precision  # a Precision object
@@ -457,7 +489,7 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
     low_rec = _Recorder(low_model, "low", ref_rec, rtol, atol, local, backward, loss_scale)
     loss_fn = loss_fn or _projection_loss
     try:
-        with torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward), _strict_fp32():
             ref_out = _call(ref_model, ref_in)
             if backward:
                 loss_fn(ref_out).backward()

@@ -5,7 +5,9 @@
 needed, once per process. The result is cached on disk in
 ``~/.cache/mptrain/ext-<hash>`` where the hash covers the sources, the torch and CUDA
 versions, the target archs and the flags, so a changed file or a new torch never
-loads a stale binary. ``MPTRAIN_BUILD_DIR`` replaces ``~/.cache/mptrain``.
+loads a stale binary. ``MPTRAIN_BUILD_DIR`` replaces ``~/.cache/mptrain``. Once a build
+has loaded, later processes import its ``.so`` directly (no cpp_extension, no ninja:
+well under a second instead of ~3.6 s).
 
 Environment:
 
@@ -328,6 +330,20 @@ def _read_pid(path: Path) -> str:
 # ---------------------------------------------------------------- build
 
 
+def _all_flags(cuda_home: Optional[Path]) -> tuple[list[str], list[str]]:
+    cflags, cuda_flags = _flags()
+    if cuda_home is not None:
+        extra = [f"-I{d}" for d in _extra_include_dirs(cuda_home)]
+        cflags, cuda_flags = cflags + extra, cuda_flags + extra
+    return cflags, cuda_flags
+
+
+def build_dir_for(csrc: Path, root: Optional[Path] = None, cuda_home: Optional[Path] = None) -> Path:
+    """Where build() compiles ``csrc``: ``<root>/ext-<hash of sources, flags, versions>``."""
+    cflags, cuda_flags = _all_flags(cuda_home)
+    return Path(root or build_root()) / f"ext-{build_hash(csrc, cflags + cuda_flags, cuda_home)}"
+
+
 def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: bool = False):
     """Compile (or reuse the cached build of) ``csrc`` and load it: returns (module, build_dir).
 
@@ -344,17 +360,18 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
             fix="install the CUDA toolkit and set CUDA_HOME to it (the directory holding bin/nvcc)")
     if importlib.util.find_spec("ninja") is None and shutil.which("ninja") is None:
         raise ExtensionBuildError("ninja is not installed", fix="pip install ninja")
-    cflags, cuda_flags = _flags()
+    cflags, cuda_flags = _all_flags(cuda_home)
     if cuda_home is not None:
         # cpp_extension reads CUDA_HOME when it is imported (and trusts a stale one): set ours.
         os.environ["CUDA_HOME"] = str(cuda_home)
-        cuda_flags += [f"-I{d}" for d in _extra_include_dirs(cuda_home)]
-        cflags += [f"-I{d}" for d in _extra_include_dirs(cuda_home)]
     if "MAX_JOBS" not in os.environ:
         os.environ["MAX_JOBS"] = str(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                         else os.cpu_count() or 1))
-    build_dir = Path(root or build_root()) / f"ext-{build_hash(csrc, cflags + cuda_flags, cuda_home)}"
+    build_dir = build_dir_for(csrc, root, cuda_home)
     log = build_dir / "build.log"
+    cached = _load_cached(build_dir)
+    if cached is not None:
+        return cached, str(build_dir)
     from torch.utils import cpp_extension
 
     if cuda_home is not None:
@@ -370,8 +387,60 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
         except (RuntimeError, subprocess.SubprocessError, OSError) as e:
             log.write_text(str(e))
             raise _compile_error(str(e), srcs, log) from None
-    log.write_text(f"built {[s.name for s in srcs]} into {build_dir}\n")
+        log.write_text(f"built {[s.name for s in srcs]} into {build_dir}\n")
+        _write_stamp(build_dir)
     return module, str(build_dir)
+
+
+# ---------------------------------------------------------------- warm start
+# cpp_extension.load costs seconds even when nothing changed (importing it, probing
+# the compiler and ninja, ninja stat-ing every header). The build directory's name
+# already pins the sources, flags and versions, so once a build there has loaded, the
+# next process imports its .so directly. The stamp records the .so's size and mtime:
+# a .so rewritten or truncated since (a killed relink) does not match and takes the
+# full path, which rebuilds what is missing.
+
+_STAMP_NAME = "loaded.stamp"
+
+
+def _so_signature(so: Path) -> str:
+    st = so.stat()
+    return f"{st.st_size} {st.st_mtime_ns}"
+
+
+def _write_stamp(build_dir: Path) -> None:
+    so = build_dir / f"{EXT_NAME}.so"
+    if so.is_file():
+        (build_dir / _STAMP_NAME).write_text(_so_signature(so) + "\n")
+
+
+def _import_so(so: Path):
+    spec = importlib.util.spec_from_file_location(EXT_NAME, so)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {so}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_cached(build_dir: Path):
+    """The module from a build that already loaded once in ``build_dir``, or None (then build)."""
+    so, stamp = build_dir / f"{EXT_NAME}.so", build_dir / _STAMP_NAME
+    try:
+        if not (so.is_file() and stamp.read_text().strip() == _so_signature(so)):
+            return None
+    except OSError:
+        return None
+    with build_lock(build_dir):  # a concurrent builder of the same hash finishes first
+        try:
+            if stamp.read_text().strip() != _so_signature(so):
+                return None
+        except OSError:
+            return None
+        try:
+            return _import_so(so)
+        except ImportError as e:
+            raise _load_error(e, build_dir) from None
 
 
 def _compile_error(output: str, srcs: list[Path], log: Path) -> ExtensionBuildError:
@@ -435,9 +504,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"csrc: {csrc} ({len(sources(csrc))} translation units)")
     print(f"CUDA_HOME: {find_cuda_home()}  archs: {arch_list()}  MAX_JOBS: {os.environ.get('MAX_JOBS', 'auto')}")
     if args.clean:
-        cflags, cuda_flags = _flags()
-        old = Path(args.build_dir or build_root()) / f"ext-{build_hash(csrc, cflags + cuda_flags, find_cuda_home())}"
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(build_dir_for(csrc, Path(args.build_dir) if args.build_dir else None, find_cuda_home()),
+                      ignore_errors=True)
     t0 = time.perf_counter()
     try:
         module, build_dir = build(csrc, Path(args.build_dir) if args.build_dir else None, verbose=args.verbose)

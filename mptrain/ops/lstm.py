@@ -2,10 +2,11 @@
 dispatch between them and the pure-PyTorch references.
 
 ``lstm_cell`` is one time step (two cuBLAS GEMMs + one pointwise kernel forward; one
-pointwise kernel + the dx/dh/dW GEMMs backward). ``lstm_layer`` is a whole layer over a
-time-major sequence: one GEMM for every step's input projection, then the time loop in
-C++ (no Python and no autograd node per step), and the weight gradients as a few GEMMs
-over all steps at once.
+pointwise kernel + the dx/dh/dW GEMMs backward), wired to autograd in C++
+(csrc/lstm_autograd.cu) so a step costs no Python beyond one call. ``lstm_layer`` is a
+whole layer over a time-major sequence: one GEMM for every step's input projection,
+then the time loop in C++ (no Python and no autograd node per step), and the weight
+gradients as a few GEMMs over all steps at once.
 """
 from __future__ import annotations
 
@@ -78,7 +79,11 @@ def _apply(function, ext, tensors):
 
 
 class LSTMCellFunction(torch.autograd.Function):
-    """(h', c') = LSTM step; saves the activated gates (storage dtype) and c'."""
+    """(h', c') = LSTM step; saves the activated gates (storage dtype) and c'.
+
+    Used under autocast only (inputs cast first); otherwise the step goes to the C++
+    autograd Function ``ext.lstm_cell_autograd`` (csrc/lstm_autograd.cu), same wiring
+    without Python per call."""
 
     @staticmethod
     def forward(ctx, ext, x, h, c, w_ih, w_hh, b_ih, b_hh):
@@ -132,11 +137,24 @@ def lstm_cell(x, h, c, w_ih, w_hh, b_ih=None, b_hh=None, *, fused="auto"):
     x (B, I), h and c (B, H), w_ih (4H, I), w_hh (4H, H), b_ih / b_hh (4H) or None.
     Returns (h', c'). CUDA tensors use the fused kernel when the extension is loaded.
     """
+    ext = _loaded
+    # Hot path (a step loop calls this per step; host work is the cost of a cell step):
+    # one call into the C++ autograd Function, which checks every tensor itself.
+    if (
+        ext is not None
+        and x.is_cuda
+        and (fused is True or fused == "auto")
+        and x.dtype in KERNEL_DTYPES
+        and not torch.is_autocast_enabled("cuda")
+    ):
+        return ext.lstm_cell_autograd(x, h, c, w_ih, w_hh, b_ih, b_hh)
     tensors = (x, h, c, w_ih, w_hh, b_ih, b_hh)
     ext = _kernel_extension(x, fused)
     if ext is None:
         return reference.lstm_cell(*tensors)
-    return _apply(LSTMCellFunction, ext, tensors)
+    if torch.is_autocast_enabled("cuda"):
+        return _apply(LSTMCellFunction, ext, tensors)
+    return ext.lstm_cell_autograd(*tensors)
 
 
 def lstm_layer(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None, *, fused="auto"):

@@ -66,10 +66,30 @@ def _check_found_inf(found_inf: Optional[torch.Tensor], device: torch.device, op
 
 def _groups(*lists: Sequence[torch.Tensor]) -> dict:
     """Indices grouped by (device, dtype of each list's tensor): one kernel call per group."""
+    first = lists[0][0]
+    # Fast path for the usual case, one CUDA device and one dtype per list: sets of
+    # dtypes and device indices cost a fraction of building a key per tensor, which
+    # matters for 400-tensor lists stepped every iteration (the host must stay ahead).
+    if first.is_cuda and len({t.get_device() for t in lists[0]}) == 1 and all(
+            len({t.dtype for t in lst}) == 1 for lst in _distinct(lists)):
+        return {(first.device,) + tuple(lst[0].dtype for lst in lists): range(len(lists[0]))}
     out: dict = defaultdict(list)
     for i in range(len(lists[0])):
         out[(lists[0][i].device,) + tuple(lst[i].dtype for lst in lists)].append(i)
     return out
+
+
+def _distinct(lists):
+    """The lists without repeats (an in-place op passes the same list as source and destination)."""
+    out = []
+    for lst in lists:
+        if not any(lst is o for o in out):
+            out.append(lst)
+    return out
+
+
+def _pick(lst: list, idx) -> list:
+    return lst if len(idx) == len(lst) else [lst[i] for i in idx]
 
 
 # ---------------------------------------------------------------- scale / copy / norm
@@ -79,14 +99,16 @@ def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
                         found_inf: Optional[torch.Tensor] = None, *, fused="auto") -> None:
     """``dst[i] = src[i] * scale`` (any fp32/fp16/bf16 mix), and ``found_inf = 1`` if any
     ``src`` element is inf or NaN. ``scale=None`` copies. Empty ``dst`` only checks."""
-    src, dst = list(src), list(dst)
+    in_place = dst is src
+    src = list(src)
+    dst = src if in_place else list(dst)
     if dst and len(dst) != len(src):
         raise ValueError(f"multi_tensor_scale_: {len(src)} sources but {len(dst)} destinations")
     if not src:
         return
     for key, idx in _groups(src, *([dst] if dst else [])).items():
-        s = [src[i] for i in idx]
-        d = [dst[i] for i in idx] if dst else []
+        s = _pick(src, idx)
+        d = (s if in_place else _pick(dst, idx)) if dst else []
         device = key[0]
         _check_found_inf(found_inf, device, "multi_tensor_scale_")
         sc = _device_scalar(scale, device, "scale", "multi_tensor_scale_")

@@ -101,6 +101,30 @@ def test_many_rows_per_block(combo, rows, hidden):
     compare(x, (hidden,), w, b, False, what=f"rows={rows} H={hidden}")
 
 
+@pytest.mark.parametrize("variant", ["b512", "b256"])
+@pytest.mark.parametrize("combo", COMBOS[1:], ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}")
+@pytest.mark.parametrize("hidden", [64, 256, 512, 768, 1000, 1024])
+def test_backward_variants(monkeypatch, variant, combo, hidden):
+    # Both backward launch families ($MPT_LN_BWD), the non-default one included: the
+    # benchmark times both, so both must be right (many rows: several per block).
+    monkeypatch.setenv("MPT_LN_BWD", variant)
+    xdt, wdt = combo
+    torch.manual_seed(hidden)
+    for rows in (1, 3001):
+        x = torch.randn(rows, hidden, device="cuda").to(xdt)
+        w = torch.randn(hidden, device="cuda").to(wdt)
+        b = torch.randn(hidden, device="cuda").to(wdt)
+        compare(x, (hidden,), w, b, False, what=f"{variant} rows={rows} H={hidden}")
+        compare(x.detach(), (hidden,), w.detach(), None, True, what=f"{variant} rms rows={rows} H={hidden}")
+
+
+def test_backward_variant_name_is_checked(monkeypatch):
+    monkeypatch.setenv("MPT_LN_BWD", "fast")
+    x = torch.randn(4, 64, device="cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match="MPT_LN_BWD"):
+        torch.autograd.grad(ops.layer_norm(x, 64, fused=True), (x,), torch.ones_like(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [768, 1024, 1003])
 def test_misaligned_and_strided_views(dtype, hidden):

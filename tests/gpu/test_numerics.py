@@ -1,5 +1,6 @@
 """Numerics toolkit on the GPU: the int8 tensor-core path, layerwise reports of BERT-base and
 ResNet-50, the GEMM benchmark and the doctor (skipped without CUDA by tests/gpu/conftest.py)."""
+import math
 import time
 
 import pytest
@@ -43,15 +44,19 @@ def test_int8_linear_cuda_matches_cpu(cfg):
     torch.testing.assert_close(y_gpu, y_cpu, rtol=1e-5, atol=1e-5)
 
 
-def _check_report(report, seconds):
+def _check_forward(report, seconds):
+    print(report.table(top=10))
     assert seconds < 30, f"compare_layerwise took {seconds:.1f}s"
     assert len(report.rows) > 50
     overflowing = [r["module"] for r in report.rows if r["overflow_frac"] > 0]
     assert not overflowing, f"overflow in {overflowing[:5]}"
     final = report.rows[-1]
     assert final["cosine"] > 0.99, final
-    assert report.grad_rows and report.grad_rows[-1]["cosine"] > 0.9
-    print(report.table(top=10))
+    assert report.grad_rows and report.param_grad_rows
+    # Output grads only: an inf there would reach the input end; fp16 param grads of a
+    # random net may genuinely overflow (no loss scale here) and that is a finding, not a bug.
+    bad = [r["module"] for r in report.grad_rows if r["overflow_frac"] > 0 or math.isnan(r["cosine"])]
+    assert not bad, f"non-finite output gradients in {bad[:5]}"
 
 
 @pytest.mark.parametrize("precision", ["16-master", "bf16-master"])
@@ -62,18 +67,39 @@ def test_layerwise_bert_base(precision):
     model, example, train_mode = bert_base(torch.device("cuda"))
     t0 = time.perf_counter()
     report = compare_layerwise(model, example, precision=precision, backward=True, train_mode=train_mode)
-    _check_report(report, time.perf_counter() - t0)
+    _check_forward(report, time.perf_counter() - t0)
+    # LayerNorm after every block keeps BERT's backward well conditioned: the input end is accurate.
+    assert report.grad_rows[-1]["cosine"] > 0.9, report.grad_rows[-1]
 
 
-@pytest.mark.parametrize("precision", ["16-master", "bf16-master"])
-def test_layerwise_resnet50(precision):
+def test_layerwise_resnet50():
+    """Random-init ResNet-50 in train mode: the gradient at the input end is ill-conditioned.
+
+    Measured on the CPU (notes/numerics.md, "ResNet-50 input-end gradients"): fp32 against fp64
+    already differs by 4e-2 (relative L2) in conv1's output gradient, an amplification of ~6e5
+    over fp32's rounding; merely rounding the weights and input to bf16 and computing in fp64
+    drops its cosine to 0.36 (fp16: 0.86).  So a low cosine there is the network, not the tool.
+    What must hold: the ordering of the grad rows, near-exact gradients at the output end
+    (where the signal enters), accurate parameter grads of the classifier, finite output gradients
+    everywhere, and fp16's 3 extra mantissa bits giving the more accurate input-end gradient.
+    """
     pytest.importorskip("torchvision")
     from mptrain.numerics.report_models import resnet50
 
     model, example, train_mode = resnet50(torch.device("cuda"))
-    t0 = time.perf_counter()
-    report = compare_layerwise(model, example, precision=precision, backward=True, train_mode=train_mode)
-    _check_report(report, time.perf_counter() - t0)
+    input_end = {}
+    for precision in ("16-master", "bf16-master"):
+        t0 = time.perf_counter()
+        report = compare_layerwise(model, example, precision=precision, backward=True, train_mode=train_mode)
+        _check_forward(report, time.perf_counter() - t0)
+        grads = {r["module"]: r for r in report.grad_rows}
+        assert report.grad_rows[0]["module"] == "fc" and report.grad_rows[-1]["module"] == "conv1"
+        assert grads["fc"]["cosine"] > 0.9999 and grads["avgpool"]["cosine"] > 0.999, (grads["fc"], grads["avgpool"])
+        params = {r["module"]: r for r in report.param_grad_rows}
+        assert params["fc"]["cosine"] > 0.98, params["fc"]
+        input_end[precision] = grads["conv1"]["cosine"]
+        assert input_end[precision] > 0, grads["conv1"]  # noisy, but still the same direction
+    assert input_end["16-master"] > input_end["bf16-master"], input_end
 
 
 def test_planted_overflow_on_cuda():

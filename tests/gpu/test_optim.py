@@ -119,6 +119,26 @@ def test_kernel_matches_reference(ext, op, cfg):
     assert ours.guards_intact()
 
 
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("op", ["adam", "adamw"])
+@pytest.mark.parametrize("cfg", CONFIGS[3:], ids=CFG_IDS[3:])
+def test_master_adam_variants_match_reference(ext, variant, op, cfg):
+    """The alternative master-weight Adam kernels the benchmark compares (wider
+    chunks, 16-byte half accesses) are held to the same standard as the default."""
+    fn, buffers = OPS[op]
+    ours = Lists(cfg, buffers=buffers, sizes=SIZES + [8192, 8192 * 3 + 5])
+    ref = ours.clone()
+    try:
+        ext.multi_tensor_set_variant(variant)
+        for _ in range(3):
+            fn(ours.lists, True)
+            fn(ref.lists, False)
+    finally:
+        ext.multi_tensor_set_variant(0)
+    _compare(ours, ref)
+    assert ours.guards_intact()
+
+
 @pytest.mark.parametrize("op", list(OPS))
 def test_fp32_kernel_against_float64(ext, op):
     fn, buffers = OPS[op]

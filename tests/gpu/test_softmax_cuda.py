@@ -79,6 +79,44 @@ def test_matches_reference_and_float64(dtype, sk, causal):
         compare(x, mask, 0.125 if sk > 1 else 1.0, causal, f"S={sk} mask={name}")
 
 
+@pytest.mark.parametrize("variant", ["rows", "wide", "persist"])
+@pytest.mark.parametrize("sk", [64, 264, 512, 520, 1000, 1032, 2048])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_shape_variants(monkeypatch, variant, dtype, sk):
+    # Both row-shape families ($MPT_SOFTMAX_SHAPE), the non-default one included: the
+    # benchmark times both.  Lengths at the edges of the wide shapes (33..64 and
+    # 129..256 vectors), with an odd number of rows (half-warp rows, partial blocks).
+    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
+    gen = torch.Generator(device="cuda").manual_seed(sk)
+    b, h, sq = 3, 3, 7
+    x = (torch.randn(b, h, sq, sk, device="cuda", generator=gen) * 3).to(dtype)
+    for name in ("none", "over_heads", "padding", "key_bcast"):
+        mask = masks(b, h, sq, sk, gen)[name]
+        for causal in (False, True):
+            compare(x, mask, 0.125, causal, f"{variant} S={sk} mask={name} causal={causal}")
+
+
+@pytest.mark.parametrize("variant", ["rows", "wide", "persist"])
+@pytest.mark.parametrize("b,h,s", [(2, 16, 512), (1, 8, 2048)])
+def test_shape_variants_many_rows(monkeypatch, variant, b, h, s):
+    # More rows than the persistent grid holds at once (~132 x 16 blocks x 4 rows):
+    # every group walks several rows with the next one prefetched.
+    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
+    gen = torch.Generator(device="cuda").manual_seed(s)
+    x = (torch.randn(b, h, s, s, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    mask = torch.rand(b, 1, s, s, device="cuda", generator=gen) < 0.1
+    mask[0, 0, 3] = True  # a fully masked row
+    compare(x, mask, 0.125, False, f"{variant} {b}x{h}x{s} masked")
+    compare(x, None, 0.125, True, f"{variant} {b}x{h}x{s} causal")
+
+
+def test_shape_variant_name_is_checked(monkeypatch):
+    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", "fast")
+    x = torch.randn(4, 512, device="cuda")
+    with pytest.raises(RuntimeError, match="MPT_SOFTMAX_SHAPE"):
+        ops.scaled_masked_softmax(x, None, 1.0, False, fused=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_causal_rectangular_and_misaligned_input(dtype):
     gen = torch.Generator(device="cuda").manual_seed(0)

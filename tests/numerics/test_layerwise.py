@@ -202,3 +202,23 @@ def test_local_error_of_a_master_norm_uses_the_half_input_it_really_gets(x):
     ln = report.details[1]
     assert ln["module"] == "1" and ln["dtype"] == "float16"
     assert 1e-5 < ln["local_rel_err"] < 2e-3
+
+
+def test_fp32_shadow_runs_without_tf32_and_flags_are_restored(x):
+    """CUDA convs default to TF32 (a 10-bit mantissa): the fp32 shadow must not use it."""
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, t):
+            conv = getattr(torch.backends.cudnn, "conv", None)
+            seen.append((torch.get_float32_matmul_precision(), getattr(conv, "fp32_precision", "ieee")))
+            return t
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        compare_layerwise(_net(Probe()), x, precision="bf16-mixed", backward=True)
+        assert seen and all(s == ("highest", "ieee") for s in seen), seen
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -142,3 +142,54 @@ def test_missing_csrc_says_how_to_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("MPTRAIN_CSRC", str(tmp_path))
     with pytest.raises(build.ExtensionBuildError, match="MPTRAIN_CSRC"):
         build.csrc_dir()
+
+
+def _cached_build_dir(tmp_path, csrc):
+    """The build directory build() picks for csrc under tmp_path/cache, holding a fake .so."""
+    d = build.build_dir_for(csrc, tmp_path / "cache", build.find_cuda_home())
+    d.mkdir(parents=True)
+    (d / f"{build.EXT_NAME}.so").write_bytes(b"\x7fELF not really")
+    return d
+
+
+def test_warm_start_imports_the_stamped_so_without_cpp_extension(tmp_path, monkeypatch):
+    csrc = _broken_csrc(tmp_path, cu=False)  # .cpp only: no nvcc needed to pick the directory
+    d = _cached_build_dir(tmp_path, csrc)
+    build._write_stamp(d)
+    sentinel = object()
+    monkeypatch.setattr(build, "_import_so", lambda so: sentinel)
+    from torch.utils import cpp_extension
+
+    def no_load(**kw):
+        raise AssertionError("cpp_extension.load must not run for a stamped build")
+
+    monkeypatch.setattr(cpp_extension, "load", no_load)
+    assert build.build(csrc, tmp_path / "cache") == (sentinel, str(d))
+
+
+def test_warm_start_ignores_a_changed_so_and_reports_load_errors(tmp_path, monkeypatch):
+    csrc = _broken_csrc(tmp_path, cu=False)
+    d = _cached_build_dir(tmp_path, csrc)
+    build._write_stamp(d)
+    so = d / f"{build.EXT_NAME}.so"
+    so.write_bytes(b"\x7fELF rewritten by a relink that was killed")  # size differs from the stamp
+    calls = []
+    from torch.utils import cpp_extension
+
+    def fake_load(**kw):
+        calls.append(kw["build_directory"])
+        return "rebuilt"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert build.build(csrc, tmp_path / "cache") == ("rebuilt", str(d))
+    assert calls == [str(d)]
+    # The full path re-stamps the .so it loaded; an import failure then names the file and the fix.
+    assert (d / build._STAMP_NAME).read_text().strip() == build._so_signature(so)
+
+    def broken_import(so):
+        raise ImportError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(build, "_import_so", broken_import)
+    with pytest.raises(build.ExtensionBuildError, match="libcuda") as info:
+        build.build(csrc, tmp_path / "cache")
+    assert info.value.failing_file.endswith(".so") and "driver" in info.value.fix

@@ -15,6 +15,12 @@ from mptrain.ops import reference as R
 class EmulatedExtension:
     """The C++ functions of csrc/lstm_cell.cu, step for step, in PyTorch."""
 
+    def lstm_cell_autograd(self, *tensors):
+        # csrc/lstm_autograd.cu's node has LSTMCellFunction's wiring (same needs-grad
+        # flags, same returned gradients); its C++ wiring is tested on the GPU
+        # (tests/gpu/test_lstm_cuda.py::test_cell_partial_gradients).
+        return lstm_ops.LSTMCellFunction.apply(self, *tensors)
+
     @staticmethod
     def lstm_cell_forward(x, h, c, w_ih, w_hh, b_ih, b_hh):
         gates = x @ w_ih.t()
