@@ -114,9 +114,13 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
 
 
 def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, checkpoint_dir: Path) -> Path | None:
-    """``"last"`` means ``<checkpoint_dir>/last.ckpt``; a path is used as given."""
+    """``"last"`` means ``<checkpoint_dir>/last.ckpt``, ``"auto"`` that file if it exists (else
+    no resume); a path is used as given."""
     if ckpt_path is None:
         return None
+    if str(ckpt_path) == "auto":  # resume if a run left last.ckpt here, else start fresh
+        last = checkpoint_dir / "last.ckpt"
+        return last if last.is_file() else None
     if str(ckpt_path) == "last":
         last = checkpoint_dir / "last.ckpt"
         if not last.is_file():

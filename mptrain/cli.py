@@ -406,7 +406,7 @@ def _execute(subcommand: str, config: dict, instantiate) -> int:
         loggers: Any = False
     else:
         loggers = build_loggers(logger_spec, str(root), hparams=config_dict)
-    callbacks = [ModuleEpochHooks(), *(_instantiate_plain(c, "trainer.callbacks") for c in cb_specs)]
+    callbacks = [_instantiate_plain(c, "trainer.callbacks") for c in cb_specs]
     _match_launcher(tconf)
     trainer = Trainer(**tconf, logger=loggers, callbacks=callbacks)
     _save_config(trainer, config_dict)
@@ -459,21 +459,6 @@ def _match_launcher(tconf: dict) -> None:
         raise ConfigError(f"trainer.devices={devices!r} x trainer.num_nodes={nodes} = {count * nodes} processes, but the "
                           f"launcher started WORLD_SIZE={world} ({local} per node): set --trainer.devices={local} "
                           f"--trainer.num_nodes={world // local}, or leave devices at 'auto'")
-
-
-class ModuleEpochHooks:
-    """Calls the LightningModule's own ``on_validation_epoch_end`` (epoch-level metrics such as
-    perplexity), which Lightning calls and mptrain's Trainer leaves to callbacks.  Harmless if
-    the Trainer calls it too: the modules' hooks log once and reset."""
-
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if pl_module is None or not _defined_outside_lightning(pl_module, "on_validation_epoch_end"):
-            return
-        before = dict(trainer.callback_metrics)
-        pl_module.on_validation_epoch_end()
-        new = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val") and before.get(k) != v}
-        if new:
-            trainer.log_metrics(new)  # to the loggers now, with this epoch's validation
 
 
 def _defined_outside_lightning(obj: Any, name: str) -> bool:

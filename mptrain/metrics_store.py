@@ -28,6 +28,14 @@ class MetricsStore:
         self._val_sum: dict[str, torch.Tensor] = {}
         self._val_count: dict[str, float] = {}
         self.logged: dict[str, float] = {}
+        self.current_batch_size: int | None = None
+        self._epoch_end: dict[str, torch.Tensor] = {}
+
+    def take_epoch_end(self) -> dict[str, float]:
+        """Values logged in on_validation_epoch_end (as floats), cleared."""
+        out = {k: float(v.float().item()) for k, v in self._epoch_end.items()}
+        self._epoch_end = {}
+        return out
 
     @property
     def callback_metrics(self) -> dict[str, float]:
@@ -36,8 +44,11 @@ class MetricsStore:
     def record(self, metrics: Mapping[str, Any], batch_size: int | None = None) -> None:
         for name, value in metrics.items():
             t = _as_tensor(value)
-            if self.stage == "val":
-                w = float(batch_size or 1)
+            if self.stage == "val_end":
+                self._epoch_end[name] = t
+                self._latest[name] = t
+            elif self.stage == "val":
+                w = float(batch_size or self.current_batch_size or 1)
                 s = t.float() * w
                 self._val_sum[name] = s if name not in self._val_sum else self._val_sum[name] + s
                 self._val_count[name] = self._val_count.get(name, 0.0) + w

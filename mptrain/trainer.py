@@ -323,10 +323,11 @@ class Trainer:
         train, val = self._resolve_data(model, train_dataloaders, val_dataloaders, datamodule, "fit")
         if train is None:
             raise ValueError("fit needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
-        self._setup_model(model, need_optimizer=True)
+        # Loaders first: configure_optimizers may read trainer.estimated_stepping_batches.
         self._train_loader = self._setup_loader(train, "train_dataloaders")
         self._val_loader = self._setup_loader(val, "val_dataloaders")
         self.num_training_batches = _num_batches(self._train_loader, self.limit_train_batches)
+        self._setup_model(model, need_optimizer=True)
         path = resolve_ckpt_path(ckpt_path, self.checkpoint_dir)
         if path is not None:
             self._restore(path)
@@ -558,12 +559,17 @@ class Trainer:
             if batch_idx >= n:
                 break
             batch = precision.convert_input(self.fabric.to_device(batch))
+            self.metrics.current_batch_size = _batch_size(batch)  # weights the epoch mean, as Lightning
             with precision.forward_context():
                 wrapped.validation_step(batch, batch_idx)
         results = self.metrics.end_validation(self.fabric)
+        # Values logged in on_validation_epoch_end belong to this validation, not the next train step.
+        self.metrics.stage = "val_end"
+        self._call("on_validation_epoch_end")
+        results.update(self.metrics.take_epoch_end())
+        self.metrics.stage = "train"
         if results:
             self.log_metrics(results)
-        self._call("on_validation_epoch_end")
         model.train(was_training)
         return results
 
@@ -663,6 +669,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _call(self, hook: str, *args) -> None:
+        """The LightningModule's own hook first (as Lightning does), then every callback's."""
+        module_hook = getattr(self._module, hook, None) if self._module is not None else None
+        if callable(module_hook):
+            module_hook(*args)
         for cb in self.callbacks:
             fn = getattr(cb, hook, None)
             if fn is not None:
