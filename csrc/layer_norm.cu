@@ -20,6 +20,8 @@
 #include "row_reduce.cuh"
 #include "type_shim.h"
 
+#include <cooperative_groups.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -178,12 +180,60 @@ __device__ __forceinline__ void load_rows(uint4 (&a)[NV], uint4 (&b)[NV], float&
   }
 }
 
-template <typename T, typename W, int TPR, int NV, int BLOCK, int MINB, bool PREFETCH>
+// Sums the [P, H] fp32 partials over P for the 32 columns of `tile`, in a fixed order,
+// and writes dgamma / dbeta in the parameters' dtype.  BLOCK threads = 32 columns x
+// BLOCK/32 partial lanes; `s` is [2][BLOCK/32][33] floats of shared memory.
+template <typename W, int BLOCK>
+__device__ __forceinline__ void param_finish_tile(const float* dg_part, const float* db_part, int P, int H, int tile,
+                                                  W* dgamma, W* dbeta, float* s) {
+  constexpr int LANES = BLOCK / 32;
+  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+  const int c = tile * 32 + tx;
+  // The partials were just written (L2-resident): issue U loads before summing them, so
+  // a thread waits about one L2 latency per U partials instead of one per partial.  The
+  // summation order stays fixed (deterministic).
+  constexpr int U = 8;
+  float a = 0.f, b = 0.f;
+  if (c < H)
+    for (int p0 = ty; p0 < P; p0 += LANES * U) {
+      float va[U], vb[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int p = p0 + LANES * u;
+        va[u] = (dg_part && p < P) ? dg_part[int64_t(p) * H + c] : 0.f;
+        vb[u] = (db_part && p < P) ? db_part[int64_t(p) * H + c] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        a += va[u];
+        b += vb[u];
+      }
+    }
+  s[ty * 33 + tx] = a;
+  s[(LANES + ty) * 33 + tx] = b;
+  __syncthreads();
+  if (ty == 0 && c < H) {
+    for (int k = 1; k < LANES; ++k) {
+      a += s[k * 33 + tx];
+      b += s[(LANES + k) * 33 + tx];
+    }
+    if (dgamma) dgamma[c] = static_cast<W>(a);
+    if (dbeta) dbeta[c] = static_cast<W>(b);
+  }
+  __syncthreads();  // `s` is reused by the next tile
+}
+
+// FUSED_FINISH (MPT_LN_BWD=coop): after writing its partial row, the grid meets at a
+// grid-wide barrier (cooperative launch; the grid is the resident one anyway) and the
+// blocks then sum the partials tile by tile themselves, in the same fixed order as
+// ln_param_finish.  Saves the finish kernel's launch, ramp and tail and the gap before
+// it, a few microseconds that matter at 16384x1024 (whole fwd+bwd floor 39.5 us).
+template <typename T, typename W, int TPR, int NV, int BLOCK, int MINB, bool PREFETCH, bool FUSED_FINISH>
 __global__ void __launch_bounds__(BLOCK, MINB)
 ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
               const float* __restrict__ rstd, const W* __restrict__ gamma, T* __restrict__ dx,
-              float* __restrict__ dg_part, float* __restrict__ db_part, int64_t rows, int H,
-              bool rms) {
+              float* dg_part, float* db_part, int64_t rows, int H,
+              bool rms, W* dgamma, W* dbeta) {
   constexpr int VEC = Vec16<T>::n, RPB = BLOCK / TPR;
   __shared__ float red[2][BLOCK / 32 * 2];
   const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
@@ -307,6 +357,14 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
       if (dbo) dbo[c] = acc[1][c];
     }
   }
+  if constexpr (FUSED_FINISH) {
+    __shared__ float fin[2 * (BLOCK / 32) * 33];
+    __threadfence();
+    cooperative_groups::this_grid().sync();
+    const int P = static_cast<int>(gridDim.x);
+    for (int tile = blockIdx.x; tile * 32 < H; tile += gridDim.x)
+      param_finish_tile<W, BLOCK>(dg_part, db_part, P, H, tile, dgamma, dbeta, fin);
+  }
 }
 
 // dx for any H / alignment: the row sums in one pass, dx in a second (re-read from L1/L2).
@@ -384,40 +442,8 @@ template <typename W>
 __global__ void __launch_bounds__(512)
 ln_param_finish(const float* __restrict__ dg_part, const float* __restrict__ db_part, int P, int H,
                 W* __restrict__ dgamma, W* __restrict__ dbeta) {
-  __shared__ float s[2][16][33];
-  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
-  const int c = blockIdx.x * 32 + tx;
-  // The partials were just written (L2-resident): issue U loads before summing them, so
-  // a thread waits about one L2 latency per U partials instead of one per partial.  The
-  // summation order stays fixed (deterministic).
-  constexpr int U = 8;
-  float a = 0.f, b = 0.f;
-  if (c < H)
-    for (int p0 = ty; p0 < P; p0 += 16 * U) {
-      float va[U], vb[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int p = p0 + 16 * u;
-        va[u] = (dg_part && p < P) ? dg_part[int64_t(p) * H + c] : 0.f;
-        vb[u] = (db_part && p < P) ? db_part[int64_t(p) * H + c] : 0.f;
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        a += va[u];
-        b += vb[u];
-      }
-    }
-  s[0][ty][tx] = a;
-  s[1][ty][tx] = b;
-  __syncthreads();
-  if (ty == 0 && c < H) {
-    for (int k = 1; k < 16; ++k) {
-      a += s[0][k][tx];
-      b += s[1][k][tx];
-    }
-    if (dgamma) dgamma[c] = static_cast<W>(a);
-    if (dbeta) dbeta[c] = static_cast<W>(b);
-  }
+  __shared__ float s[2 * 16 * 33];
+  param_finish_tile<W, 512>(dg_part, db_part, P, H, blockIdx.x, dgamma, dbeta, s);
 }
 
 // ============================== host side ==============================================
@@ -436,24 +462,33 @@ const W* opt_ptr(const at::Tensor& t) {
 
 // The (TPR, NV) shapes of the backward kernel: NV = 2 with prefetch where the row fits,
 // so the per-thread dgamma/dbeta accumulators plus two rows of vectors stay in registers.
-// Two launch families, chosen per call by $MPT_LN_BWD (read on every call so one process
-// can benchmark both; a CUDA graph keeps the one it captured):
-//  * "b512": 512-thread blocks, one per SM, the table below (the first design).
-//  * "b256" (default): for rows of <= 128 vectors (1024 bf16), one warp per row with
+// Launch families, chosen per call by $MPT_LN_BWD (read on every call so one process
+// can benchmark them all; a CUDA graph keeps the one it captured):
+//  * "b512": 512-thread blocks, one per SM, the W* table below (the first design).
+//  * "b256": for rows of <= 128 vectors (1024 bf16), one warp per row with
 //    NV = ceil(nvec / 32) (768 bf16 = 96 vectors = 32 x 3: no idle slots, no barriers),
-//    256-thread blocks, two per SM (__launch_bounds__(256, 2): <= 128 registers), so a
-//    block's dgamma tail and barrier-free rows overlap the other block's loads.  NV 3-4
+//    256-thread blocks, two per SM (__launch_bounds__(256, 2): <= 128 registers).  NV 3-4
 //    without prefetch: with it ptxas spilled 84-92 B/thread at the 128-register cap.
 //    Longer rows use the b512 table.
+//  * "auto" (default): the faster of the two as measured on the H200 (run 2, graph-timed
+//    fwd+bwd): b256 up to 96 vectors (65536x768: 77.0% vs 74.0% of floor), b512 above
+//    (16384x1024: 66.0% vs 56.0%; 4096 is the same kernel in both).
+//  * "coop": auto's shapes, with dgamma / dbeta finished inside the backward kernel
+//    after a grid-wide barrier (FUSED_FINISH): one kernel instead of two.
 enum class BwdShape { W32x2, W64x2, W128x2, W256x2, W512x2, W512x4, N32x1, N32x2, N32x3, N32x4, Generic };
-bool bwd_family_b512() {
+enum class BwdFamily { Auto, B256, B512, Coop };
+BwdFamily bwd_family() {
   const char* v = std::getenv("MPT_LN_BWD");
-  if (v == nullptr || *v == 0 || std::strcmp(v, "b256") == 0) return false;
-  TORCH_CHECK(std::strcmp(v, "b512") == 0, "MPT_LN_BWD=", v, " is not a backward variant; use b256 or b512");
-  return true;
+  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0) return BwdFamily::Auto;
+  if (std::strcmp(v, "b256") == 0) return BwdFamily::B256;
+  if (std::strcmp(v, "b512") == 0) return BwdFamily::B512;
+  TORCH_CHECK(std::strcmp(v, "coop") == 0, "MPT_LN_BWD=", v,
+              " is not a backward variant; use auto, b256, b512 or coop");
+  return BwdFamily::Coop;
 }
-BwdShape pick_bwd_shape(int64_t nvec) {
-  if (nvec <= 128 && !bwd_family_b512()) {
+BwdShape pick_bwd_shape(int64_t nvec, BwdFamily family) {
+  const int64_t narrow_max = family == BwdFamily::B256 ? 128 : family == BwdFamily::B512 ? 0 : 96;
+  if (nvec <= narrow_max) {
     if (nvec <= 32) return BwdShape::N32x1;
     if (nvec <= 64) return BwdShape::N32x2;
     if (nvec <= 96) return BwdShape::N32x3;
@@ -497,12 +532,14 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
   }
 }
 
-template <typename T, typename W, int TPR, int NV, bool PREFETCH, int BLOCK = 512, int MINB = 1>
-void launch_bwd_cached(const T* dyp, const T* xp, const float* mean, const float* rstd, const W* gp,
-                       T* dxp, bool want_dg, bool want_db, int64_t rows, int H, bool rms,
-                       const at::TensorOptions& fopts, at::Tensor& dg_part, at::Tensor& db_part) {
+// One backward launch of the row-cached kernel; fills dgamma / dbeta itself when
+// FUSED (cooperative launch), else leaves [grid, H] partials for ln_param_finish.
+template <typename T, typename W, int TPR, int NV, bool PREFETCH, int BLOCK, int MINB, bool FUSED>
+void launch_bwd_kernel(const T* dyp, const T* xp, const float* mean, const float* rstd, const W* gp, T* dxp,
+                       bool want_dg, bool want_db, int64_t rows, int H, bool rms, const at::TensorOptions& fopts,
+                       at::Tensor& dg_part, at::Tensor& db_part, W* dgp, W* dbp) {
   constexpr int RPB = BLOCK / TPR;
-  auto kernel = ln_bwd_kernel<T, W, TPR, NV, BLOCK, MINB, PREFETCH>;
+  auto kernel = ln_bwd_kernel<T, W, TPR, NV, BLOCK, MINB, PREFETCH, FUSED>;
   static const int per_sm = [&] {
     int n = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, BLOCK, 0));
@@ -510,17 +547,38 @@ void launch_bwd_cached(const T* dyp, const T* xp, const float* mean, const float
   }();
   // As many row-group iterations per block as the resident grid needs, then the fewest
   // blocks that cover the rows in that many: the last iteration is (nearly) full instead
-  // of, e.g., 64 of 2112 rows at 65536x768 on 264 blocks.
+  // of, e.g., 64 of 2112 rows at 65536x768 on 264 blocks.  Never more than the resident
+  // grid, which the cooperative launch (FUSED) requires.
   const int64_t want = (rows + RPB - 1) / RPB;
   const int64_t cap = int64_t(num_sms()) * per_sm;
   const int64_t iters = (want + cap - 1) / cap;
   const int64_t grid = (want + iters - 1) / iters;
   if (want_dg) dg_part = at::empty({grid, H}, fopts);
   if (want_db) db_part = at::empty({grid, H}, fopts);
-  kernel<<<grid, BLOCK, 0, at::cuda::getCurrentCUDAStream()>>>(
-      dyp, xp, mean, rstd, gp, dxp, want_dg ? dg_part.data_ptr<float>() : nullptr,
-      want_db ? db_part.data_ptr<float>() : nullptr, rows, H, rms);
+  float* dgq = want_dg ? dg_part.data_ptr<float>() : nullptr;
+  float* dbq = want_db ? db_part.data_ptr<float>() : nullptr;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if constexpr (FUSED) {
+    void* args[] = {(void*)&dyp, (void*)&xp, (void*)&mean, (void*)&rstd, (void*)&gp, (void*)&dxp,
+                    (void*)&dgq, (void*)&dbq, (void*)&rows, (void*)&H, (void*)&rms, (void*)&dgp, (void*)&dbp};
+    C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(grid), dim3(BLOCK), args,
+                                               0, stream));
+  } else {
+    kernel<<<grid, BLOCK, 0, stream>>>(dyp, xp, mean, rstd, gp, dxp, dgq, dbq, rows, H, rms, dgp, dbp);
+  }
   MPT_CHECK_LAUNCH(kBwd);
+}
+
+template <typename T, typename W, int TPR, int NV, bool PREFETCH, int BLOCK = 512, int MINB = 1>
+void launch_bwd_cached(bool fused, const T* dyp, const T* xp, const float* mean, const float* rstd, const W* gp,
+                       T* dxp, bool want_dg, bool want_db, int64_t rows, int H, bool rms,
+                       const at::TensorOptions& fopts, at::Tensor& dg_part, at::Tensor& db_part, W* dgp, W* dbp) {
+  if (fused)
+    launch_bwd_kernel<T, W, TPR, NV, PREFETCH, BLOCK, MINB, true>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows,
+                                                                  H, rms, fopts, dg_part, db_part, dgp, dbp);
+  else
+    launch_bwd_kernel<T, W, TPR, NV, PREFETCH, BLOCK, MINB, false>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db,
+                                                                   rows, H, rms, fopts, dg_part, db_part, dgp, dbp);
 }
 
 template <typename T, typename W>
@@ -537,18 +595,22 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
   const auto fopts = x.options().dtype(at::kFloat);
   at::Tensor dg_part, db_part;
   const bool aligned = H % VEC == 0 && aligned16(dyp) && aligned16(xp) && aligned16(dxp) && aligned16(gp);
-  const BwdShape shape = aligned ? pick_bwd_shape(H / VEC) : BwdShape::Generic;
+  const BwdFamily family = bwd_family();
+  const BwdShape shape = aligned ? pick_bwd_shape(H / VEC, family) : BwdShape::Generic;
+  const bool fused = family == BwdFamily::Coop && shape != BwdShape::Generic && (want_dg || want_db);
+  W* dgp = want_dg ? reinterpret_cast<W*>(dgamma.data_ptr()) : nullptr;
+  W* dbp = want_db ? reinterpret_cast<W*>(dbeta.data_ptr()) : nullptr;
   switch (shape) {
-    case BwdShape::W32x2: launch_bwd_cached<T, W, 32, 2, true>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
-    case BwdShape::W64x2: launch_bwd_cached<T, W, 64, 2, true>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
-    case BwdShape::W128x2: launch_bwd_cached<T, W, 128, 2, true>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
-    case BwdShape::W256x2: launch_bwd_cached<T, W, 256, 2, true>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
-    case BwdShape::W512x2: launch_bwd_cached<T, W, 512, 2, true>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
-    case BwdShape::W512x4: launch_bwd_cached<T, W, 512, 4, false>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
-    case BwdShape::N32x1: launch_bwd_cached<T, W, 32, 1, true, 256, 2>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
-    case BwdShape::N32x2: launch_bwd_cached<T, W, 32, 2, true, 256, 2>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
-    case BwdShape::N32x3: launch_bwd_cached<T, W, 32, 3, false, 256, 2>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
-    case BwdShape::N32x4: launch_bwd_cached<T, W, 32, 4, false, 256, 2>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part); break;
+    case BwdShape::W32x2: launch_bwd_cached<T, W, 32, 2, true>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
+    case BwdShape::W64x2: launch_bwd_cached<T, W, 64, 2, true>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
+    case BwdShape::W128x2: launch_bwd_cached<T, W, 128, 2, true>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
+    case BwdShape::W256x2: launch_bwd_cached<T, W, 256, 2, true>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
+    case BwdShape::W512x2: launch_bwd_cached<T, W, 512, 2, true>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
+    case BwdShape::W512x4: launch_bwd_cached<T, W, 512, 4, false>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
+    case BwdShape::N32x1: launch_bwd_cached<T, W, 32, 1, true, 256, 2>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
+    case BwdShape::N32x2: launch_bwd_cached<T, W, 32, 2, true, 256, 2>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
+    case BwdShape::N32x3: launch_bwd_cached<T, W, 32, 3, false, 256, 2>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
+    case BwdShape::N32x4: launch_bwd_cached<T, W, 32, 4, false, 256, 2>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
     default: {
       if (H <= 1024) {
         ln_bwd_dx_generic<T, W, 32, 128><<<(rows + 3) / 4, 128, 0, stream>>>(dyp, xp, mean, rstd, gp, dxp, rows, H, rms);
@@ -571,7 +633,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
       MPT_CHECK_LAUNCH(kBwd);
     }
   }
-  if (!want_dg && !want_db) return;
+  if ((!want_dg && !want_db) || fused) return;
   const at::Tensor& any = want_dg ? dg_part : db_part;
   const int P = static_cast<int>(any.size(0));
   ln_param_finish<W><<<(H + 31) / 32, 512, 0, stream>>>(

@@ -33,15 +33,16 @@ struct AdamArgs {
 
 // lists: 0 grad (G), 1 param (P), 2 exp_avg (S), 3 exp_avg_sq (S), 4 step (float, one value),
 //        5 fp32 master weight (MASTER only)
-// ILP x V elements per thread per chunk (see kAdamVariants below for the choices).
-template <typename G, typename P, typename S, bool MASTER, int ILP = 2, int V = kVec>
+// ILP x V elements per thread per chunk, STREAM: streaming cache hints on the vector
+// accesses (see adam_master_launch for the combinations in use).
+template <typename G, typename P, typename S, bool MASTER, int ILP = 2, int V = kVec, bool STREAM = false>
 struct AdamOp {
   static constexpr int kILP = ILP;
   static constexpr int kVecElems = V;
   // Four fp32 streams of ILP * V floats each are live at once, beside the double
   // bias-correction math that runs while they are in flight: 8 floats per stream need
   // ~70 registers (64 spilled 120 B), i.e. 3 blocks of 256 per SM, which run-1's
-  // blocks/SM sweep also found fastest; 16 floats need ~128, i.e. 2 blocks.
+  // blocks/SM sweep also found fastest; 16 floats need ~128 (125 for 2 x 8), i.e. 2 blocks.
   static constexpr int kMinBlocks = ILP * V > 8 ? 2 : 3;
   static constexpr int kDepth = MASTER ? 6 : 5;
   AdamArgs a;
@@ -67,11 +68,11 @@ struct AdamOp {
     // Loads first: the step count, lr and scale reads and the double-precision bias
     // corrections below then run while the chunk's bytes are in flight.
     float rg[ILP][V], rw[ILP][V], rm[ILP][V], rv[ILP][V];
-    load_frag<FULL>(rg, g, n, vec);
-    if (MASTER) load_frag<FULL>(rw, master, n, vec);
-    else load_frag<FULL>(rw, p, n, vec);
-    load_frag<FULL>(rm, m, n, vec);
-    load_frag<FULL>(rv, v, n, vec);
+    load_frag<FULL, STREAM>(rg, g, n, vec);
+    if (MASTER) load_frag<FULL, STREAM>(rw, master, n, vec);
+    else load_frag<FULL, STREAM>(rw, p, n, vec);
+    load_frag<FULL, STREAM>(rm, m, n, vec);
+    load_frag<FULL, STREAM>(rv, v, n, vec);
     const float step = *static_cast<const float*>(meta.addr[4][t]) + 1.f;
     const float lr = read_or(a.lr_ptr, a.lr);
     const float step_size = static_cast<float>(lr / bias_correction(a.log_beta1, step));
@@ -95,28 +96,40 @@ struct AdamOp {
         rv[k][j] = vk;
       }
     }
-    if (MASTER) store_frag<FULL>(master, rw, n, vec);
-    store_frag<FULL>(p, rw, n, vec);
-    store_frag<FULL>(m, rm, n, vec);
-    store_frag<FULL>(v, rv, n, vec);
+    if (MASTER) store_frag<FULL, STREAM>(master, rw, n, vec);
+    store_frag<FULL, STREAM>(p, rw, n, vec);
+    store_frag<FULL, STREAM>(m, rm, n, vec);
+    store_frag<FULL, STREAM>(v, rv, n, vec);
   }
 };
 
 // Variants of the master-weight kernel (multi_tensor_set_variant; the benchmark
-// sweeps them): 0 = 2 groups of 4 (8-byte half / 16-byte fp32 accesses, 2048-element
-// chunks), 1 = 4 groups of 4 (twice the bytes in flight per thread, 2 blocks/SM),
-// 2 = 2 groups of 8 (16-byte half accesses, two 16-byte accesses per fp32 group).
+// sweeps them). Shapes: 2 x 4 = 2 groups of 4 (8-byte half / 16-byte fp32 accesses,
+// 2048-element chunks, 80 registers, 3 blocks/SM); 4 x 4 (twice the bytes in flight
+// per thread, 2 blocks/SM); 2 x 8 (16-byte half accesses, two 16-byte accesses per
+// fp32 group, 4096-element chunks, 125 registers, 2 blocks/SM).
+//   0 (default) = 2 x 8 on a grid of 8 blocks/SM (4 waves of the 2 resident blocks):
+//                 run 2's fastest of 15 settings, 2.482 ms vs 2.535 for the old default
+//   1 = 4 x 4, persistent grid          2 = 2 x 8, persistent grid
+//   3 = 2 x 4, persistent grid (run 2's default)
+//   4 = variant 0 plus streaming cache hints (ld/st.global.cs) on every vector access
+// The Python blocks/SM override applies to all of them.
+constexpr int kAdamGridPerSm = 8;
+
 template <typename T>
 void adam_master_launch(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& a, const char* name) {
   switch (variant_override()) {
     case 1:
-      multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 4, 4>{a}, name);
-      break;
+      return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 4, 4>{a}, name);
     case 2:
-      multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name);
-      break;
+      return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name);
+    case 3:
+      return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 4>{a}, name);
+    case 4:
+      return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8, true>{a}, name,
+                                   kAdamGridPerSm);
     default:
-      multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true>{a}, name);
+      return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name, kAdamGridPerSm);
   }
 }
 

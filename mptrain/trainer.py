@@ -73,6 +73,7 @@ class Trainer:
         limit_train_batches: Optional[int] = None,
         limit_val_batches: Optional[int] = None,
         check_val_every_n_epoch: int = 1,
+        benchmark: Optional[bool] = None,
     ):
         self._initial_precision = normalize_precision(precision)
         _check_int("max_steps", max_steps, minimum=-1)
@@ -121,6 +122,11 @@ class Trainer:
         self.limit_train_batches = limit_train_batches
         self.limit_val_batches = limit_val_batches
         self.check_val_every_n_epoch = check_val_every_n_epoch
+        # cuDNN autotuning: on by default (fixed-shape training is the common case), off when
+        # deterministic=True; benchmark=False keeps cuDNN's heuristics.
+        self.benchmark = (not deterministic) if benchmark is None else bool(benchmark)
+        if deterministic and self.benchmark:
+            raise ValueError("benchmark=True contradicts deterministic=True (autotuning picks kernels by timing)")
         self.callbacks: list = list(callbacks or [])
         if enable_progress_bar:
             from mptrain.progress import ProgressBar
@@ -238,9 +244,9 @@ class Trainer:
             self._launched = True
             if self.seed is not None:
                 self.fabric.seed_everything(self.seed, workers=True)
+            torch.backends.cudnn.benchmark = self.benchmark
             if self.deterministic:
                 torch.use_deterministic_algorithms(True, warn_only=False)
-                torch.backends.cudnn.benchmark = False
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             if self.float32_matmul_precision is not None:
                 torch.set_float32_matmul_precision(self.float32_matmul_precision)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.models.fusion import fuse
-from mptrain.models.optim import decay_groups
+from mptrain.models.optim import build_optimizer, decay_groups
 from mptrain.models.schedules import per_step, run_length, warmup_linear
 
 
@@ -111,7 +111,8 @@ class BertMLM(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        opt = torch.optim.AdamW(decay_groups(self, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
+        opt = build_optimizer("adamw", decay_groups(self, hp.weight_decay), next(self.parameters()).is_cuda,
+                              lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
         sched = warmup_linear(opt, hp.warmup_steps, run_length(self, hp.total_steps))
         return {"optimizer": opt, "lr_scheduler": per_step(sched)}
 

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from mptrain.models.optim import decay_groups
+from mptrain.models.optim import build_optimizer, decay_groups
 from mptrain.models.schedules import per_step, run_length, warmup_cosine
 from mptrain.models.vision import build_image_model
 
@@ -67,9 +67,10 @@ class ImageClassifier(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         groups = decay_groups(self, hp.weight_decay)
+        on_cuda = next(self.parameters()).is_cuda
         if hp.optimizer == "sgd":
-            opt = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov)
+            opt = build_optimizer("sgd", groups, on_cuda, lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov)
         else:
-            opt = torch.optim.AdamW(groups, lr=hp.lr)
+            opt = build_optimizer("adamw", groups, on_cuda, lr=hp.lr)
         sched = warmup_cosine(opt, hp.warmup_steps, run_length(self, hp.total_steps), hp.min_lr_ratio)
         return {"optimizer": opt, "lr_scheduler": per_step(sched)}

@@ -17,3 +17,18 @@ def decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
             seen.add(id(p))
             (no_decay if is_norm or name.endswith("bias") else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(kind: str, groups: list[dict], params_on_cuda: bool, **kwargs):
+    """SGD or AdamW over ``groups``: mptrain's fused multi-tensor version when the params are
+    on CUDA (one kernel per step; with ``*-master`` it also owns the fp32 masters), torch's
+    otherwise (the CPU path of the fused classes is a reference, not tuned for speed)."""
+    import torch
+
+    if kind not in ("sgd", "adamw"):
+        raise ValueError(f"optimizer={kind!r}; valid: 'sgd', 'adamw'")
+    if params_on_cuda:
+        from mptrain.optim import FusedAdamW, FusedSGD
+
+        return (FusedSGD if kind == "sgd" else FusedAdamW)(groups, **kwargs)
+    return (torch.optim.SGD if kind == "sgd" else torch.optim.AdamW)(groups, **kwargs)

@@ -28,6 +28,10 @@ class FusedLayerNorm(nn.LayerNorm):
 
     fused = "auto"  # class default, so a module whose class was swapped in place has it
 
+    # Half input with fp32 weight (the *-master case) is native: fp32 statistics inside, input
+    # dtype out; the precision's fp32 module policy need not upcast the activation.
+    accepts_mixed_dtypes = True
+
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None,
                  *, fused="auto"):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
@@ -51,6 +55,10 @@ class FusedRMSNorm(nn.RMSNorm):
     """torch.nn.RMSNorm with the fused RMSNorm kernel on CUDA (``fused`` as FusedLayerNorm)."""
 
     fused = "auto"
+
+    # Half input with fp32 weight (the *-master case) is native: fp32 statistics inside, input
+    # dtype out; the precision's fp32 module policy need not upcast the activation.
+    accepts_mixed_dtypes = True
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None,
                  *, fused="auto"):

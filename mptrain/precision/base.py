@@ -193,7 +193,7 @@ class Precision:
             # Grads are already unscaled: grad_scale=None, the kernel only honours found_inf.
             optimizer.grad_scale = None
             # torch's fused Adam subtracts found_inf from its 0-dim step counts in place: 0-dim here.
-            optimizer.found_inf = found_inf.reshape(())
+            optimizer.found_inf = found_inf if is_mptrain_fused(optimizer) else found_inf.reshape(())
             try:
                 optimizer.step()
             finally:

@@ -109,7 +109,12 @@ def _downcast(obj, dtype: torch.dtype):
 
 
 def _batch_norm_fp32(func, args, kwargs):
-    """batch_norm updates running stats in place: run on fp32 copies, write them back."""
+    """batch_norm updates running stats in place: run on fp32 copies, write them back.
+
+    On CUDA the activation itself stays half: cuDNN's batch norm takes half input with
+    fp32 weights and statistics and computes in fp32 (what autocast relies on), so an fp32
+    copy of every activation would only cost memory and bandwidth.  On the CPU it is upcast.
+    """
     names = ["input", "running_mean", "running_var", "weight", "bias"]
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
@@ -118,9 +123,11 @@ def _batch_norm_fp32(func, args, kwargs):
     x = bound["input"]
     originals = {k: bound.get(k) for k in ("running_mean", "running_var")}
     call = {}
+    keep_half_input = isinstance(x, torch.Tensor) and x.is_cuda
     for k in names:
         v = bound.get(k)
-        call[k] = v.float() if isinstance(v, torch.Tensor) and v.dtype in _HALF else v
+        upcast = isinstance(v, torch.Tensor) and v.dtype in _HALF and not (k == "input" and keep_half_input)
+        call[k] = v.float() if upcast else v
     out = func(*[call[k] for k in names], *rest_args, **rest_kwargs)
     for k, orig in originals.items():
         if isinstance(orig, torch.Tensor) and orig is not call[k]:
@@ -202,9 +209,15 @@ def run_module_in_fp32(module: nn.Module) -> list:
     if getattr(module, "accepts_mixed_dtypes", False):
         return []
 
+    cudnn_mixed = isinstance(module, nn.modules.batchnorm._BatchNorm)
+
     def pre(mod, args, kwargs):
         dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         mod._mpt_in_dtype = dtypes[0] if dtypes else None
+        if cudnn_mixed and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+            # cuDNN batch norm: half in, fp32 weights/stats, fp32 math, half out; no upcast copy.
+            mod._mpt_in_dtype = None
+            return None
         seen: list = []
         return _upcast(tuple(args), seen), {k: _upcast(v, seen) for k, v in kwargs.items()}
 

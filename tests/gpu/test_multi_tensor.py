@@ -155,7 +155,7 @@ def test_unscale_variants_match_reference_and_find_infs(ext, variant, dtype):
             ops.multi_tensor_unscale_([g.t for g in gs], 0.5, found, fused=True)
             assert found.item() == 1.0, (i, j)
             found = torch.zeros(1, device="cuda")
-            ops.multi_tensor_check_finite_([g.t for g in gs], found, fused=True)
+            ops.multi_tensor.multi_tensor_check_finite_([g.t for g in gs], found, fused=True)
             assert found.item() == 1.0, (i, j)
     finally:
         ext.multi_tensor_set_variant(0)

@@ -119,12 +119,13 @@ def test_kernel_matches_reference(ext, op, cfg):
     assert ours.guards_intact()
 
 
-@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 @pytest.mark.parametrize("op", ["adam", "adamw"])
 @pytest.mark.parametrize("cfg", CONFIGS[3:], ids=CFG_IDS[3:])
 def test_master_adam_variants_match_reference(ext, variant, op, cfg):
     """The alternative master-weight Adam kernels the benchmark compares (wider
-    chunks, 16-byte half accesses) are held to the same standard as the default."""
+    chunks, 8-byte half accesses, persistent grid, streaming cache hints) are held to
+    the same standard as the default."""
     fn, buffers = OPS[op]
     ours = Lists(cfg, buffers=buffers, sizes=SIZES + [8192, 8192 * 3 + 5])
     ref = ours.clone()

@@ -104,3 +104,27 @@ def test_mptrain_fused_adamw_takes_the_whole_step(precision):
         torch.testing.assert_close(master.detach(), ref[n].detach(), rtol=0, atol=1e-6)
         if p.dtype != torch.float32:
             assert torch.equal(p.detach(), master.detach().to(p.dtype))
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_mptrain_fused_sgd_under_other_precisions_skips_on_device(precision):
+    from mptrain.optim import FusedSGD
+
+    class M(Classifier):
+        def configure_optimizers(self):
+            return FusedSGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    torch.manual_seed(0)
+    model = M(mlp(), inf_at_steps={1})
+    before = {}
+
+    class Snap:
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            before[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+    trainer = quiet_trainer(precision=precision, max_steps=4, callbacks=[Snap()], loss_scaler={"init_scale": 256.0})
+    trainer.fit(model, torch.utils.data.DataLoader(classification_data(n=128), batch_size=32))
+    after_skip = before[2]
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after_skip))  # step 1 (inf) changed nothing
+    assert not all(torch.equal(a, b) for a, b in zip(before[2], [p.detach() for p in model.parameters()]))
+    assert trainer.skipped_steps == 1
