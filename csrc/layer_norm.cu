@@ -9,7 +9,9 @@
 //    dgamma / dbeta partial sums: each thread always owns the same columns, so it sums
 //    dy*xhat and dy over every row it visits in fp32 registers; a persistent grid of
 //    one or two blocks per SM (see BwdShape) keeps the [blocks, H] partial buffer small,
-//    and a second tiny kernel reduces it in a fixed order (deterministic, no atomics).  The next
+//    and a second tiny kernel reduces it in a fixed order (deterministic, no atomics); or,
+//    with MPT_LN_BWD=coop, the same kernel does that reduction after a grid-wide barrier
+//    (cooperative launch), saving a launch and its tail at small shapes.  The next
 //    row's x / dy are loaded before the current row is reduced (software pipelining)
 //    where registers allow, to keep enough bytes in flight with one block per SM.
 //  * storage fp32 / fp16 / bf16; gamma / beta either the input's dtype or fp32 (the

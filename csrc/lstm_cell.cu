@@ -9,6 +9,13 @@
 // c' once and writes the pre-activation gate gradients and dc. Everything else in
 // the backward (dx, dh, dW, db) is GEMMs and one column sum.
 //
+// Host work per step is what a cell step costs at these sizes (an H200 runs a 256x1024
+// step's GEMMs in tens of us; the host needs several times that), so the cell step
+// makes the fewest ATen calls it can: fwd = mm + addmm_ into one buffer + the kernel,
+// which writes the activated gates back over that buffer (no workspace allocation);
+// bwd = the kernel + only the GEMMs whose result is needed + the bias column sum (dc
+// not even allocated when c needs no gradient).
+//
 // The sequence functions (lstm_layer_*) run the whole time loop in C++: one GEMM for
 // every step's input projection up front, then per step one recurrent GEMM and one
 // pointwise kernel, with no Python and no autograd node per step.
@@ -49,11 +56,14 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-
 // One thread owns V consecutive hidden units of a row; blockIdx.y walks the rows.
 // Rows of the gate tensors have a leading dimension so a time step sliced out of a
 // (T, B, 4H) buffer needs no copy.
+// ws may alias ig (same layout, ld 4H): each thread reads its four gate vectors of a row
+// before it writes them back activated, so the cell needs no separate workspace buffer.
+// (Hence no __restrict__ on that pair.)
 template <typename T, int V>
-__global__ void lstm_fwd_kernel(const T* __restrict__ ig, int64_t ig_ld, const T* __restrict__ hg,
+__global__ void lstm_fwd_kernel(const T* ig, int64_t ig_ld, const T* __restrict__ hg,
                                 int64_t hg_ld, const T* __restrict__ b_ih, const T* __restrict__ b_hh,
                                 const T* __restrict__ c, T* __restrict__ h_out, T* __restrict__ c_out,
-                                T* __restrict__ ws, int64_t B, int64_t H) {
+                                T* ws, int64_t B, int64_t H) {
   const int64_t j = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (j >= H) return;
   // Both biases are the same for every row: sum them once per thread.
@@ -109,7 +119,8 @@ __global__ void lstm_fwd_kernel(const T* __restrict__ ig, int64_t ig_ld, const T
 }
 
 // dh, dh2 (a second dh' term, e.g. the recurrent one), dc: any may be null (= zero).
-// dc may alias dc_prev (each element is read then written by the same thread).
+// dc may alias dc_prev (each element is read then written by the same thread); dc_prev
+// may be null (c needs no gradient: no buffer allocated for it).
 template <typename T, int V>
 __global__ void lstm_bwd_kernel(const T* __restrict__ dh, const T* __restrict__ dh2, const T* dc,
                                 const T* __restrict__ c_prev, const T* __restrict__ c_new,
@@ -151,7 +162,7 @@ __global__ void lstm_bwd_kernel(const T* __restrict__ dh, const T* __restrict__ 
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q) store_v<T, V>(dgates + b * 4 * H + q * H + j, a[q]);
-    store_v<T, V>(dc_prev + r, dcp);
+    if (dc_prev) store_v<T, V>(dc_prev + r, dcp);
   }
 }
 
@@ -271,12 +282,13 @@ void check_rows(const at::Tensor& t, const char* name, const char* op) {
 
 // igates (B, 4H) [+ hgates (B, 4H)] [+ b_ih (4H)] [+ b_hh (4H)], c (B, H)
 // -> h' (B, H), c' (B, H), workspace (B, 4H) = activated (i, f, g, o).
-std::vector<at::Tensor> lstm_cell_pointwise_forward(const at::Tensor& igates,
-                                                    const std::optional<at::Tensor>& hgates,
-                                                    const at::Tensor& c,
-                                                    const std::optional<at::Tensor>& b_ih,
-                                                    const std::optional<at::Tensor>& b_hh) {
-  const char* op = "lstm_cell_pointwise_forward";
+namespace {
+// ws_in_place: the activated gates overwrite igates (an internal, contiguous buffer: the
+// cell step's GEMM output), one (B, 4H) allocation less per step.
+std::vector<at::Tensor> pointwise_forward(const at::Tensor& igates, const std::optional<at::Tensor>& hgates,
+                                          const at::Tensor& c, const std::optional<at::Tensor>& b_ih,
+                                          const std::optional<at::Tensor>& b_hh, bool ws_in_place,
+                                          const char* op) {
   MPT_CHECK_CUDA(igates, op);
   TORCH_CHECK(igates.dim() == 2 && igates.size(1) % 4 == 0, op, ": 'igates' must be (batch, 4*hidden), got ",
               igates.sizes());
@@ -296,7 +308,9 @@ std::vector<at::Tensor> lstm_cell_pointwise_forward(const at::Tensor& igates,
   const c10::cuda::CUDAGuard guard(igates.device());
   auto h_out = at::empty({B, H}, igates.options());
   auto c_out = at::empty({B, H}, igates.options());
-  auto ws = at::empty({B, 4 * H}, igates.options());
+  TORCH_CHECK(!ws_in_place || (!has(hgates) && igates.is_contiguous()), op,
+              ": internal error: in-place workspace needs one contiguous gate buffer");
+  auto ws = ws_in_place ? igates : at::empty({B, 4 * H}, igates.options());
   if (B * H == 0) return {h_out, c_out, ws};
   FwdPtrs p{igates.data_ptr(), opt_ptr(hgates), opt_ptr(b_ih), opt_ptr(b_hh), c.data_ptr(),
             igates.stride(0), has(hgates) ? hgates->stride(0) : 0,
@@ -305,15 +319,25 @@ std::vector<at::Tensor> lstm_cell_pointwise_forward(const at::Tensor& igates,
   MPT_DISPATCH_FLOAT_HALF_BF16(igates.scalar_type(), op, scalar_t, launch_fwd<scalar_t>(p, B, H, stream));
   return {h_out, c_out, ws};
 }
+}  // namespace
+
+std::vector<at::Tensor> lstm_cell_pointwise_forward(const at::Tensor& igates,
+                                                    const std::optional<at::Tensor>& hgates,
+                                                    const at::Tensor& c,
+                                                    const std::optional<at::Tensor>& b_ih,
+                                                    const std::optional<at::Tensor>& b_hh) {
+  return pointwise_forward(igates, hgates, c, b_ih, b_hh, false, "lstm_cell_pointwise_forward");
+}
 
 // dh', dh2 (added to dh'), dc' (each optional = zero), c, c', workspace
 // -> dgates (B, 4H) w.r.t. the pre-activation gates (= d bias), dc (B, H).
-std::vector<at::Tensor> lstm_cell_pointwise_backward(const std::optional<at::Tensor>& dh,
-                                                     const std::optional<at::Tensor>& dh2,
-                                                     const std::optional<at::Tensor>& dc,
-                                                     const at::Tensor& c_prev, const at::Tensor& c_new,
-                                                     const at::Tensor& ws) {
-  const char* op = "lstm_cell_pointwise_backward";
+namespace {
+// need_dc = false: dc is not computed (undefined in the result).
+std::vector<at::Tensor> pointwise_backward(const std::optional<at::Tensor>& dh,
+                                           const std::optional<at::Tensor>& dh2,
+                                           const std::optional<at::Tensor>& dc, const at::Tensor& c_prev,
+                                           const at::Tensor& c_new, const at::Tensor& ws, bool need_dc,
+                                           const char* op) {
   MPT_CHECK_CUDA(ws, op);
   TORCH_CHECK(ws.dim() == 2 && ws.size(1) % 4 == 0, op, ": 'ws' must be (batch, 4*hidden), got ", ws.sizes());
   MPT_CHECK_CONTIGUOUS(ws, op);
@@ -329,13 +353,22 @@ std::vector<at::Tensor> lstm_cell_pointwise_backward(const std::optional<at::Ten
   }
   const c10::cuda::CUDAGuard guard(ws.device());
   auto dgates = at::empty({B, 4 * H}, ws.options());
-  auto dc_prev = at::empty({B, H}, ws.options());
+  auto dc_prev = need_dc ? at::empty({B, H}, ws.options()) : at::Tensor();
   if (B * H == 0) return {dgates, dc_prev};
   BwdPtrs p{opt_ptr(dh), opt_ptr(dh2), opt_ptr(dc), c_prev.data_ptr(), c_new.data_ptr(), ws.data_ptr(),
-            dgates.data_ptr(), dc_prev.data_ptr()};
+            dgates.data_ptr(), need_dc ? dc_prev.data_ptr() : nullptr};
   auto stream = at::cuda::getCurrentCUDAStream();
   MPT_DISPATCH_FLOAT_HALF_BF16(ws.scalar_type(), op, scalar_t, launch_bwd<scalar_t>(p, B, H, stream));
   return {dgates, dc_prev};
+}
+}  // namespace
+
+std::vector<at::Tensor> lstm_cell_pointwise_backward(const std::optional<at::Tensor>& dh,
+                                                     const std::optional<at::Tensor>& dh2,
+                                                     const std::optional<at::Tensor>& dc,
+                                                     const at::Tensor& c_prev, const at::Tensor& c_new,
+                                                     const at::Tensor& ws) {
+  return pointwise_backward(dh, dh2, dc, c_prev, c_new, ws, true, "lstm_cell_pointwise_backward");
 }
 
 // ---------------------------------------------------------------- one cell step
@@ -363,7 +396,7 @@ std::vector<at::Tensor> lstm_cell_forward(const at::Tensor& x, const at::Tensor&
   const c10::cuda::CUDAGuard guard(x.device());
   auto gates = at::mm(x, w_ih.t());
   gates.addmm_(h, w_hh.t());
-  return lstm_cell_pointwise_forward(gates, std::nullopt, c, b_ih, b_hh);
+  return pointwise_forward(gates, std::nullopt, c, b_ih, b_hh, /*ws_in_place=*/true, op);
 }
 
 // need = which of (x, h, c, w_ih, w_hh, bias) want a gradient; the rest come back undefined.
@@ -375,15 +408,18 @@ std::vector<at::Tensor> lstm_cell_backward(const std::optional<at::Tensor>& dh,
   TORCH_CHECK(need.size() == 6, "lstm_cell_backward: 'need' must have 6 flags (x, h, c, w_ih, w_hh, bias)");
   const at::AutoDispatchBelowADInplaceOrView no_autograd;  // internal tensors: skip autograd dispatch
   const c10::cuda::CUDAGuard guard(ws.device());
-  auto r = lstm_cell_pointwise_backward(dh, std::nullopt, dc, c, c_new, ws);
+  auto r = pointwise_backward(dh, std::nullopt, dc, c, c_new, ws, need[2], "lstm_cell_backward");
   const at::Tensor& dg = r[0];
   at::Tensor dx, dh_prev, dw_ih, dw_hh, db;
   if (need[0]) dx = at::mm(dg, w_ih);
   if (need[1]) dh_prev = at::mm(dg, w_hh);
-  if (need[3]) dw_ih = at::mm(dg.t(), x);
-  if (need[4]) dw_hh = at::mm(dg.t(), h);
+  if (need[3] || need[4]) {
+    const auto dg_t = dg.t();  // one view for both weight GEMMs
+    if (need[3]) dw_ih = at::mm(dg_t, x);
+    if (need[4]) dw_hh = at::mm(dg_t, h);
+  }
   if (need[5]) db = dg.sum(0);
-  return {dx, dh_prev, need[2] ? r[1] : at::Tensor(), dw_ih, dw_hh, db};
+  return {dx, dh_prev, r[1], dw_ih, dw_hh, db};
 }
 
 // ---------------------------------------------------------------- a whole layer
@@ -414,10 +450,12 @@ std::vector<at::Tensor> lstm_layer_forward(const at::Tensor& x, const at::Tensor
   auto opts = x.options();
   auto out = at::empty({T, B, H}, opts);
   auto c_all = at::empty({T, B, H}, opts);
-  auto ws = at::empty({T, B, 4 * H}, opts);
   TORCH_CHECK(T > 0, op, ": the sequence is empty (T = 0)");
-  if (B * H == 0) return {out, c_all, ws};
+  if (B * H == 0) return {out, c_all, at::empty({T, B, 4 * H}, opts)};
+  // The input projections of all steps; step t's kernel overwrites its slice with the
+  // activated gates, so this buffer is also the workspace (no second (T, B, 4H) buffer).
   auto xg = at::mm(x.reshape({T * B, I}), w_ih.t()).view({T, B, 4 * H});
+  const auto& ws = xg;
   const auto w_hh_t = w_hh.t();
   auto stream = at::cuda::getCurrentCUDAStream();
   for (int64_t t = 0; t < T; ++t) {

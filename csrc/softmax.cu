@@ -11,8 +11,9 @@
 //  * a fully masked row gives zeros (and zero gradient), not NaN.
 //  * backward: dx = scale * y * (dy - sum(dy * y)) from the saved output, one read of
 //    y and dy and one write of dx.
-//  * launch layout (row-group shape, persistent or not) by $MPT_SOFTMAX_SHAPE, see
-//    pick_wide_shape: the benchmark times each variant in one process.
+//  * launch layout (row-group shape, persistent or not, rows per warp) per case by
+//    default, or by $MPT_SOFTMAX_SHAPE / $MPT_SOFTMAX_BWD, see pick_wide_shape: the
+//    benchmark times each variant in one process.
 //  * rows that are misaligned, not a multiple of the 16-byte vector or longer than the
 //    register cache (32768 half / 16384 fp32 elements) use scalar kernels that re-read
 //    the row from L1/L2.
@@ -392,6 +393,90 @@ softmax_bwd_persist(const T* __restrict__ dy, const T* __restrict__ y, T* __rest
   }
 }
 
+// $MPT_SOFTMAX_SHAPE=pair: one warp per row, R consecutive launch rows per warp.  With a
+// [B, 1, Sq, Sk] mask the launch walks heads innermost, so those R rows usually share a
+// mask row: its bytes are loaded once for all of them (reused when the mask row pointer
+// is the same, reloaded otherwise).  All R rows' x loads are issued before the first
+// reduction: R times the bytes in flight per warp of the one-row kernel, with the warp's
+// full 32 lanes per row (unlike "wide", which halves the lanes).
+template <typename T, int NV, int R, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+softmax_fwd_multirow(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64_t rows, int S, float scale,
+                     bool causal) {
+  constexpr int VEC = Vec16<T>::n, WARPS = BLOCK / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t lin0 = (int64_t(blockIdx.x) * WARPS + threadIdx.x / 32) * R;
+  const int nvec = S / VEC;
+  int64_t row[R], q[R];
+  bool valid[R];
+  uint4 raw[R][NV];
+  uint2 mk[R][NV];
+  const uint8_t* prev = nullptr;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* mrow;
+    valid[r] = lin0 + r < rows;
+    m.locate(valid[r] ? lin0 + r : 0, row[r], q[r], mrow);
+    const bool reuse = r > 0 && mrow == prev;
+    prev = mrow;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * 32 + lane;
+      const bool ok = valid[r] && j < nvec;
+      raw[r][i] = ok ? load16(x + row[r] * S + j * VEC) : make_uint4(0, 0, 0, 0);
+      if (reuse) mk[r][i] = mk[r > 0 ? r - 1 : 0][i];
+      else mk[r][i] = (ok && mrow) ? mask_raw<VEC>(m, mrow, j * VEC) : make_uint2(0u, 0u);
+    }
+  }
+  float v[R][NV][VEC];
+  float mx[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    mx[r] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * 32 + lane;
+      unpack<T>(raw[r][i], v[r][i]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const uint32_t byte = (k < 4 ? mk[r][i].x >> (8 * k) : mk[r][i].y >> (8 * (k - 4))) & 0xffu;
+        const bool masked = j >= nvec || byte != 0u || (causal && j * VEC + k > q[r]);
+        v[r][i][k] = masked ? -INFINITY : v[r][i][k] * scale;
+        mx[r] = fmaxf(mx[r], v[r][i][k]);
+      }
+    }
+  }
+  group_allreduce<32, R>(mx, nullptr, MaxOp());
+  float sum[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float mref = mx[r] == -INFINITY ? 0.f : mx[r];  // fully masked row: exact zeros
+    sum[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        v[r][i][k] = exp2f((v[r][i][k] - mref) * kLog2e);
+        sum[r] += v[r][i][k];
+      }
+  }
+  group_allreduce<32, R>(sum, nullptr, SumOp());
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (!valid[r]) continue;
+    const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * 32 + lane;
+      if (j < nvec) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[r][i][k] *= inv;
+        store16(y + row[r] * S + j * VEC, pack<T>(v[r][i]));
+      }
+    }
+  }
+}
+
 // ---- generic kernels: any length, any alignment, scalar loads, re-reads ---------------
 
 template <typename T, int TPR, int BLOCK>
@@ -479,37 +564,55 @@ bool describe_mask(const at::Tensor& m, MaskLayout& ml) {
   return true;
 }
 
-// Row-group shapes with more 16-byte vectors per thread than the shared row_reduce
-// table, chosen by $MPT_SOFTMAX_SHAPE (read on every call so one process can benchmark
-// both; a CUDA graph keeps the one it captured):
-//  * "wide" (default): rows of 33..64 vectors (512 bf16) take half a warp with 4 vectors
+// Launch layout per call, chosen by $MPT_SOFTMAX_SHAPE (and, for the backward only,
+// $MPT_SOFTMAX_BWD when set), read on every call so one process can benchmark them all
+// (a CUDA graph keeps the one it captured):
+//  * "auto" (default): per case, the fastest measured on the H200 (run 2, graph-timed
+//    fwd+bwd, % of floor): forward "persist" for masked rows of 129..256 vectors
+//    (masked 2048: 93.4 vs rows 84.9), "rows" otherwise (masked 512: rows 89.4 vs wide
+//    87.7, persist 88.4; causal 2048: rows 89.5 vs persist 83.1; causal 512: wide 90.6 ~
+//    rows 90.4); backward "persist" for 129..256 vectors (the measured best masked 2048
+//    pair), "rows" otherwise.
+//  * "wide": rows of 33..64 vectors (512 bf16) take half a warp with 4 vectors
 //    per thread (two rows per warp), rows of 129..256 vectors (2048 bf16) a whole warp
-//    with 8 (no shared-memory reduction, no barrier).  Twice the bytes in flight per
-//    thread of the table's 32 x 2 / 64 x 4, for the same occupancy-limited warp count.
+//    with 8 (no shared-memory reduction, no barrier).
 //  * "rows": always the row_reduce table (run 1's layout).
 //  * "persist": rows of <= 256 vectors take one warp (NV = 1, 2, 4, 8) in the persistent
-//    kernels above, with next-row prefetch for NV <= 4; longer rows as "wide".
-enum class WideShape { None, W16x4, W32x8, P32x1, P32x2, P32x4, P32x8 };
-WideShape pick_wide_shape(int64_t nvec) {
-  const char* v = std::getenv("MPT_SOFTMAX_SHAPE");
-  if (v != nullptr && *v != 0) {
-    if (std::strcmp(v, "rows") == 0) return WideShape::None;
-    if (std::strcmp(v, "persist") == 0) {
-      if (nvec <= 32) return WideShape::P32x1;
-      if (nvec <= 64) return WideShape::P32x2;
-      if (nvec <= 128) return WideShape::P32x4;
-      if (nvec <= 256) return WideShape::P32x8;
-      return WideShape::None;
-    }
-    TORCH_CHECK(std::strcmp(v, "wide") == 0, "MPT_SOFTMAX_SHAPE=", v,
-                " is not a softmax variant; use wide, rows or persist");
+//    kernels above, with next-row prefetch for NV <= 4; longer rows as "rows".
+//  * "pair": forward rows of 33..64 vectors in softmax_fwd_multirow (one warp per row,
+//    two rows per warp, shared mask bytes loaded once); everything else as "auto".
+enum class WideShape { None, W16x4, W32x8, P32x1, P32x2, P32x4, P32x8, M2x2 };
+WideShape persist_shape(int64_t nvec) {
+  if (nvec <= 32) return WideShape::P32x1;
+  if (nvec <= 64) return WideShape::P32x2;
+  if (nvec <= 128) return WideShape::P32x4;
+  if (nvec <= 256) return WideShape::P32x8;
+  return WideShape::None;
+}
+// forward: which kernel family; `masked`: the forward has a mask tensor.
+WideShape pick_wide_shape(int64_t nvec, bool forward, bool masked) {
+  const char* v = forward ? nullptr : std::getenv("MPT_SOFTMAX_BWD");
+  const char* var = "MPT_SOFTMAX_BWD";
+  if (v == nullptr || *v == 0) {
+    v = std::getenv("MPT_SOFTMAX_SHAPE");
+    var = "MPT_SOFTMAX_SHAPE";
   }
+  const bool long_row = nvec > 128 && nvec <= 256;
+  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0 || std::strcmp(v, "pair") == 0) {
+    if (forward && std::strcmp(v ? v : "", "pair") == 0 && nvec > 32 && nvec <= 64) return WideShape::M2x2;
+    if (long_row && (masked || !forward)) return WideShape::P32x8;
+    return WideShape::None;
+  }
+  if (std::strcmp(v, "rows") == 0) return WideShape::None;
+  if (std::strcmp(v, "persist") == 0) return persist_shape(nvec);
+  TORCH_CHECK(std::strcmp(v, "wide") == 0, var, "=", v,
+              " is not a softmax variant; use auto, rows, persist, wide or pair");
   if (nvec > 32 && nvec <= 64) return WideShape::W16x4;
-  if (nvec > 128 && nvec <= 256) return WideShape::W32x8;
+  if (long_row) return WideShape::W32x8;
   return WideShape::None;
 }
 
-bool is_persistent(WideShape s) { return s >= WideShape::P32x1; }
+bool is_persistent(WideShape s) { return s >= WideShape::P32x1 && s <= WideShape::P32x8; }
 
 // Blocks of `kernel` that fit on the GPU at once (at least one per SM).
 template <typename K>
@@ -561,8 +664,13 @@ void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows,
   ml.idx32 = rows <= int64_t(UINT32_MAX);
   const bool aligned = S % VEC == 0 && aligned16(xp) && aligned16(yp);
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
-  const WideShape wide = aligned ? pick_wide_shape(S / VEC) : WideShape::None;
-  if (is_persistent(wide)) {
+  const WideShape wide = aligned ? pick_wide_shape(S / VEC, true, ml.ptr != nullptr) : WideShape::None;
+  if (wide == WideShape::M2x2) {
+    constexpr int BLOCK = 128, R = 2, ROWS_PER_BLOCK = BLOCK / 32 * R;
+    softmax_fwd_multirow<T, 2, R, BLOCK><<<(rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, BLOCK, 0, stream>>>(
+        xp, yp, ml, rows, S, scale, causal);
+    MPT_CHECK_LAUNCH(kFwd);
+  } else if (is_persistent(wide)) {
     MPT_PERSIST_SHAPE_SWITCH(wide, {
       constexpr int BLOCK = 128, RPB = BLOCK / 32;
       auto kernel = softmax_fwd_persist<T, 32, NV, BLOCK, (NV <= 4)>;
@@ -602,7 +710,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& y, at::Tensor& dx, int64
   T* dxp = reinterpret_cast<T*>(dx.data_ptr());
   const bool aligned = S % VEC == 0 && aligned16(dyp) && aligned16(yp) && aligned16(dxp);
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
-  const WideShape wide = aligned ? pick_wide_shape(S / VEC) : WideShape::None;
+  const WideShape wide = aligned ? pick_wide_shape(S / VEC, false, false) : WideShape::None;
   if (is_persistent(wide)) {
     MPT_PERSIST_SHAPE_SWITCH(wide, {
       constexpr int BLOCK = 128, RPB = BLOCK / 32;

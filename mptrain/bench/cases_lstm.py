@@ -14,6 +14,14 @@
 Every case is timed the same way for ours and torch (the module call + autograd.grad),
 in interleaved rounds (see _timed).
 Gradients are taken with autograd.grad (no .grad accumulation) for inputs and parameters.
+
+What the eager numbers measure: one Python module call, the C++/ATen host work of the
+forward, autograd.grad (Python wrapper, engine hand-off to its device thread, the
+backward node(s), the engine's gradient bookkeeping) and the GPU work. At these sizes the
+host is the slower side (run 2: ~0.39 ms per cell call for ~0.05-0.1 ms of GPU work),
+so the cell and cell-loop rows are host time for both sides. The rows tagged
+"[CUDA graph: GPU time]" capture the same fwd+bwd (ours and torch's alike, via
+mptrain.bench.graph_timing) and replay it: GPU work and launch gaps only, no host.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import torch
 from torch import nn
 
 from mptrain.bench.common import Result, Rotating, floor_ms, median_ms, sets_for
+from mptrain.bench.graph_timing import step_ms
 from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
 
 BF16 = torch.bfloat16
@@ -54,26 +63,65 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
         params = list(cell.parameters())
         cot = [torch.randn(batch, hidden, device="cuda", dtype=BF16) for _ in range(2)]
 
-        def fn():
-            x, h, c = rot.next()
+        def step(xhc):
+            x, h, c = xhc
             outs = cell(x, (h, c))
             return torch.autograd.grad(outs, [x, h, c] + params, cot)
 
-        return fn
+        return step
 
-    t = _timed({"ref": run(ref), "ours": run(ours)}, rep_ms=50 if quick else 200)
+    steps = {"ref": run(ref), "ours": run(ours)}
+    rep = 50 if quick else 200
+    t = _timed({k: (lambda s=s: s(rot.next())) for k, s in steps.items()}, rep_ms=rep)
     t_ours, t_ref = t["ours"], t["ref"]
     bh = batch * hidden
     gemm_flops = 6 * 2 * batch * hidden * 4 * hidden  # 2 fwd + 4 bwd GEMMs of (B, H) x (H, 4H)
-    return [
-        Result(
-            f"lstm cell fwd+bwd bf16 {batch}x{hidden} vs nn.LSTMCell",
-            t_ours,
-            t_ref,
-            floor_ms(24 * bh * 2),
-            {"floor": "pointwise bytes only (fwd 11 + bwd 13 elems of B*H)", "gemm_floor_ms": 1e3 * gemm_flops / GEMM_FLOPS},
-        )
-    ]
+    floor = floor_ms(24 * bh * 2)
+    extra = {"floor": "pointwise bytes only (fwd 11 + bwd 13 elems of B*H)",
+             "gemm_floor_ms": 1e3 * gemm_flops / GEMM_FLOPS,
+             "measures": "eager module call + autograd.grad: host-bound, mostly host time (both sides)"}
+    extra["host_us_per_call"] = {k: _host_us(steps[k], cell, rot) for k, cell in (("ref", ref), ("ours", ours))}
+    results = [Result(f"lstm cell fwd+bwd bf16 {batch}x{hidden} vs nn.LSTMCell", t_ours, t_ref, floor, extra)]
+    results += _graph_rows(f"lstm cell fwd+bwd bf16 {batch}x{hidden}", steps, rot.sets, rep,
+                           floor, extra, results[0])
+    return results
+
+
+def _host_us(step, cell, rot, calls: int = 200) -> dict:
+    """Host wall time per call (perf_counter over `calls` calls, one sync at the end):
+    the forward alone (module call, graph built then dropped) and forward + autograd.grad.
+    Where the eager number is host-bound this says which half the host time is in."""
+    import time
+
+    def per_call(fn):
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return round(1e6 * (t1 - t0) / calls, 1)
+
+    def fwd():
+        x, h, c = rot.next()
+        return cell(x, (h, c))
+
+    return {"fwd": per_call(fwd), "fwd+bwd": per_call(lambda: step(rot.next()))}
+
+
+def _graph_rows(name, steps, sets, rep_ms, floor, extra, eager, min_steps=4):
+    """The same fwd+bwd of ours and torch's, CUDA-graph captured and replayed (GPU time,
+    no host). A row only when both captured; otherwise the reason goes into the eager
+    row's extra."""
+    g = {k: step_ms(s, sets, rep_ms=rep_ms, min_steps=min_steps) for k, s in steps.items()}
+    methods = {k: m for k, (_, m) in g.items()}
+    if not all(m.startswith("graph") for m in methods.values()):
+        eager.extra["cuda_graph"] = f"not reported: capture failed ({methods})"
+        return []
+    return [Result(f"{name} [CUDA graph: GPU time]", g["ours"][0], g["ref"][0], floor,
+                   dict(extra, measures="CUDA-graph replay: GPU work + launch gaps, no host", timing=methods["ours"]))]
 
 
 def _pointwise_case(batch: int, hidden: int, quick: bool) -> list[Result]:
@@ -148,8 +196,8 @@ def _sequence_cases(quick: bool) -> list[Result]:
     def cell_loop(cells):
         params = [p for c in cells for p in c.parameters()]
 
-        def fn():
-            x = rot.next()
+        def fn(x=None):
+            x = rot.next() if x is None else x
             layer_in = x.unbind(0)
             for cell in cells:
                 h = c = torch.zeros(B, H, device="cuda", dtype=BF16)
@@ -162,21 +210,25 @@ def _sequence_cases(quick: bool) -> list[Result]:
 
         return fn
 
+    loops = {"ref": cell_loop(ref_cells), "ours": cell_loop(our_cells)}
     t = _timed(
-        {"cudnn": seq(ref), "auto": seq(auto), "fused": seq(fused), "ref_loop": cell_loop(ref_cells),
-         "our_loop": cell_loop(our_cells)},
+        {"cudnn": seq(ref), "auto": seq(auto), "fused": seq(fused), "ref_loop": loops["ref"],
+         "our_loop": loops["ours"]},
         rep_ms=100 if quick else 400,
     )
     t_cudnn, t_auto, t_fused = t["cudnn"], t["auto"], t["fused"]
     t_ref_loop, t_our_loop = t["ref_loop"], t["our_loop"]
     tag = f"{L}x{H} T={T} B={B} bf16"
     probe = torch.zeros(1, 1, H, device="cuda", dtype=BF16)
+    loop_row = Result(f"FusedLSTMCell loop {tag} vs LSTMCell loop", t_our_loop, t_ref_loop, None,
+                      {"measures": "eager: 2x128 module calls + one autograd.grad; host-bound (both sides)"})
     return [
         Result(f"FusedLSTM auto ({auto.resolved_impl(probe)}) {tag} vs nn.LSTM", t_auto, t_cudnn, None,
                {"note": "same cuDNN call; FusedLSTM flattens bf16 weights, bf16 nn.LSTM copies them per call"}),
         Result(f"FusedLSTM fused {tag} vs nn.LSTM", t_fused, t_cudnn, None),
-        Result(f"FusedLSTMCell loop {tag} vs LSTMCell loop", t_our_loop, t_ref_loop, None),
-    ]
+        loop_row,
+    ] + _graph_rows(f"FusedLSTMCell loop {tag}", loops, rot.sets[:1], 100 if quick else 400,
+                    None, {}, loop_row, min_steps=1)
 
 
 def run(args) -> list[Result]:

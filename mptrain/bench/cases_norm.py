@@ -19,7 +19,7 @@ CASES = [(16384, 1024), (16384, 4096), (65536, 768)]
 QUICK_CASES = [(16384, 1024)]
 # Backward launch variants of csrc/layer_norm.cu ($MPT_LN_BWD), the default first.
 BWD_ENV = "MPT_LN_BWD"
-BWD_VARIANTS = ("b256", "b512")
+BWD_VARIANTS = ("auto", "b256", "b512", "coop")
 
 
 def _fwd_bwd(norm, inputs):

@@ -5,7 +5,7 @@ Floor (DESIGN §5): forward reads x and writes y, backward reads y and dy and wr
 10 B/elem in bf16.  The mask is [B, 1, Sq, Sk] broadcast over the heads; its bytes are
 1/heads of a score tensor's in bool and are not counted.
 Timing: both sides as GPU work, several fwd+bwd steps captured in one CUDA graph
-(mptrain/bench/graph_timing.py); each row-shape variant of ours is reported.
+(mptrain/bench/graph_timing.py); each launch variant of ours is reported.
 """
 from __future__ import annotations
 
@@ -19,9 +19,26 @@ from mptrain.bench.graph_timing import env_var, step_ms
 CASES = [(32, 16, 512), (8, 16, 2048)]
 QUICK_CASES = [(32, 16, 512)]
 SCALE = 0.125
-# Row-shape variants of csrc/softmax.cu ($MPT_SOFTMAX_SHAPE), the default first.
+# Launch variants of csrc/softmax.cu ($MPT_SOFTMAX_SHAPE, and $MPT_SOFTMAX_BWD for the
+# backward alone), the default first: (shape, backward override or "", the lengths
+# where the variant differs from another one in the list).
 SHAPE_ENV = "MPT_SOFTMAX_SHAPE"
-SHAPE_VARIANTS = ("wide", "rows", "persist")
+BWD_ENV = "MPT_SOFTMAX_BWD"
+ALL = (512, 2048)
+SHAPE_VARIANTS = (
+    ("auto", "", ALL),
+    ("rows", "", ALL),
+    ("persist", "", ALL),
+    ("wide", "", ALL),
+    ("pair", "", (512,)),
+    # Separate the forward's and the backward's share of persist vs rows at 2048.
+    ("persist", "rows", (2048,)),
+    ("rows", "persist", (2048,)),
+)
+
+
+def _label(shape: str, bwd: str) -> str:
+    return f"[{SHAPE_ENV}={shape}" + (f" {BWD_ENV}={bwd}]" if bwd else "]")
 
 
 def _eager(x, mask):
@@ -53,18 +70,20 @@ def _one_case(b, h, s, masked, causal, args) -> list[Result]:
     what = "causal" if causal else ("masked [B,1,S,S]" if masked else "no mask")
     name = f"softmax fwd+bwd bf16 {what} {b * h}x{s}x{s}"
     results = []
-    # The default shape variant keeps the plain case name; the others are labelled.
-    for variant in SHAPE_VARIANTS:
-        with env_var(SHAPE_ENV, variant):
+    # The default variant keeps the plain case name; the others are labelled.
+    for variant, bwd, lengths in SHAPE_VARIANTS:
+        if s not in lengths:
+            continue
+        with env_var(SHAPE_ENV, variant), env_var(BWD_ENV, bwd):
             # Never time a broken kernel.
             torch.testing.assert_close(_fwd_bwd(ours, sets.sets[0]).float(), expected, rtol=3e-2, atol=3e-2)
             t_ours, how = step_ms(lambda st: _fwd_bwd(ours, st), sets.sets, rep)
         results.append(Result(
-            case=name if variant == SHAPE_VARIANTS[0] else f"{name} [{SHAPE_ENV}={variant}]",
+            case=name if (variant, bwd) == SHAPE_VARIANTS[0][:2] else f"{name} {_label(variant, bwd)}",
             ours_ms=t_ours,
             torch_ms=t_torch,
             floor_ms=floor_ms(10 * b * h * s * s),
-            extra={"batch": b, "heads": h, "seq": s, "mask": what, SHAPE_ENV: variant,
+            extra={"batch": b, "heads": h, "seq": s, "mask": what, SHAPE_ENV: variant, BWD_ENV: bwd,
                    "timing": how, "timing_torch": how_torch},
         ))
     return results

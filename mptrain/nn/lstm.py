@@ -24,7 +24,8 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from mptrain import ops
-from mptrain.ops.lstm import FUSED_CHOICES, _extension
+from mptrain.ops import lstm as _lstm_ops
+from mptrain.ops.lstm import FUSED_CHOICES, KERNEL_DTYPES as _KERNEL_DTYPES, _extension
 
 IMPLS = ("auto", "cudnn", "fused")
 
@@ -51,8 +52,25 @@ class FusedLSTMCell(nn.LSTMCell):
         return new.train(cell.training)
 
     def forward(self, input, hx=None):
+        # A step loop calls this once per step and a step is host-bound: the common case
+        # (CUDA, kernel dtype, batched, hx given, no autocast) goes straight to the C++
+        # autograd node, which checks every tensor's shape, device and dtype itself.
+        ext = _lstm_ops._loaded
+        if (
+            ext is not None
+            and hx is not None
+            and self.fused is not False
+            and input.is_cuda
+            and input.dtype in _KERNEL_DTYPES
+            and input.dim() == 2
+            and not torch.is_autocast_enabled("cuda")
+        ):
+            h, c = hx
+            if h.dim() == 2 and c.dim() == 2:
+                return ext.lstm_cell_autograd(
+                    input, h, c, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
+                )
         if hx is not None and input.dim() == 2 and hx[0].dim() == 2 and hx[1].dim() == 2:
-            # The common case of a step loop, kept short: it runs once per step.
             return ops.lstm_cell(
                 input, hx[0], hx[1], self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh, fused=self.fused
             )

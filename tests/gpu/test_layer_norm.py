@@ -101,12 +101,13 @@ def test_many_rows_per_block(combo, rows, hidden):
     compare(x, (hidden,), w, b, False, what=f"rows={rows} H={hidden}")
 
 
-@pytest.mark.parametrize("variant", ["b512", "b256"])
+@pytest.mark.parametrize("variant", ["auto", "b512", "b256", "coop"])
 @pytest.mark.parametrize("combo", COMBOS[1:], ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}")
 @pytest.mark.parametrize("hidden", [64, 256, 512, 768, 1000, 1024])
 def test_backward_variants(monkeypatch, variant, combo, hidden):
-    # Both backward launch families ($MPT_LN_BWD), the non-default one included: the
-    # benchmark times both, so both must be right (many rows: several per block).
+    # Every backward launch family ($MPT_LN_BWD), the non-default ones included: the
+    # benchmark times them all, so all must be right (many rows: several per block;
+    # coop: the in-kernel dgamma/dbeta finish after the grid barrier).
     monkeypatch.setenv("MPT_LN_BWD", variant)
     xdt, wdt = combo
     torch.manual_seed(hidden)
@@ -153,7 +154,9 @@ def test_empty_input():
     assert y.shape == (0, 32) and (gw == 0).all()
 
 
-def test_backward_is_deterministic():
+@pytest.mark.parametrize("variant", ["auto", "coop"])
+def test_backward_is_deterministic(monkeypatch, variant):
+    monkeypatch.setenv("MPT_LN_BWD", variant)
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(1024, device="cuda", requires_grad=True)
     b = torch.randn(1024, device="cuda", requires_grad=True)
@@ -164,7 +167,10 @@ def test_backward_is_deterministic():
         assert torch.equal(a, c)
 
 
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("variant", ["auto", "coop"])
+def test_cuda_graph_capture(monkeypatch, variant):
+    # coop: a cooperative launch must be capturable (the benchmark times graphs).
+    monkeypatch.setenv("MPT_LN_BWD", variant)
     x = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(768, device="cuda", requires_grad=True)
     b = torch.randn(768, device="cuda", requires_grad=True)

@@ -247,6 +247,44 @@ def test_cell_forward_is_cuda_graph_capturable(ext):
     torch.testing.assert_close(c_g, c_e)
 
 
+def test_cell_module_fwd_bwd_fast_path_and_cuda_graph(ext):
+    """FusedLSTMCell(x, (h, c)) takes the module's direct path to the C++ node (run 3); it
+    must match the reference, and its fwd + autograd.grad must capture in a CUDA graph
+    (the benchmark's "[CUDA graph: GPU time]" rows rely on it) and replay new inputs."""
+    torch.manual_seed(0)
+    B, I, H = 8, 16, 32
+    cell = FusedLSTMCell(I, H, device="cuda", fused=True)
+    params = list(cell.parameters())
+    xhc = [torch.randn(B, n, device="cuda", requires_grad=True) for n in (I, H, H)]
+    cot = [torch.randn(B, H, device="cuda") for _ in range(2)]
+
+    def step():
+        out = cell(xhc[0], (xhc[1], xhc[2]))
+        return list(out) + list(torch.autograd.grad(out, xhc + params, cot))
+
+    f64 = [t.detach().double().requires_grad_() for t in xhc + params]
+    want_out = reference.lstm_cell(*f64)
+    want = list(want_out) + list(torch.autograd.grad(want_out, f64, [t.double() for t in cot]))
+    for got, w in zip(step(), want):
+        assert rel_err(got, w) < 10 * norm_tol(torch.float32)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = step()
+    with torch.no_grad():
+        for t in xhc:
+            t.copy_(torch.randn_like(t))
+    g.replay()
+    torch.cuda.synchronize()
+    for got, w in zip(captured, step()):
+        torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mask", ["x", "h", "c", "w", "b", "xc", "all"])
 @pytest.mark.parametrize("used", ["h", "c", "both"])
 def test_cell_partial_gradients(ext, mask, used):

@@ -10,6 +10,8 @@ import torch
 from mptrain import ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Every $MPT_SOFTMAX_SHAPE launch variant of csrc/softmax.cu.
+VARIANTS = ["auto", "rows", "wide", "persist", "pair"]
 LENGTHS = [1, 7, 64, 100, 512, 1000, 2048, 4096, 8192, 16384, 20000, 32768, 40000]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -79,13 +81,14 @@ def test_matches_reference_and_float64(dtype, sk, causal):
         compare(x, mask, 0.125 if sk > 1 else 1.0, causal, f"S={sk} mask={name}")
 
 
-@pytest.mark.parametrize("variant", ["rows", "wide", "persist"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("sk", [64, 264, 512, 520, 1000, 1032, 2048])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_shape_variants(monkeypatch, variant, dtype, sk):
-    # Both row-shape families ($MPT_SOFTMAX_SHAPE), the non-default one included: the
-    # benchmark times both.  Lengths at the edges of the wide shapes (33..64 and
-    # 129..256 vectors), with an odd number of rows (half-warp rows, partial blocks).
+    # Every launch variant ($MPT_SOFTMAX_SHAPE), the non-default ones included: the
+    # benchmark times them all.  Lengths at the edges of the wide shapes (33..64 and
+    # 129..256 vectors), with an odd number of rows (half-warp rows, partial blocks) and
+    # 3 heads (for "pair": row pairs that straddle two mask rows reload the mask).
     monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
     gen = torch.Generator(device="cuda").manual_seed(sk)
     b, h, sq = 3, 3, 7
@@ -96,7 +99,7 @@ def test_shape_variants(monkeypatch, variant, dtype, sk):
             compare(x, mask, 0.125, causal, f"{variant} S={sk} mask={name} causal={causal}")
 
 
-@pytest.mark.parametrize("variant", ["rows", "wide", "persist"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("b,h,s", [(2, 16, 512), (1, 8, 2048)])
 def test_shape_variants_many_rows(monkeypatch, variant, b, h, s):
     # More rows than the persistent grid holds at once (~132 x 16 blocks x 4 rows):
@@ -110,11 +113,26 @@ def test_shape_variants_many_rows(monkeypatch, variant, b, h, s):
     compare(x, None, 0.125, True, f"{variant} {b}x{h}x{s} causal")
 
 
-def test_shape_variant_name_is_checked(monkeypatch):
-    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", "fast")
-    x = torch.randn(4, 512, device="cuda")
-    with pytest.raises(RuntimeError, match="MPT_SOFTMAX_SHAPE"):
-        ops.scaled_masked_softmax(x, None, 1.0, False, fused=True)
+@pytest.mark.parametrize("shape,bwd", [("persist", "rows"), ("rows", "persist"), ("pair", "wide")])
+@pytest.mark.parametrize("b,h,s", [(2, 16, 512), (1, 8, 2048), (3, 3, 520)])
+def test_backward_override(monkeypatch, shape, bwd, b, h, s):
+    # $MPT_SOFTMAX_BWD picks the backward's layout alone (the benchmark's mixed rows).
+    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", shape)
+    monkeypatch.setenv("MPT_SOFTMAX_BWD", bwd)
+    gen = torch.Generator(device="cuda").manual_seed(s + 1)
+    x = (torch.randn(b, h, s, s, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    mask = torch.rand(b, 1, s, s, device="cuda", generator=gen) < 0.1
+    compare(x, mask, 0.125, False, f"{shape}/{bwd} {b}x{h}x{s} masked")
+    compare(x, None, 0.125, True, f"{shape}/{bwd} {b}x{h}x{s} causal")
+
+
+@pytest.mark.parametrize("var", ["MPT_SOFTMAX_SHAPE", "MPT_SOFTMAX_BWD"])
+def test_shape_variant_name_is_checked(monkeypatch, var):
+    monkeypatch.setenv(var, "fast")
+    x = torch.randn(4, 512, device="cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match=var):
+        y = ops.scaled_masked_softmax(x, None, 1.0, False, fused=True)
+        torch.autograd.grad(y, (x,), torch.ones_like(y))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
@@ -138,9 +156,11 @@ def test_fully_masked_rows_are_zero_with_zero_grad(dtype):
     torch.testing.assert_close(y[0].float().sum(-1), torch.ones(4, 8, device="cuda"), rtol=0, atol=2e-2)
 
 
-def test_cuda_graph_capture():
-    x = torch.randn(4, 8, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    mask = torch.rand(4, 1, 128, 128, device="cuda") < 0.2
+@pytest.mark.parametrize("variant", ["auto", "pair", "persist"])
+def test_cuda_graph_capture(monkeypatch, variant):
+    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
+    x = torch.randn(4, 8, 128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.rand(4, 1, 128, 512, device="cuda") < 0.2
     dy = torch.randn_like(x)
 
     def step():
