@@ -25,6 +25,8 @@ mptrain.bench.graph_timing) and replay it: GPU work and launch gaps only, no hos
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -77,13 +79,13 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     bh = batch * hidden
     gemm_flops = 6 * 2 * batch * hidden * 4 * hidden  # 2 fwd + 4 bwd GEMMs of (B, H) x (H, 4H)
     floor = floor_ms(24 * bh * 2)
-    extra = {"floor": "pointwise bytes only (fwd 11 + bwd 13 elems of B*H)",
-             "gemm_floor_ms": 1e3 * gemm_flops / GEMM_FLOPS,
-             "measures": "eager module call + autograd.grad: host-bound, mostly host time (both sides)"}
-    extra["host_us_per_call"] = {k: _host_us(steps[k], cell, rot) for k, cell in (("ref", ref), ("ours", ours))}
+    base = {"floor": "pointwise bytes only (fwd 11 + bwd 13 elems of B*H)",
+            "gemm_floor_ms": 1e3 * gemm_flops / GEMM_FLOPS}
+    extra = dict(base, measures="eager module call + autograd.grad: host-bound, mostly host time (both sides)",
+                 host_us_per_call={k: _host_us(steps[k], cell, rot) for k, cell in (("ref", ref), ("ours", ours))})
     results = [Result(f"lstm cell fwd+bwd bf16 {batch}x{hidden} vs nn.LSTMCell", t_ours, t_ref, floor, extra)]
     results += _graph_rows(f"lstm cell fwd+bwd bf16 {batch}x{hidden}", steps, rot.sets, rep,
-                           floor, extra, results[0])
+                           floor, base, results[0])
     return results
 
 
@@ -91,7 +93,6 @@ def _host_us(step, cell, rot, calls: int = 200) -> dict:
     """Host wall time per call (perf_counter over `calls` calls, one sync at the end):
     the forward alone (module call, graph built then dropped) and forward + autograd.grad.
     Where the eager number is host-bound this says which half the host time is in."""
-    import time
 
     def per_call(fn):
         for _ in range(10):
@@ -221,7 +222,7 @@ def _sequence_cases(quick: bool) -> list[Result]:
     tag = f"{L}x{H} T={T} B={B} bf16"
     probe = torch.zeros(1, 1, H, device="cuda", dtype=BF16)
     loop_row = Result(f"FusedLSTMCell loop {tag} vs LSTMCell loop", t_our_loop, t_ref_loop, None,
-                      {"measures": "eager: 2x128 module calls + one autograd.grad; host-bound (both sides)"})
+                      {"measures": f"eager: {L}x{T} module calls + one autograd.grad; host-bound (both sides)"})
     return [
         Result(f"FusedLSTM auto ({auto.resolved_impl(probe)}) {tag} vs nn.LSTM", t_auto, t_cudnn, None,
                {"note": "same cuDNN call; FusedLSTM flattens bf16 weights, bf16 nn.LSTM copies them per call"}),
