@@ -445,13 +445,14 @@ def _match_launcher(tconf: dict) -> None:
     import os
 
     world, local = int(os.environ.get("WORLD_SIZE", 1)), os.environ.get("LOCAL_WORLD_SIZE")
-    if world <= 1 or local is None:
+    if local is None:  # not under torchrun
         return
     local = int(local)
     devices, nodes = tconf.get("devices", "auto"), tconf.get("num_nodes", 1) or 1
     if devices in ("auto", None, -1, "-1"):
+        # also for one process: "auto" on a 2-GPU host would ask for 2 devices in a world of 1
         tconf["devices"], tconf["num_nodes"] = local, max(1, world // local)
-        if tconf.get("strategy", "auto") == "auto":
+        if tconf.get("strategy", "auto") == "auto" and world > 1:
             tconf["strategy"] = "ddp"
         return
     count = len(devices) if isinstance(devices, (list, tuple)) else int(str(devices).rstrip(","))
