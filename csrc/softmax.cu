@@ -567,12 +567,12 @@ bool describe_mask(const at::Tensor& m, MaskLayout& ml) {
 // Launch layout per call, chosen by $MPT_SOFTMAX_SHAPE (and, for the backward only,
 // $MPT_SOFTMAX_BWD when set), read on every call so one process can benchmark them all
 // (a CUDA graph keeps the one it captured):
-//  * "auto" (default): per case, the fastest measured on the H200 (run 2, graph-timed
-//    fwd+bwd, % of floor): forward "persist" for masked rows of 129..256 vectors
-//    (masked 2048: 93.4 vs rows 84.9), "rows" otherwise (masked 512: rows 89.4 vs wide
-//    87.7, persist 88.4; causal 2048: rows 89.5 vs persist 83.1; causal 512: wide 90.6 ~
-//    rows 90.4); backward "persist" for 129..256 vectors (the measured best masked 2048
-//    pair), "rows" otherwise.
+//  * "auto" (default): per case, the fastest measured on the H200 (run 3, graph-timed
+//    bf16 fwd+bwd, % of floor): forward "pair" for masked rows of 33..64 vectors
+//    (masked 512: pair 92.1 vs rows 89.4), "persist" for masked rows of 129..256
+//    vectors (masked 2048), "rows" otherwise (causal 512: rows 90.4 vs pair 89.8);
+//    backward "rows" (2048: masked persist/rows 96.0 vs persist/persist 92.9, causal
+//    rows/rows 89.4 vs rows/persist 87.3).
 //  * "wide": rows of 33..64 vectors (512 bf16) take half a warp with 4 vectors
 //    per thread (two rows per warp), rows of 129..256 vectors (2048 bf16) a whole warp
 //    with 8 (no shared-memory reduction, no barrier).
@@ -599,8 +599,9 @@ WideShape pick_wide_shape(int64_t nvec, bool forward, bool masked) {
   }
   const bool long_row = nvec > 128 && nvec <= 256;
   if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0 || std::strcmp(v, "pair") == 0) {
-    if (forward && std::strcmp(v ? v : "", "pair") == 0 && nvec > 32 && nvec <= 64) return WideShape::M2x2;
-    if (long_row && (masked || !forward)) return WideShape::P32x8;
+    const bool pair = masked || std::strcmp(v ? v : "", "pair") == 0;
+    if (forward && pair && nvec > 32 && nvec <= 64) return WideShape::M2x2;
+    if (forward && masked && long_row) return WideShape::P32x8;
     return WideShape::None;
   }
   if (std::strcmp(v, "rows") == 0) return WideShape::None;
