@@ -126,3 +126,16 @@ def test_auto_fallback_promotes_the_overflowing_module(caplog):
     # after promotion the steps are clean: the skipped count stops growing
     assert trainer.skipped_steps <= 2
     assert model.pre.weight.dtype == torch.float16
+
+
+def test_bf16_on_a_gpu_without_bf16_raises_before_training(monkeypatch):
+    import mptrain.precision as mp
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
+    with pytest.raises(RuntimeError, match="bf16-master.*Tesla T4.*7.5.*16-master"):
+        mp.build_precision("bf16-master", device="cuda")
+    with pytest.raises(ValueError, match="Valid values: 32-true, 16-mixed"):
+        mp.build_precision("fp16")
+    mp.build_precision("16-master", device="cuda")  # fp16 is fine there
