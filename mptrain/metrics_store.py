@@ -99,8 +99,6 @@ class ModuleBridge:
         for m in module.modules():
             if hasattr(m, "_fabric"):
                 m._fabric = bridge
-        if hasattr(module, "_trainer"):
-            pass
 
     def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         self._trainer.metrics.record(metrics)

@@ -170,7 +170,6 @@ class Trainer:
         self._setup_done = False
         self._resume_batch_idx = 0
         self._epoch_start_rng: list = []
-        self._last_sync_check = 0
         self._position = (0, 0)  # (epoch, batches of it trained): where a resume starts
 
     # ------------------------------------------------------------------ properties
@@ -348,10 +347,12 @@ class Trainer:
                 if switch_epoch is not None and self.current_epoch >= switch_epoch and self.precision != "32-true":
                     self._switch_to_fp32()
                 if not self._train_epoch():
-                    break  # max_steps reached mid-epoch: no epoch end, position stays inside it
+                    break  # max_steps (or should_stop) mid-epoch: no epoch end, position stays inside it
                 self.current_epoch += 1
                 self._position = (self.current_epoch, 0)
                 self._resume_batch_idx = 0
+                if self.should_stop:  # set by a callback (e.g. early stopping) during the epoch
+                    break
             if self.enable_checkpointing and self.global_step > 0:
                 self.save_checkpoint(self.checkpoint_dir / "last.ckpt")
         except BaseException as exc:  # noqa: BLE001 - callbacks see every failure, then it propagates
@@ -446,7 +447,8 @@ class Trainer:
                 if self.checkpoint_every_n_steps and self.global_step % self.checkpoint_every_n_steps == 0:
                     self._save_periodic(batch_idx + 1)
             self._call("on_train_batch_end", {"loss": detached}, batch, batch_idx)
-            if is_last and self.max_steps > 0 and self.global_step >= self.max_steps and batch_idx + 1 < n:
+            hit_max = is_last and self.max_steps > 0 and self.global_step >= self.max_steps
+            if (hit_max or (is_last and self.should_stop)) and batch_idx + 1 < n:
                 self.should_stop = True
                 self._check_nonfinite(force=True)
                 return False

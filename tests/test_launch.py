@@ -75,7 +75,7 @@ def test_torchrun_two_processes_gloo_quickstart(tmp_path):
     # 1,438 training images, 2 ranks, batch 64, drop_last: 11 steps per epoch on each rank
     assert results[0]["global_step"] == 2 * ((1797 - 359) // 2 // 64)
     assert results[0]["metrics"]["val/acc"] > 0.5
-    w0, w1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    w0, w1 = torch.load(out / "rank0.pt", weights_only=True), torch.load(out / "rank1.pt", weights_only=True)
     assert w0.keys() == w1.keys()
     for k in w0:
         assert torch.equal(w0[k], w1[k]), f"ranks disagree on {k}"

@@ -170,3 +170,15 @@ def test_lr_scheduler_dict_form_steps_per_step():
     trainer = quiet_trainer(max_steps=3)
     trainer.fit(model, _loader(ds, 16))
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
+
+
+def test_should_stop_from_a_callback_ends_fit_after_the_step():
+    class Stop:
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                trainer.should_stop = True
+
+    model = Classifier(mlp())
+    trainer = quiet_trainer(max_epochs=5, callbacks=[Stop()])
+    trainer.fit(model, _loader(classification_data(n=128), 16))
+    assert trainer.global_step == 3
