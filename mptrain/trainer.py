@@ -384,47 +384,21 @@ class Trainer:
     def _train_epoch(self) -> bool:
         """One epoch (or its rest, after a resume); False if max_steps stopped it part-way."""
         model, wrapped, precision = self._module, self._wrapped, self._precision
-        loader = self._train_loader
         model.train()
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.current_epoch)
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        if hasattr(getattr(batch_sampler, "sampler", None), "set_epoch"):
-            batch_sampler.sampler.set_epoch(self.current_epoch)
         resume_at = self._resume_batch_idx
-        if resume_at == 0:
-            # The shuffle order is drawn from these states when the iterator starts: keep
-            # them so a resume can rebuild the same order (checkpoint "epoch_start_rng").
-            self._epoch_start_rng = [mdist.rng_state()]
-        else:
-            mdist.set_rng_state(self._epoch_start_rng[0])
-        self._call("on_train_epoch_start")
-        n = self.num_training_batches
-        accum = self.accumulate_grad_batches
-        it = iter(loader)
-        if resume_at:
-            for _ in range(resume_at):  # replay the order up to the checkpoint, without training
-                next(it)
-            mdist.set_rng_state(self._rng_at_save)
-        window_loss = None
-        window_start = time.perf_counter()
-        window_samples = 0
+        it = self._epoch_iterator(resume_at)
+        n, accum = self.num_training_batches, self.accumulate_grad_batches
+        window_loss, window_start, window_samples = None, time.perf_counter(), 0
         for batch_idx in range(resume_at, n):
             try:
                 batch = next(it)
             except StopIteration:
                 break
-            first_in_window = batch_idx % accum == 0
             window_len = min(accum, n - (batch_idx - batch_idx % accum))  # a partial window at epoch end
             is_last = (batch_idx % accum == accum - 1) or batch_idx == n - 1
-            if first_in_window:
-                window_loss = None
-                window_start = time.perf_counter()
-                window_samples = 0
-            batch = precision.convert_input(self.fabric.to_device(batch))
-            if self.channels_last and isinstance(batch, (list, tuple)) and batch and getattr(batch[0], "dim", lambda: 0)() == 4:
-                batch = type(batch)([batch[0].contiguous(memory_format=torch.channels_last), *batch[1:]])
+            if batch_idx % accum == 0:
+                window_loss, window_start, window_samples = None, time.perf_counter(), 0
+            batch = self._prepare_batch(batch)
             window_samples += _batch_size(batch)
             self._call("on_train_batch_start", batch, batch_idx)
             self.metrics.stage = "train"
@@ -437,15 +411,7 @@ class Trainer:
             detached = loss.detach().float()
             window_loss = detached / window_len if window_loss is None else window_loss + detached / window_len
             if is_last:
-                grad_norm, found_inf = self._optimizer_step()
-                self.global_step += 1
-                self._check_nonfinite()  # before zero_grad: the error names the non-finite parameter
-                self._step_schedulers("step")
-                self._after_step(window_loss, grad_norm, found_inf, window_samples, window_start)
-                precision.zero_grad(self._optimizer, model)
-                self._position = (self.current_epoch, batch_idx + 1)
-                if self.checkpoint_every_n_steps and self.global_step % self.checkpoint_every_n_steps == 0:
-                    self._save_periodic(batch_idx + 1)
+                self._finish_window(batch_idx, window_loss, window_samples, window_start)
             self._call("on_train_batch_end", {"loss": detached}, batch, batch_idx)
             hit_max = is_last and self.max_steps > 0 and self.global_step >= self.max_steps
             if (hit_max or (is_last and self.should_stop)) and batch_idx + 1 < n:
@@ -459,6 +425,44 @@ class Trainer:
         self._call("on_train_epoch_end")
         self._step_schedulers("epoch")
         return True
+
+    def _epoch_iterator(self, resume_at: int):
+        """The epoch's batch iterator, advanced past ``resume_at`` batches after a resume."""
+        loader = self._train_loader
+        for s in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+            if hasattr(s, "set_epoch"):
+                s.set_epoch(self.current_epoch)
+        if resume_at == 0:
+            # The shuffle order is drawn from these states when the iterator starts: keep
+            # them so a resume can rebuild the same order (checkpoint "epoch_start_rng").
+            self._epoch_start_rng = [mdist.rng_state()]
+        else:
+            mdist.set_rng_state(self._epoch_start_rng[0])
+        self._call("on_train_epoch_start")
+        it = iter(loader)
+        if resume_at:
+            for _ in range(resume_at):  # replay the order up to the checkpoint, without training
+                next(it)
+            mdist.set_rng_state(self._rng_at_save)  # dropout etc. continue exactly where they stopped
+        return it
+
+    def _prepare_batch(self, batch):
+        batch = self._precision.convert_input(self.fabric.to_device(batch))
+        if self.channels_last and isinstance(batch, (list, tuple)) and batch and getattr(batch[0], "dim", lambda: 0)() == 4:
+            batch = type(batch)([batch[0].contiguous(memory_format=torch.channels_last), *batch[1:]])
+        return batch
+
+    def _finish_window(self, batch_idx: int, window_loss, window_samples: int, window_start: float) -> None:
+        """The window's optimizer step and everything that follows it."""
+        grad_norm, found_inf = self._optimizer_step()
+        self.global_step += 1
+        self._check_nonfinite()  # before zero_grad: the error names the non-finite parameter
+        self._step_schedulers("step")
+        self._after_step(window_loss, grad_norm, found_inf, window_samples, window_start)
+        self._precision.zero_grad(self._optimizer, self._module)
+        self._position = (self.current_epoch, batch_idx + 1)
+        if self.checkpoint_every_n_steps and self.global_step % self.checkpoint_every_n_steps == 0:
+            self._save_periodic(batch_idx + 1)
 
     def _optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Unscale, inf check, clip, step (or skip), scaler update: no host sync on fused paths."""
