@@ -411,7 +411,7 @@ def _execute(subcommand: str, config: dict, instantiate) -> int:
     trainer = Trainer(**tconf, logger=loggers, callbacks=callbacks)
     _save_config(trainer, config_dict)
 
-    ckpt = _resolve_ckpt(config.get("ckpt_path"), trainer)
+    ckpt = config.get("ckpt_path")  # "auto" / "last" / a path: resolved by the Trainer
     status = "failed"
     try:
         if subcommand == "fit":
@@ -462,13 +462,6 @@ def _match_launcher(tconf: dict) -> None:
                           f"--trainer.num_nodes={world // local}, or leave devices at 'auto'")
 
 
-def _defined_outside_lightning(obj: Any, name: str) -> bool:
-    for base in type(obj).__mro__:
-        if name in base.__dict__:
-            return not base.__module__.startswith(("lightning.", "pytorch_lightning."))
-    return False
-
-
 def _instantiate(spec: dict, group: str):
     """jsonargparse instantiation of one ``class_path`` + ``init_args`` group (types coerced,
     nested class specs instantiated)."""
@@ -505,13 +498,6 @@ def _link_vocab(config: dict, data) -> None:
     if vocab is None:
         raise ConfigError("model.init_args.vocab_size is null and data has no vocab_size: set model.vocab_size")
     init["vocab_size"] = int(vocab)
-
-
-def _resolve_ckpt(ckpt: Optional[str], trainer) -> Optional[str]:
-    if ckpt != "auto":
-        return ckpt
-    last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
-    return str(last) if last.is_file() else None
 
 
 def _to_dict(parser, cfg) -> dict:

@@ -57,6 +57,3 @@ def gather_objects(obj: Any) -> list:
     dist.all_gather_object(out, obj)
     return out
 
-
-def rank() -> int:
-    return dist.get_rank() if is_dist() else 0

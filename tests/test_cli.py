@@ -113,14 +113,15 @@ def test_merge_raw_config_maps_short_overrides_to_init_args(tmp_path):
 
 
 def test_ckpt_auto_starts_fresh_without_a_checkpoint(tmp_path):
-    class T:
-        default_root_dir = str(tmp_path)
+    # --ckpt_path is passed to Trainer.fit as is; "auto" is resolved by the checkpoint module.
+    from mptrain.checkpoint import resolve_ckpt_path
 
-    assert cli._resolve_ckpt("auto", T()) is None
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
-    assert cli._resolve_ckpt("auto", T()).endswith("last.ckpt")
-    assert cli._resolve_ckpt("last", T()) == "last"
+    ckpt_dir = tmp_path / "checkpoints"
+    assert resolve_ckpt_path("auto", ckpt_dir) is None
+    ckpt_dir.mkdir()
+    (ckpt_dir / "last.ckpt").write_bytes(b"x")
+    assert str(resolve_ckpt_path("auto", ckpt_dir)).endswith("last.ckpt")
+    assert resolve_ckpt_path("last", ckpt_dir) == ckpt_dir / "last.ckpt"
 
 
 def test_jsonargparse_is_not_imported_by_mptrain():

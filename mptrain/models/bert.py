@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from mptrain.models.fusion import fuse
 from mptrain.models.optim import build_optimizer, decay_groups
+from mptrain.models.perplexity import log_epoch_perplexity
 from mptrain.models.schedules import per_step, run_length, warmup_linear
 
 
@@ -102,12 +103,7 @@ class BertMLM(L.LightningModule):
     def on_validation_epoch_end(self):
         """Perplexity over every masked token of the epoch (exp of the mean loss; averaging
         per-batch exps would overstate it)."""
-        if float(self.val_count.compute()) == 0:
-            return
-        loss = self.val_loss_sum.compute() / self.val_count.compute()
-        self.log("val/perplexity", torch.exp(loss.clamp(max=50.0)))
-        self.val_loss_sum.reset()
-        self.val_count.reset()
+        log_epoch_perplexity(self, self.val_loss_sum, self.val_count)
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mptrain.models.fusion import lstm
-from mptrain.models.optim import decay_groups
+from mptrain.models.optim import build_optimizer, decay_groups
+from mptrain.models.perplexity import log_epoch_perplexity
 from mptrain.models.schedules import per_step, run_length, warmup_cosine
 
 
@@ -79,17 +80,12 @@ class LSTMLanguageModel(L.LightningModule):
 
     def on_validation_epoch_end(self):
         """Perplexity over every token of the epoch: exp of the mean loss."""
-        if float(self.val_count.compute()) == 0:
-            return
-        loss = self.val_loss_sum.compute() / self.val_count.compute()
-        self.log("val/perplexity", torch.exp(loss.clamp(max=50.0)))
-        self.val_loss_sum.reset()
-        self.val_count.reset()
+        log_epoch_perplexity(self, self.val_loss_sum, self.val_count)
 
     def configure_optimizers(self):
         hp = self.hparams
         groups = decay_groups(self, hp.weight_decay)
-        opt = (torch.optim.AdamW(groups, lr=hp.lr) if hp.optimizer == "adamw"
-               else torch.optim.SGD(groups, lr=hp.lr, momentum=0.9))
+        kwargs = {"lr": hp.lr} if hp.optimizer == "adamw" else {"lr": hp.lr, "momentum": 0.9}
+        opt = build_optimizer(hp.optimizer, groups, next(self.parameters()).is_cuda, **kwargs)
         sched = warmup_cosine(opt, hp.warmup_steps, run_length(self, hp.total_steps))
         return {"optimizer": opt, "lr_scheduler": per_step(sched)}

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from mptrain.numerics.layerwise import _call
 from mptrain.numerics.quant import QuantConfig, quantize_dynamic
 
 DEFAULT_PRECISIONS = ("32-true", "bf16-true", "16-true", "int8-dynamic")
@@ -81,14 +82,6 @@ def _to(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to(v, device) for v in obj)
     return obj
-
-
-def _call(model: nn.Module, inp: Any) -> Any:
-    if isinstance(inp, dict):
-        return model(**inp)
-    if isinstance(inp, (tuple, list)):
-        return model(*inp)
-    return model(inp)
 
 
 def _prediction(out: Any) -> torch.Tensor:

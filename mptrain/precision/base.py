@@ -42,13 +42,10 @@ def unscale_and_check_(
     """
     if not grads:
         return
-    fn = None
     if use_ops:
         from mptrain import ops
 
-        fn = getattr(ops, "multi_tensor_unscale_", None)
-    if fn is not None:
-        fn(grads, inv_scale, found_inf)
+        ops.multi_tensor_unscale_(grads, inv_scale, found_inf)
         return
     by_dev: dict = {}
     for g in grads:
@@ -231,7 +228,4 @@ def require_fused_ops() -> None:
     """``fused=True`` on CUDA: the extension must build and load, or fail now with its reason."""
     from mptrain import ops
 
-    status = ops.extension_status() if hasattr(ops, "extension_status") else None
-    ext = ops.get_extension(required=True) if hasattr(ops, "get_extension") else None
-    if ext is None:
-        raise RuntimeError(f"fused=True but the mptrain CUDA extension is not available: {status}")
+    ops.get_extension(required=True)  # raises with the failing file, the log and the fix
