@@ -1,0 +1,72 @@
+"""A text summary of a torch.profiler run of training steps: where the step's GPU time goes
+(compute kernels, NCCL kernels, idle gaps, communication not hidden behind compute) and the
+top operators by GPU and by host time.  Used by ``mptrain bench ddp --profile``."""
+from __future__ import annotations
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the union ``a`` not covered by the union ``b`` (both sorted, disjoint)."""
+    total, j = 0.0, 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                total += b[k][0] - cur
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            total += e - cur
+    return total
+
+
+def kernel_breakdown(events, steps: int, wall_s: float) -> dict:
+    """Per-step milliseconds of compute kernels, NCCL kernels, exposed NCCL and GPU idle time."""
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+    compute, comm = [], []
+    for e in events:
+        if getattr(e, "device_type", None) != cuda:
+            continue
+        iv = (e.time_range.start, e.time_range.end)
+        (comm if "nccl" in e.name.lower() else compute).append(iv)
+    cu, co = _union(compute), _union(comm)
+    both = _union(compute + comm)
+    span = (both[-1][1] - both[0][0]) if both else 0.0
+    per = lambda us: us / 1e3 / max(steps, 1)  # noqa: E731
+    return {
+        "wall_ms_per_step": 1e3 * wall_s / max(steps, 1),
+        "gpu_span_ms_per_step": per(span),
+        "compute_busy_ms_per_step": per(_length(cu)),
+        "nccl_busy_ms_per_step": per(_length(co)),
+        "nccl_exposed_ms_per_step": per(_minus(co, cu)),
+        "gpu_idle_ms_per_step": per(span - _length(both)),
+        "compute_kernels": len(compute),
+        "nccl_kernels": len(comm),
+    }
+
+
+def summarize_profile(prof, steps: int, wall_s: float) -> str:
+    b = kernel_breakdown(prof.events(), steps, wall_s)
+    lines = [f"profiled steps: {steps}"] + [f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in b.items()]
+    avg = prof.key_averages()
+    lines += ["", "== top by self CUDA time", avg.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)]
+    lines += ["", "== top by self CPU time", avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)]
+    return "\n".join(lines)
