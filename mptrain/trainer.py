@@ -142,6 +142,7 @@ class Trainer:
             from mptrain.loggers import build_loggers
 
             self.loggers = build_loggers(logger, self.default_root_dir)
+        self._strategy_arg = strategy
         self.fabric = Fabric(
             accelerator=accelerator,
             devices=devices,
@@ -279,6 +280,7 @@ class Trainer:
         precision.discard_fp32_init()
         if self.auto_fp32_fallback:
             precision.enable_auto_fallback(model)
+        mdist.tune_ddp(self.fabric.strategy, model, self._strategy_arg)
         self._wrapped = self.fabric.setup_module(model)
         ModuleBridge.attach(model, self)  # Fabric sets module._fabric; ours must win
         self._setup_done = True
@@ -470,7 +472,9 @@ class Trainer:
             self.found_inf = found_inf
             self._call("on_before_optimizer_step", self._optimizer)
 
-        sync = mdist.all_reduce_max_ if self.world_size > 1 else None
+        # found_inf must agree across ranks; under DDP the grads it is computed from already do.
+        sharded = self.world_size > 1 and not mdist.grads_all_reduced(self.fabric.strategy)
+        sync = mdist.all_reduce_max_ if sharded else None
         grad_norm, found_inf = self._precision.optimizer_step(
             self._optimizer, self.loss_scaler, self.gradient_clip_val, before_step, sync
         )

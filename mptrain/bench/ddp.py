@@ -34,14 +34,25 @@ DEFAULT_RECIPES = ("resnet50", "bert_base")
 
 
 class Probe(_CallbackBase):
-    """Trainer callback (the hook names of mptrain and Lightning): step timing, a weights digest
-    per rank and, with ``profile`` > 0, a torch.profiler summary of that many steps after the
-    timed ones (``profile_rank{r}.txt``: where the step's GPU and host time go)."""
+    """Trainer callback (the hook names of mptrain and Lightning): step timing and a weights
+    digest per rank.  After the timed steps, optionally:
 
-    def __init__(self, out_dir: str, warmup: int = 5, steps: int = 20, profile: int = 0):
-        self.out_dir, self.warmup, self.steps, self.profile = out_dir, warmup, steps, profile
+    * ``syncs`` steps under ``torch.cuda.set_sync_debug_mode("warn")``: every host-device
+      synchronization in them, with the Python stack that caused it (``syncs_rank{r}.txt``).
+      A sync in the step stops the host from running ahead of the GPU.
+    * ``profile`` steps under torch.profiler (``profile_rank{r}.txt``): compute, NCCL and idle
+      GPU time per step, top operators.  ``profile_mode="cuda"`` records GPU activity only,
+      so the host is not slowed by the profiler and GPU idle time is the real one.
+    """
+
+    def __init__(self, out_dir: str, warmup: int = 5, steps: int = 20, profile: int = 0,
+                 profile_mode: str = "full", syncs: int = 0):
+        if profile_mode not in ("full", "cuda"):
+            raise ValueError(f"profile_mode={profile_mode!r}; valid: 'full', 'cuda'")
+        self.out_dir, self.warmup, self.steps = out_dir, warmup, steps
+        self.profile, self.profile_mode, self.syncs = profile, profile_mode, syncs
         self.count, self.t0, self.t1, self.batch = 0, None, None, None
-        self._prof = None
+        self._prof = self._sync_log = self._warn_ctx = None
 
     @staticmethod
     def _sync():
@@ -53,27 +64,63 @@ class Probe(_CallbackBase):
         if self.batch is None:
             first = batch["input_ids"] if isinstance(batch, dict) else batch[0]
             self.batch = int(first.shape[0])
+        timed_end = self.warmup + self.steps
+        syncs_end = timed_end + self.syncs
         if self.count == self.warmup:
             self._sync()
             self.t0 = time.perf_counter()
-        elif self.count == self.warmup + self.steps:
+        if self.count == timed_end:
             self._sync()
             self.t1 = time.perf_counter()
+            if self.syncs:
+                self._start_sync_log()
+        if self.count == syncs_end:
+            if self._sync_log is not None:
+                self._stop_sync_log(trainer.global_rank)
             if self.profile:
-                from torch.profiler import ProfilerActivity, profile
+                self._start_profile()
+        if self._prof is not None and self.count == syncs_end + self.profile:
+            self._stop_profile(trainer.global_rank)
 
-                self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                self._prof.__enter__()
-                self._pt0 = time.perf_counter()
-        elif self._prof is not None and self.count == self.warmup + self.steps + self.profile:
-            self._sync()
-            wall = time.perf_counter() - self._pt0
-            self._prof.__exit__(None, None, None)
-            from mptrain.bench.profile_summary import summarize_profile
+    def _start_sync_log(self) -> None:
+        import traceback
+        import warnings
 
-            text = summarize_profile(self._prof, self.profile, wall)
-            Path(self.out_dir, f"profile_rank{trainer.global_rank}.txt").write_text(text)
-            self._prof = None
+        self._sync_log = []
+        self._warn_ctx = warnings.catch_warnings()
+        self._warn_ctx.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda msg, *a, **k: self._sync_log.append(
+            f"{msg}\n{''.join(traceback.format_stack(limit=14)[:-1])}")
+        if torch.cuda.is_available():  # no device, nothing to synchronize with: an empty log
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def _stop_sync_log(self, rank: int) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+        self._warn_ctx.__exit__(None, None, None)
+        log = [e for e in self._sync_log if "synchroniz" in e]
+        text = f"{len(log)} synchronizing CUDA calls in {self.syncs} steps\n\n" + "\n----\n".join(log)
+        Path(self.out_dir, f"syncs_rank{rank}.txt").write_text(text)
+        self._sync_log = None
+
+    def _start_profile(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if self.profile_mode == "full" else [])
+        self._prof = profile(activities=acts)
+        self._prof.__enter__()
+        self._pt0 = time.perf_counter()
+
+    def _stop_profile(self, rank: int) -> None:
+        from mptrain.bench.profile_summary import summarize_profile
+
+        self._sync()
+        wall = time.perf_counter() - self._pt0
+        self._prof.__exit__(None, None, None)
+        text = summarize_profile(self._prof, self.profile, wall)
+        Path(self.out_dir, f"profile_rank{rank}.txt").write_text(text)
+        self._prof = None
 
     @staticmethod
     def _digest(named) -> str:
@@ -94,22 +141,24 @@ class Probe(_CallbackBase):
         Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def launch(recipe: str, nproc: int, out_dir: str, warmup: int, steps: int, cpu: bool, extra: list[str],
-           profile: int = 0, lightning: str | None = None) -> dict:
+def launch(recipe: str, nproc: int, out_dir: str, probe: dict, cpu: bool, extra: list[str],
+           lightning: str | None = None) -> dict:
     """One torchrun launch (mptrain's recipe, or with ``lightning`` a plain Lightning Trainer in
-    that precision on the same model); returns the per-rank records."""
+    that precision on the same model); ``probe`` holds the Probe's arguments but ``out_dir``.
+    Returns the per-rank records and the text reports the probes wrote."""
     os.makedirs(out_dir, exist_ok=True)
+    total = probe["warmup"] + probe["steps"] + probe["syncs"] + probe["profile"]
     if lightning:
         if cpu:
             raise ValueError("--lightning runs on GPUs only")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
-               "-m", "mptrain.bench.ddp_lightning", "--model", recipe, "--precision", lightning, "--warmup", str(warmup),
-               "--steps", str(steps), "--profile", str(profile), "--out", out_dir]
+               "-m", "mptrain.bench.ddp_lightning", "--model", recipe, "--precision", lightning, "--out", out_dir,
+               "--probe", json.dumps(probe)]
     else:
-        cb = (f"[{{class_path: mptrain.bench.ddp.Probe, init_args: {{out_dir: {out_dir}, warmup: {warmup}, "
-              f"steps: {steps}, profile: {profile}}}}}]")
+        init = ", ".join(f"{k}: {v}" for k, v in {"out_dir": out_dir, **probe}.items())
+        cb = f"[{{class_path: mptrain.bench.ddp.Probe, init_args: {{{init}}}}}]"
         cmd = ["bash", str(ROOT / "launch" / "torchrun.sh"), str(ROOT / "recipes" / f"{recipe}.yaml"), str(nproc),
-               "--data.synthetic=true", f"--trainer.max_steps={warmup + steps + profile}", "--trainer.max_epochs=-1",
+               "--data.synthetic=true", f"--trainer.max_steps={total}", "--trainer.max_epochs=-1",
                "--trainer.logger=none", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
                f"--trainer.default_root_dir={out_dir}", f"--trainer.callbacks={cb}",
                *(["--trainer.accelerator=cpu"] if cpu else []), *extra]
@@ -125,63 +174,89 @@ def launch(recipe: str, nproc: int, out_dir: str, warmup: int, steps: int, cpu: 
         raise RuntimeError(f"{recipe} x{nproc}: {len(records)} rank reports, expected {nproc}")
     r0 = next(rec for rec in records if rec["rank"] == 0)
     rate = nproc * r0["batch"] * r0["steps"] / r0["elapsed_s"]
-    profiles = {p: Path(p).read_text() for p in sorted(glob.glob(os.path.join(out_dir, "profile_rank*.txt")))}
+    reports = {Path(p).name: Path(p).read_text()
+               for pat in ("profile_rank*.txt", "syncs_rank*.txt") for p in sorted(glob.glob(os.path.join(out_dir, pat)))}
     return {"nproc": nproc, "samples_per_s": rate, "wall_s": wall,
             "identical_weights": len({rec["weights_sha256"] for rec in records}) == 1,
             "identical_buffers": len({rec["buffers_sha256"] for rec in records}) == 1, "ranks": records,
-            "profiles": profiles}
+            "reports": reports}
+
+
+def measure(recipe: str, nproc: int, repeat: int, tmp: str, probe: dict, args) -> dict:
+    """``repeat`` launches of one configuration; the median rate is the result (launches on a
+    shared host vary by several %, more than the effects we look for)."""
+    runs = [launch(recipe, nproc, f"{tmp}/{recipe}-{nproc}-{i}", probe, args.cpu, args.extra, args.lightning)
+            for i in range(repeat)]
+    rates = sorted(r["samples_per_s"] for r in runs)
+    median = rates[len(rates) // 2] if len(rates) % 2 else 0.5 * (rates[len(rates) // 2 - 1] + rates[len(rates) // 2])
+    return {**runs[0], "samples_per_s": median, "rates": [r["samples_per_s"] for r in runs],
+            "identical_weights": all(r["identical_weights"] for r in runs),
+            "identical_buffers": all(r["identical_buffers"] for r in runs)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="mptrain bench ddp", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES), help="recipe names under recipes/ (comma list)")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=5)
+    # DDP samples its runtime statistics (with host syncs) in iterations 1..10: time after them.
+    p.add_argument("--warmup", type=int, default=12, help="untimed steps (past DDP's 10 sampled iterations)")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=1, help="launches per configuration; the median rate is reported")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke test of the path)")
+    p.add_argument("--syncs", type=int, default=0,
+                   help="after the timed steps, log every host-device sync of this many steps (with stacks)")
     p.add_argument("--profile", type=int, default=0,
-                   help="after the timed steps, profile this many steps per rank (torch.profiler summary)")
+                   help="then profile this many steps per rank (torch.profiler summary)")
+    p.add_argument("--profile-mode", default="full", choices=("full", "cuda"),
+                   help="cuda: GPU activity only (no host slow-down, true GPU idle time)")
     p.add_argument("--lightning", default=None, metavar="PRECISION",
                    help="time a plain lightning.Trainer with its DDP in this precision instead of the recipe")
     p.add_argument("--skip-single", action="store_true",
                    help="only the N-process run (no efficiency; for comparing variants)")
-    p.add_argument("--profile-out", default=None, help="copy the profile summaries into this folder")
+    p.add_argument("--reports-out", default=None, help="copy the sync logs and profile summaries into this folder")
     p.add_argument("--json", default=None)
     p.add_argument("extra", nargs="*", help="more --key.path=value overrides for every run (after --)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if not args.cpu and torch.cuda.device_count() < args.nproc:
         print(f"mptrain bench ddp: needs {args.nproc} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
+    probe = {"warmup": args.warmup, "steps": args.steps, "syncs": args.syncs, "profile": args.profile,
+             "profile_mode": args.profile_mode}
     results, ok = {}, True
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in [r.strip() for r in args.recipes.split(",") if r.strip()]:
             try:
-                run = lambda n: launch(recipe, n, f"{tmp}/{recipe}-{n}", args.warmup, args.steps, args.cpu,  # noqa: E731
-                                       args.extra, args.profile, args.lightning)
-                one = None if args.skip_single else run(1)
-                many = run(args.nproc)
+                one = None if args.skip_single else measure(recipe, 1, args.repeat, tmp, probe, args)
+                many = measure(recipe, args.nproc, args.repeat, tmp, probe, args)
                 eff = None if one is None else many["samples_per_s"] / (args.nproc * one["samples_per_s"])
                 results[recipe] = {"single": one, "multi": many, "scaling_efficiency": eff}
                 ok &= many["identical_weights"]
-                who = f"lightning {args.lightning}" if args.lightning else "mptrain"
-                single = "" if one is None else f"1 GPU {one['samples_per_s']:.1f}/s, "
-                effs = "" if eff is None else f" -> efficiency {eff:.3f}"
-                print(f"[ddp] {recipe} ({who} {' '.join(args.extra)}): {single}{args.nproc} GPUs "
-                      f"{many['samples_per_s']:.1f}/s{effs}; identical weights on all ranks: "
-                      f"{many['identical_weights']}", flush=True)
-                if args.profile_out:
-                    os.makedirs(args.profile_out, exist_ok=True)
-                    tag = f"{recipe}{'-L' if args.lightning else ''}"
-                    for res in (one, many):
-                        for path, text in ({} if res is None else res["profiles"]).items():
-                            Path(args.profile_out, f"{tag}-x{res['nproc']}-{Path(path).name}").write_text(text)
+                _print_result(recipe, args, one, many, eff)
+                if args.reports_out:
+                    _copy_reports(args.reports_out, f"{recipe}{'-L' if args.lightning else ''}", (one, many))
             except Exception as e:  # noqa: BLE001 - report and go on to the next recipe
                 ok = False
                 results[recipe] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"[ddp] {recipe}: ERROR {e}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"nproc": args.nproc, "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"nproc": args.nproc, "probe": probe, "results": results}, indent=2))
     return 0 if ok else 1
+
+
+def _print_result(recipe: str, args, one, many, eff) -> None:
+    who = f"lightning {args.lightning}" if args.lightning else "mptrain"
+    rates = lambda r: "/".join(f"{x:.0f}" for x in r["rates"])  # noqa: E731
+    single = "" if one is None else f"1 GPU {one['samples_per_s']:.1f}/s ({rates(one)}), "
+    effs = "" if eff is None else f" -> efficiency {eff:.3f}"
+    print(f"[ddp] {recipe} ({who} {' '.join(args.extra)}): {single}{args.nproc} GPUs {many['samples_per_s']:.1f}/s "
+          f"({rates(many)}){effs}; identical weights on all ranks: {many['identical_weights']}", flush=True)
+
+
+def _copy_reports(folder: str, tag: str, results) -> None:
+    os.makedirs(folder, exist_ok=True)
+    for res in results:
+        for name, text in ({} if res is None else res["reports"]).items():
+            Path(folder, f"{tag}-x{res['nproc']}-{name}").write_text(text)
 
 
 if __name__ == "__main__":

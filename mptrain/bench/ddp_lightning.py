@@ -18,12 +18,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True, choices=("resnet50", "bert_base"))
     p.add_argument("--precision", default="bf16-mixed")
     p.add_argument("--batch", type=int, default=None, help="per-GPU batch (default: the recipe's)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--profile", type=int, default=0)
+    p.add_argument("--probe", default="{}", help="the Probe's arguments but out_dir, as JSON")
     p.add_argument("--out", required=True)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
+    import json
     import os
 
     import lightning as L
@@ -36,14 +35,15 @@ def main(argv=None) -> int:
     if args.model == "resnet50":
         model = model.to(memory_format=torch.channels_last)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    total = args.warmup + args.steps + args.profile
+    probe = Probe(args.out, **json.loads(args.probe))
+    total = probe.warmup + probe.steps + probe.syncs + probe.profile
     trainer = L.Trainer(precision=args.precision, accelerator="cuda", devices=world,
                         strategy="ddp" if world > 1 else "auto", max_steps=total, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, benchmark=True, log_every_n_steps=total + 1,
                         use_distributed_sampler=False,  # the synthetic loader shards by rank itself
-                        gradient_clip_val=1.0 if args.model == "bert_base" else None,
-                        callbacks=[Probe(args.out, args.warmup, args.steps, args.profile)])
+                        # no clipping: Lightning refuses it with a fused optimizer under AMP
+                        callbacks=[probe])
     trainer.fit(model, train_dataloaders=loader)
     return 0
 

@@ -15,8 +15,8 @@ bench() { python3 -m mptrain.bench.ddp --nproc 2 --recipes bert_base --warmup 6 
 want() { case " $VARIANTS " in *" $1 "*) return 0 ;; esac; return 1; }
 {
   t0=$SECONDS; python3 -m mptrain.ops.build; echo "build: $((SECONDS - t0)) s"
-  want base && bench --profile 3 --profile-out "$OUT/prof" --json "$OUT/base.json"
-  want lightning && bench --lightning bf16-mixed --profile 3 --profile-out "$OUT/prof" --json "$OUT/lightning.json"
+  want base && bench --profile 3 --reports-out "$OUT/prof" --json "$OUT/base.json"
+  want lightning && bench --lightning bf16-mixed --profile 3 --reports-out "$OUT/prof" --json "$OUT/lightning.json"
   want nofallback && bench --skip-single -- "--trainer.fp32_fallback=[]"
   want noclip && bench --skip-single -- --trainer.gradient_clip_val=null
   want mixed && bench --skip-single -- --trainer.precision=bf16-mixed

@@ -18,5 +18,7 @@ trainer = Trainer(precision="bf16-master", max_epochs=2, accumulate_grad_batches
 trainer.fit(model, loader)
 prec = trainer._precision
 weights = {n: prec.master_of.get(id(p), p).detach().clone() for n, p in model.named_parameters()}
-torch.save({"weights": weights, "world_size": trainer.world_size, "steps": trainer.global_step},
+ddp = getattr(trainer._wrapped, "_forward_module", None)
+ddp_flags = {k: getattr(ddp, k, None) for k in ("gradient_as_bucket_view", "broadcast_buffers")}
+torch.save({"weights": weights, "world_size": trainer.world_size, "steps": trainer.global_step, "ddp": ddp_flags},
            f"{out}.rank{trainer.global_rank}.pt")
