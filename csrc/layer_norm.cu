@@ -14,6 +14,13 @@
 //    (cooperative launch), saving a launch and its tail at small shapes.  The next
 //    row's x / dy are loaded before the current row is reduced (software pipelining)
 //    where registers allow, to keep enough bytes in flight with one block per SM.
+//  * MPT_LN_FWD=ring / MPT_LN_BWD=ring (rows <= 128 vectors, i.e. <= 1024 bf16): persistent
+//    warp-per-row kernels that keep the next two rows of each warp in flight through a
+//    shared-memory ring (cp.async) instead of registers: more bytes in flight per SM at
+//    768/1024 than the register-cached kernels can afford.
+//  * MPT_LN_PDL=1 (sm_90+): the forward, backward and finish kernels are launched with
+//    programmatic dependent launch, so each one's launch and block start-up overlap the
+//    previous kernel's tail (pdl_wait() in every block before its first memory access).
 //  * storage fp32 / fp16 / bf16; gamma / beta either the input's dtype or fp32 (the
 //    `*-master` precisions keep normalization weights in fp32 under half activations).
 //  * rows that are misaligned (storage offset), not a multiple of the 16-byte vector or
@@ -26,11 +33,65 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
 
 using namespace mpt;
+
+// Kept here rather than in row_reduce.cuh so that the other row kernels' translation units
+// (softmax.cu) are not affected while only this file uses them.
+// ---- programmatic dependent launch (Hopper, sm_90+) ---------------------------------
+// A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization may start
+// (launch, become resident, run its prologue) while the previous kernel in the stream
+// is still draining; it must execute pdl_wait() before touching memory that kernel may
+// write.  pdl_wait returns once the previous grid has completed and its writes are
+// visible; it is a no-op in a kernel launched without the attribute.
+// pdl_launch_dependents() lets the next (PDL-launched) kernel start launching once every
+// block of this grid has executed it (or exited); calling it first thing is safe because
+// the dependent still waits for this grid's completion in its own pdl_wait().
+// Every kernel that is ever launched with the attribute must call pdl_wait() in every
+// block before it exits: that keeps "grid completed" transitive along a chain of PDL
+// launches.  Compiled out below sm_90 (the host never sets the attribute there: see
+// pdl_supported() below).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ---- asynchronous global -> shared copies (sm_80+ cp.async) -------------------------
+// Used to keep several rows in flight per warp without spending registers on them.
+// A thread only ever reads back the shared slots it filled itself, so cp_async_wait
+// (which makes a thread's own completed copies visible to it) is the only ordering
+// needed: no barrier.  `valid == false` zero-fills the 16 bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  *reinterpret_cast<uint4*>(smem) = valid ? load16(gmem) : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
 
 // ============================== forward ================================================
 
@@ -41,6 +102,8 @@ ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __r
               int64_t rows, int H, float eps, bool rms) {
   constexpr int VEC = Vec16<T>::n, RPB = BLOCK / TPR;
   __shared__ float red[2][BLOCK / 32];
+  pdl_launch_dependents();
+  pdl_wait();  // before any load: the previous kernel may be the one writing x
   const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
   const int64_t row = int64_t(blockIdx.x) * RPB + g;
   const bool valid = row < rows;
@@ -107,6 +170,114 @@ ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __r
       store16(yr + j * VEC, pack<T>(f));
     }
   }
+}
+
+// ---- the row ring (MPT_LN_FWD=ring / MPT_LN_BWD=ring) --------------------------------
+// Persistent grid, one warp per row, and the next STAGES-1 rows of each warp already in
+// flight into shared memory (cp.async) while the current one is reduced: the bytes in
+// flight per SM (warps x (STAGES-1) rows) no longer cost registers, which is what capped
+// the register-cached kernels at 1024 bf16 (prefetch in registers spilled there).
+// Ring layout per block: [STAGES][WARPS][TENSORS][NV][32 lanes] 16-byte vectors; each
+// lane reads back only the slots it filled (see cp_async16).
+template <int STAGES, int WARPS, int TENSORS, int NV>
+__device__ __forceinline__ uint4* ring_slot(uint4* ring, int stage, int warp, int t, int i, int lane) {
+  return ring + (((stage * WARPS + warp) * TENSORS + t) * NV + i) * 32 + lane;
+}
+
+// The per-row fp32 statistics a warp needs for its next 32 rows (row0 + (base+k)*stride
+// in lane k), fetched 32 iterations ahead so they never stall an iteration; read with
+// __shfl_sync(v, it & 31).
+__device__ __forceinline__ float stat_batch(const float* v, int64_t row0, int64_t base, int64_t stride,
+                                            int64_t rows, int lane) {
+  const int64_t r = row0 + (base + lane) * stride;
+  return (v != nullptr && r < rows) ? v[r] : 0.f;
+}
+
+template <typename T, typename W, int NV, int BLOCK, int STAGES>
+__global__ void __launch_bounds__(BLOCK)
+ln_fwd_ring_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __restrict__ beta,
+                   T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                   int64_t rows, int H, float eps, bool rms) {
+  constexpr int VEC = Vec16<T>::n, WARPS = BLOCK / 32;
+  extern __shared__ uint4 ring[];
+  pdl_launch_dependents();
+  pdl_wait();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int nvec = H / VEC;
+  const int64_t stride = int64_t(gridDim.x) * WARPS;
+  const int64_t row0 = int64_t(blockIdx.x) * WARPS + warp;
+  auto issue = [&](int stage, int64_t row) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * 32 + lane;
+      const bool ok = row < rows && j < nvec;
+      cp_async16(ring_slot<STAGES, WARPS, 1, NV>(ring, stage, warp, 0, i, lane), ok ? x + row * H + j * VEC : x, ok);
+    }
+    cp_async_commit();  // one group per row, empty or not, so wait_group counts rows
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s, row0 + s * stride);
+  int stage = 0;
+  for (int64_t row = row0; row < rows; row += stride) {
+    issue((stage + STAGES - 1) % STAGES, row + (STAGES - 1) * stride);
+    cp_async_wait<STAGES - 1>();
+    uint4 raw[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) raw[i] = *ring_slot<STAGES, WARPS, 1, NV>(ring, stage, warp, 0, i, lane);
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
+    float mu = 0.f;
+    if (!rms) {
+      float s[1] = {0.f};
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        float f[VEC];
+        unpack<T>(raw[i], f);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) s[0] += f[k];
+      }
+      group_allreduce<32, 1>(s, nullptr, SumOp());
+      mu = s[0] / H;
+    }
+    float q[1] = {0.f};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (i * 32 + lane < nvec) {
+        float f[VEC];
+        unpack<T>(raw[i], f);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float d = f[k] - mu;
+          q[0] += d * d;
+        }
+      }
+    }
+    group_allreduce<32, 1>(q, nullptr, SumOp());
+    const float rs = rsqrtf(q[0] / H + eps);
+    if (lane == 0) {
+      if (mean_out) mean_out[row] = mu;
+      rstd_out[row] = rs;
+    }
+    T* yr = y + row * H;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * 32 + lane;
+      if (j < nvec) {
+        float f[VEC], gw[VEC], bw[VEC];
+        unpack<T>(raw[i], f);
+        if (gamma) load_floats<W, VEC>(gamma + j * VEC, gw);
+        if (beta) load_floats<W, VEC>(beta + j * VEC, bw);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          float o = (f[k] - mu) * rs;
+          if (gamma) o *= gw[k];
+          if (beta) o += bw[k];
+          f[k] = o;
+        }
+        store16(yr + j * VEC, pack<T>(f));
+      }
+    }
+  }
+  cp_async_wait<0>();  // the zero-filled copies past the end must land before the block exits
 }
 
 // Any H, any alignment: scalar loads, three passes over the row (the re-reads hit L1/L2).
@@ -182,6 +353,54 @@ __device__ __forceinline__ void load_rows(uint4 (&a)[NV], uint4 (&b)[NV], float&
   }
 }
 
+// Writes this block's row of the [grid, H] dgamma / dbeta partials: the RPB = BLOCK/TPR
+// row groups (which own the same columns) are combined in shared memory one group after
+// the other, so the order is fixed (deterministic).  `acc`: 2*TPR*NV*VEC floats of shared
+// memory, unused (may be null) when RPB == 1.  Every thread of the block must call it.
+template <int TPR, int NV, int VEC, int BLOCK>
+__device__ __forceinline__ void store_block_partial(const float (&dg)[NV][VEC], const float (&db)[NV][VEC],
+                                                    float* dg_part, float* db_part, int H, float* acc) {
+  constexpr int RPB = BLOCK / TPR, MAXH = TPR * NV * VEC;
+  const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR, nvec = H / VEC;
+  float* dgo = dg_part ? dg_part + int64_t(blockIdx.x) * H : nullptr;
+  float* dbo = db_part ? db_part + int64_t(blockIdx.x) * H : nullptr;
+  if constexpr (RPB == 1) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * TPR + lane;
+      if (j < nvec) {
+#pragma unroll
+        for (int k = 0; k < VEC; k += 4) {
+          if (dgo) *reinterpret_cast<float4*>(dgo + j * VEC + k) = make_float4(dg[i][k], dg[i][k + 1], dg[i][k + 2], dg[i][k + 3]);
+          if (dbo) *reinterpret_cast<float4*>(dbo + j * VEC + k) = make_float4(db[i][k], db[i][k + 1], db[i][k + 2], db[i][k + 3]);
+        }
+      }
+    }
+  } else {
+    for (int gg = 0; gg < RPB; ++gg) {
+      if (g == gg) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          const int j = i * TPR + lane;
+          if (j < nvec) {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+              const int c = j * VEC + k;
+              acc[c] = (gg == 0 ? 0.f : acc[c]) + dg[i][k];
+              acc[MAXH + c] = (gg == 0 ? 0.f : acc[MAXH + c]) + db[i][k];
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+    for (int c = threadIdx.x; c < H; c += BLOCK) {
+      if (dgo) dgo[c] = acc[c];
+      if (dbo) dbo[c] = acc[MAXH + c];
+    }
+  }
+}
+
 // Sums the [P, H] fp32 partials over P for the 32 columns of `tile`, in a fixed order,
 // and writes dgamma / dbeta in the parameters' dtype.  BLOCK threads = 32 columns x
 // BLOCK/32 partial lanes; `s` is [2][BLOCK/32][33] floats of shared memory.
@@ -238,6 +457,8 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
               bool rms, W* dgamma, W* dbeta) {
   constexpr int VEC = Vec16<T>::n, RPB = BLOCK / TPR;
   __shared__ float red[2][BLOCK / 32 * 2];
+  pdl_launch_dependents();
+  pdl_wait();
   const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
   const int nvec = H / VEC;
   const float inv_h = 1.f / H;
@@ -317,47 +538,11 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
     }
   }
   if (dg_part == nullptr && db_part == nullptr) return;
-
-  // Combine the RPB row groups of this block (they own the same columns), one group
-  // after the other so the order is fixed, then write this block's partial row.
-  float* dgo = dg_part ? dg_part + int64_t(blockIdx.x) * H : nullptr;
-  float* dbo = db_part ? db_part + int64_t(blockIdx.x) * H : nullptr;
   if constexpr (RPB == 1) {
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int j = i * TPR + lane;
-      if (j < nvec) {
-#pragma unroll
-        for (int k = 0; k < VEC; k += 4) {
-          if (dgo) *reinterpret_cast<float4*>(dgo + j * VEC + k) = make_float4(dg[i][k], dg[i][k + 1], dg[i][k + 2], dg[i][k + 3]);
-          if (dbo) *reinterpret_cast<float4*>(dbo + j * VEC + k) = make_float4(db[i][k], db[i][k + 1], db[i][k + 2], db[i][k + 3]);
-        }
-      }
-    }
+    store_block_partial<TPR, NV, VEC, BLOCK>(dg, db, dg_part, db_part, H, nullptr);
   } else {
-    constexpr int MAXH = TPR * NV * VEC;
-    __shared__ float acc[2][MAXH];
-    for (int gg = 0; gg < RPB; ++gg) {
-      if (g == gg) {
-#pragma unroll
-        for (int i = 0; i < NV; ++i) {
-          const int j = i * TPR + lane;
-          if (j < nvec) {
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-              const int c = j * VEC + k;
-              acc[0][c] = (gg == 0 ? 0.f : acc[0][c]) + dg[i][k];
-              acc[1][c] = (gg == 0 ? 0.f : acc[1][c]) + db[i][k];
-            }
-          }
-        }
-      }
-      __syncthreads();
-    }
-    for (int c = threadIdx.x; c < H; c += BLOCK) {
-      if (dgo) dgo[c] = acc[0][c];
-      if (dbo) dbo[c] = acc[1][c];
-    }
+    __shared__ float acc[2 * TPR * NV * VEC];
+    store_block_partial<TPR, NV, VEC, BLOCK>(dg, db, dg_part, db_part, H, acc);
   }
   if constexpr (FUSED_FINISH) {
     __shared__ float fin[2 * (BLOCK / 32) * 33];
@@ -367,6 +552,109 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
     for (int tile = blockIdx.x; tile * 32 < H; tile += gridDim.x)
       param_finish_tile<W, BLOCK>(dg_part, db_part, P, H, tile, dgamma, dbeta, fin);
   }
+}
+
+// Backward on the row ring (see ln_fwd_ring_kernel): one warp per row, x and dy of the
+// next STAGES-1 rows in flight into shared memory, dgamma / dbeta accumulated in fp32
+// registers as in ln_bwd_kernel (each lane owns the same columns for every row), then
+// one partial row per block for ln_param_finish.  No block barrier inside the row loop.
+// The row is read twice from shared memory (sums, then dx) instead of being held in
+// registers, which leaves the registers to the accumulators (two blocks per SM).
+template <typename T, typename W, int NV, int BLOCK, int MINB, int STAGES>
+__global__ void __launch_bounds__(BLOCK, MINB)
+ln_bwd_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
+                   const float* __restrict__ rstd, const W* __restrict__ gamma, T* __restrict__ dx,
+                   float* dg_part, float* db_part, int64_t rows, int H, bool rms) {
+  constexpr int VEC = Vec16<T>::n, WARPS = BLOCK / 32;
+  extern __shared__ uint4 ring[];
+  pdl_launch_dependents();
+  pdl_wait();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int nvec = H / VEC;
+  const float inv_h = 1.f / H;
+  const int64_t stride = int64_t(gridDim.x) * WARPS;
+  const int64_t row0 = int64_t(blockIdx.x) * WARPS + warp;
+  auto issue = [&](int stage, int64_t row) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * 32 + lane;
+      const bool ok = row < rows && j < nvec;
+      const int64_t off = ok ? row * H + j * VEC : 0;
+      cp_async16(ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 0, i, lane), x + off, ok);
+      cp_async16(ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 1, i, lane), dy + off, ok);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s, row0 + s * stride);
+  float cmu = stat_batch(mean, row0, 0, stride, rows, lane), crs = stat_batch(rstd, row0, 0, stride, rows, lane);
+  float nmu = stat_batch(mean, row0, 32, stride, rows, lane), nrs = stat_batch(rstd, row0, 32, stride, rows, lane);
+
+  float dg[NV][VEC], db[NV][VEC];
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dg[i][k] = db[i][k] = 0.f;
+
+  int stage = 0;
+  int64_t it = 0;
+  for (int64_t row = row0; row < rows; row += stride, ++it) {
+    issue((stage + STAGES - 1) % STAGES, row + (STAGES - 1) * stride);
+    if (it > 0 && (it & 31) == 0) {
+      cmu = nmu;
+      crs = nrs;
+      nmu = stat_batch(mean, row0, it + 32, stride, rows, lane);
+      nrs = stat_batch(rstd, row0, it + 32, stride, rows, lane);
+    }
+    const float mu = __shfl_sync(0xffffffffu, cmu, int(it & 31));
+    const float rs = __shfl_sync(0xffffffffu, crs, int(it & 31));
+    cp_async_wait<STAGES - 1>();
+
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * 32 + lane;
+      if (j < nvec) {
+        float xf[VEC], df[VEC], gw[VEC];
+        unpack<T>(*ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 0, i, lane), xf);
+        unpack<T>(*ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 1, i, lane), df);
+        if (gamma) load_floats<W, VEC>(gamma + j * VEC, gw);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float xh = (xf[k] - mu) * rs;
+          const float gd = gamma ? __fmul_rn(df[k], gw[k]) : df[k];  // no FMA contraction: see kExactGd
+          s[0] += gd;
+          s[1] += gd * xh;
+          dg[i][k] += df[k] * xh;
+          db[i][k] += df[k];
+        }
+      }
+    }
+    group_allreduce<32, 2>(s, nullptr, SumOp());
+    const float c1 = rms ? 0.f : s[0] * inv_h, c2 = s[1] * inv_h;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * 32 + lane;
+      if (j < nvec) {
+        float xf[VEC], df[VEC], gw[VEC];
+        unpack<T>(*ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 0, i, lane), xf);
+        unpack<T>(*ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 1, i, lane), df);
+        if (gamma) load_floats<W, VEC>(gamma + j * VEC, gw);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float xh = (xf[k] - mu) * rs;
+          const float gd = gamma ? __fmul_rn(df[k], gw[k]) : df[k];  // no FMA contraction: see kExactGd
+          xf[k] = rs * (gd - c1 - xh * c2);
+        }
+        store16(dx + row * H + j * VEC, pack<T>(xf));
+      }
+    }
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();
+  if (dg_part == nullptr && db_part == nullptr) return;
+  __syncthreads();  // every warp is done with the ring: it becomes the combine buffer
+  store_block_partial<32, NV, VEC, BLOCK>(dg, db, dg_part, db_part, H, reinterpret_cast<float*>(ring));
 }
 
 // dx for any H / alignment: the row sums in one pass, dx in a second (re-read from L1/L2).
@@ -445,6 +733,8 @@ __global__ void __launch_bounds__(512)
 ln_param_finish(const float* __restrict__ dg_part, const float* __restrict__ db_part, int P, int H,
                 W* __restrict__ dgamma, W* __restrict__ dbeta) {
   __shared__ float s[2 * 16 * 33];
+  pdl_launch_dependents();
+  pdl_wait();
   param_finish_tile<W, 512>(dg_part, db_part, P, H, blockIdx.x, dgamma, dbeta, s);
 }
 
@@ -462,10 +752,142 @@ const W* opt_ptr(const at::Tensor& t) {
   return t.defined() ? reinterpret_cast<const W*>(t.data_ptr()) : nullptr;
 }
 
+// Launch variants are read from the environment on every call (so one process can
+// benchmark them all; a CUDA graph keeps the variant it captured).
+const char* env_value(const char* name) {
+  const char* v = std::getenv(name);
+  return (v == nullptr || *v == 0) ? nullptr : v;
+}
+
+// $MPT_LN_PDL=1: launch the forward, backward and finish kernels with programmatic
+// dependent launch (Hopper): each may launch and become resident while the kernel before
+// it in the stream drains, and waits in pdl_wait() before touching memory.  Only where
+// the device is sm_90+ and the kernels were compiled for it (a binary JIT-compiled from
+// older PTX has no griddepcontrol.wait in it, and the attribute would then be unsafe).
+bool pdl_requested() {
+  const char* v = env_value("MPT_LN_PDL");
+  if (v == nullptr || std::strcmp(v, "0") == 0) return false;
+  TORCH_CHECK(std::strcmp(v, "1") == 0, "MPT_LN_PDL=", v, " is not a valid setting; use 0 or 1");
+  return true;
+}
+bool pdl_supported() {
+  if (at::cuda::getCurrentDeviceProperties()->major < 9) return false;
+  static const bool compiled_for_sm90 = [] {
+    cudaFuncAttributes a{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(ln_param_finish<float>)));
+    return a.ptxVersion >= 90;
+  }();
+  return compiled_for_sm90;
+}
+bool use_pdl() { return pdl_requested() && pdl_supported(); }
+
+// Launches `kernel` on `stream`, with the programmatic-dependent-launch attribute when
+// `pdl` (stream capture records it as a programmatic graph edge, CUDA >= 12.3).
+template <typename... KArgs, typename... Args>
+void launch_kernel(void (*kernel)(KArgs...), int64_t grid, int block, size_t smem, cudaStream_t stream, bool pdl,
+                   Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// Resident blocks per SM of `kernel` (at least 1); sets the dynamic shared memory limit
+// first when the kernel needs more than the default 48 KB.
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel, int block, size_t smem) {
+  if (smem > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, smem));
+  return n < 1 ? 1 : n;
+}
+
+// Persistent grid over `groups` units of work: as many iterations per block as the
+// resident grid (`cap` blocks) needs, then the fewest blocks that cover the work in that
+// many, so the last iteration is (nearly) full instead of, e.g., 64 of 2112 rows at
+// 65536x768 on 264 blocks.  Never more than `cap` (the cooperative launch requires it).
+int64_t balanced_grid(int64_t groups, int64_t cap) {
+  const int64_t iters = (groups + cap - 1) / cap;
+  return (groups + iters - 1) / iters;
+}
+
+// ---- forward ----
+// $MPT_LN_FWD: "auto" (default): the register-cached ln_fwd_kernel, one row group per
+// block slot, a block per 1-4 rows (non-persistent).  "ring": for rows of <= 128 vectors
+// (1024 bf16), the persistent ln_fwd_ring_kernel (next two rows of each warp in flight
+// through shared memory); longer rows use auto's kernel.
+enum class FwdFamily { Auto, Ring };
+FwdFamily fwd_family() {
+  const char* v = env_value("MPT_LN_FWD");
+  if (v == nullptr || std::strcmp(v, "auto") == 0) return FwdFamily::Auto;
+  TORCH_CHECK(std::strcmp(v, "ring") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto or ring");
+  return FwdFamily::Ring;
+}
+
+constexpr int kRingBlock = 256, kRingStages = 3;
+
+template <typename T, typename W, int NV>
+void launch_fwd_ring(const T* xp, const W* gp, const W* bp, T* yp, float* mean, float* rstd, int64_t rows, int H,
+                     float eps, bool rms, cudaStream_t stream, bool pdl) {
+  constexpr int WARPS = kRingBlock / 32;
+  constexpr size_t SMEM = size_t(kRingStages) * WARPS * NV * 32 * 16;
+  auto kernel = ln_fwd_ring_kernel<T, W, NV, kRingBlock, kRingStages>;
+  static const int per_sm = blocks_per_sm(kernel, kRingBlock, SMEM);
+  const int64_t grid = balanced_grid((rows + WARPS - 1) / WARPS, int64_t(num_sms()) * per_sm);
+  launch_kernel(kernel, grid, kRingBlock, SMEM, stream, pdl, xp, gp, bp, yp, mean, rstd, rows, H, eps, rms);
+  MPT_CHECK_LAUNCH(kFwd);
+}
+
+template <typename T, typename W>
+void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& y,
+                float* mean, float* rstd, int64_t rows, int H, float eps, bool rms) {
+  constexpr int VEC = Vec16<T>::n;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  const W* gp = opt_ptr<W>(w);
+  const W* bp = opt_ptr<W>(b);
+  const bool aligned = H % VEC == 0 && aligned16(xp) && aligned16(yp) && aligned16(gp) && aligned16(bp);
+  const RowShape shape = aligned ? pick_row_shape(H / VEC) : RowShape::Generic;
+  const bool pdl = use_pdl();
+  const int64_t nvec = H / VEC;
+  if (shape != RowShape::Generic && fwd_family() == FwdFamily::Ring && nvec <= 128) {
+    if (nvec <= 32) launch_fwd_ring<T, W, 1>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
+    else if (nvec <= 64) launch_fwd_ring<T, W, 2>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
+    else if (nvec <= 96) launch_fwd_ring<T, W, 3>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
+    else launch_fwd_ring<T, W, 4>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
+  } else if (shape != RowShape::Generic) {
+    MPT_ROW_SHAPE_SWITCH(shape, {
+      constexpr int BLOCK = TPR < 128 ? 128 : TPR;
+      constexpr int RPB = BLOCK / TPR;
+      const int64_t grid = (rows + RPB - 1) / RPB;
+      launch_kernel(ln_fwd_kernel<T, W, TPR, NV, BLOCK>, grid, BLOCK, 0, stream, pdl, xp, gp, bp, yp, mean, rstd,
+                    rows, H, eps, rms);
+      MPT_CHECK_LAUNCH(kFwd);
+    });
+  } else if (H <= 1024) {
+    const int64_t grid = (rows + 3) / 4;
+    ln_fwd_generic<T, W, 32, 128><<<grid, 128, 0, stream>>>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms);
+    MPT_CHECK_LAUNCH(kFwd);
+  } else {
+    ln_fwd_generic<T, W, 512, 512><<<rows, 512, 0, stream>>>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms);
+    MPT_CHECK_LAUNCH(kFwd);
+  }
+}
+
+// ---- backward ----
 // The (TPR, NV) shapes of the backward kernel: NV = 2 with prefetch where the row fits,
 // so the per-thread dgamma/dbeta accumulators plus two rows of vectors stay in registers.
-// Launch families, chosen per call by $MPT_LN_BWD (read on every call so one process
-// can benchmark them all; a CUDA graph keeps the one it captured):
+// Launch families, chosen per call by $MPT_LN_BWD:
 //  * "b512": 512-thread blocks, one per SM, the W* table below (the first design).
 //  * "b256": for rows of <= 128 vectors (1024 bf16), one warp per row with
 //    NV = ceil(nvec / 32) (768 bf16 = 96 vectors = 32 x 3: no idle slots, no barriers),
@@ -477,19 +899,25 @@ const W* opt_ptr(const at::Tensor& t) {
 //    (16384x1024: 66.0% vs 56.0%; 4096 is the same kernel in both).
 //  * "coop": auto's shapes, with dgamma / dbeta finished inside the backward kernel
 //    after a grid-wide barrier (FUSED_FINISH): one kernel instead of two.
+//  * "ring": for rows of <= 128 vectors, b256's warp-per-row shapes on the shared-memory
+//    row ring (ln_bwd_ring_kernel: two rows ahead per warp in flight, no prefetch
+//    registers); longer rows use auto's table.
 enum class BwdShape { W32x2, W64x2, W128x2, W256x2, W512x2, W512x4, N32x1, N32x2, N32x3, N32x4, Generic };
-enum class BwdFamily { Auto, B256, B512, Coop };
+enum class BwdFamily { Auto, B256, B512, Coop, Ring };
 BwdFamily bwd_family() {
-  const char* v = std::getenv("MPT_LN_BWD");
-  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0) return BwdFamily::Auto;
+  const char* v = env_value("MPT_LN_BWD");
+  if (v == nullptr || std::strcmp(v, "auto") == 0) return BwdFamily::Auto;
   if (std::strcmp(v, "b256") == 0) return BwdFamily::B256;
   if (std::strcmp(v, "b512") == 0) return BwdFamily::B512;
+  if (std::strcmp(v, "ring") == 0) return BwdFamily::Ring;
   TORCH_CHECK(std::strcmp(v, "coop") == 0, "MPT_LN_BWD=", v,
-              " is not a backward variant; use auto, b256, b512 or coop");
+              " is not a backward variant; use auto, b256, b512, coop or ring");
   return BwdFamily::Coop;
 }
 BwdShape pick_bwd_shape(int64_t nvec, BwdFamily family) {
-  const int64_t narrow_max = family == BwdFamily::B256 ? 128 : family == BwdFamily::B512 ? 0 : 96;
+  const int64_t narrow_max = (family == BwdFamily::B256 || family == BwdFamily::Ring) ? 128
+                             : family == BwdFamily::B512                             ? 0
+                                                                                     : 96;
   if (nvec <= narrow_max) {
     if (nvec <= 32) return BwdShape::N32x1;
     if (nvec <= 64) return BwdShape::N32x2;
@@ -505,82 +933,94 @@ BwdShape pick_bwd_shape(int64_t nvec, BwdFamily family) {
   return BwdShape::Generic;
 }
 
+// Everything one backward launch of the row-cached kernels needs.
 template <typename T, typename W>
-void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& y,
-                float* mean, float* rstd, int64_t rows, int H, float eps, bool rms) {
-  constexpr int VEC = Vec16<T>::n;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-  T* yp = reinterpret_cast<T*>(y.data_ptr());
-  const W* gp = opt_ptr<W>(w);
-  const W* bp = opt_ptr<W>(b);
-  const bool aligned = H % VEC == 0 && aligned16(xp) && aligned16(yp) && aligned16(gp) && aligned16(bp);
-  const RowShape shape = aligned ? pick_row_shape(H / VEC) : RowShape::Generic;
-  if (shape != RowShape::Generic) {
-    MPT_ROW_SHAPE_SWITCH(shape, {
-      constexpr int BLOCK = TPR < 128 ? 128 : TPR;
-      constexpr int RPB = BLOCK / TPR;
-      const int64_t grid = (rows + RPB - 1) / RPB;
-      ln_fwd_kernel<T, W, TPR, NV, BLOCK><<<grid, BLOCK, 0, stream>>>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms);
-      MPT_CHECK_LAUNCH(kFwd);
-    });
-  } else if (H <= 1024) {
-    const int64_t grid = (rows + 3) / 4;
-    ln_fwd_generic<T, W, 32, 128><<<grid, 128, 0, stream>>>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms);
-    MPT_CHECK_LAUNCH(kFwd);
-  } else {
-    ln_fwd_generic<T, W, 512, 512><<<rows, 512, 0, stream>>>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms);
-    MPT_CHECK_LAUNCH(kFwd);
+struct BwdArgs {
+  const T* dy;
+  const T* x;
+  const float* mean;
+  const float* rstd;
+  const W* gamma;
+  T* dx;
+  bool want_dg, want_db;
+  int64_t rows;
+  int H;
+  bool rms;
+  at::TensorOptions fopts;
+  at::Tensor* dg_part;  // [grid, H] fp32 partials, allocated by the launch
+  at::Tensor* db_part;
+  W* dgamma;  // filled by the kernel itself only under FUSED (coop)
+  W* dbeta;
+  cudaStream_t stream;
+  bool pdl;
+
+  void alloc_partials(int64_t grid) const {
+    if (want_dg) *dg_part = at::empty({grid, H}, fopts);
+    if (want_db) *db_part = at::empty({grid, H}, fopts);
   }
-}
+  float* dgq() const { return want_dg ? dg_part->data_ptr<float>() : nullptr; }
+  float* dbq() const { return want_db ? db_part->data_ptr<float>() : nullptr; }
+};
 
 // One backward launch of the row-cached kernel; fills dgamma / dbeta itself when
 // FUSED (cooperative launch), else leaves [grid, H] partials for ln_param_finish.
 template <typename T, typename W, int TPR, int NV, bool PREFETCH, int BLOCK, int MINB, bool FUSED>
-void launch_bwd_kernel(const T* dyp, const T* xp, const float* mean, const float* rstd, const W* gp, T* dxp,
-                       bool want_dg, bool want_db, int64_t rows, int H, bool rms, const at::TensorOptions& fopts,
-                       at::Tensor& dg_part, at::Tensor& db_part, W* dgp, W* dbp) {
+void launch_bwd_kernel(const BwdArgs<T, W>& a) {
   constexpr int RPB = BLOCK / TPR;
   auto kernel = ln_bwd_kernel<T, W, TPR, NV, BLOCK, MINB, PREFETCH, FUSED>;
-  static const int per_sm = [&] {
-    int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, BLOCK, 0));
-    return n < 1 ? 1 : n;
-  }();
-  // As many row-group iterations per block as the resident grid needs, then the fewest
-  // blocks that cover the rows in that many: the last iteration is (nearly) full instead
-  // of, e.g., 64 of 2112 rows at 65536x768 on 264 blocks.  Never more than the resident
-  // grid, which the cooperative launch (FUSED) requires.
-  const int64_t want = (rows + RPB - 1) / RPB;
-  const int64_t cap = int64_t(num_sms()) * per_sm;
-  const int64_t iters = (want + cap - 1) / cap;
-  const int64_t grid = (want + iters - 1) / iters;
-  if (want_dg) dg_part = at::empty({grid, H}, fopts);
-  if (want_db) db_part = at::empty({grid, H}, fopts);
-  float* dgq = want_dg ? dg_part.data_ptr<float>() : nullptr;
-  float* dbq = want_db ? db_part.data_ptr<float>() : nullptr;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  static const int per_sm = blocks_per_sm(kernel, BLOCK, 0);
+  const int64_t grid = balanced_grid((a.rows + RPB - 1) / RPB, int64_t(num_sms()) * per_sm);
+  a.alloc_partials(grid);
+  float* dgq = a.dgq();
+  float* dbq = a.dbq();
   if constexpr (FUSED) {
+    const T *dyp = a.dy, *xp = a.x;
+    const float *mean = a.mean, *rstd = a.rstd;
+    const W* gp = a.gamma;
+    T* dxp = a.dx;
+    int64_t rows = a.rows;
+    int H = a.H;
+    bool rms = a.rms;
+    W *dgp = a.dgamma, *dbp = a.dbeta;
     void* args[] = {(void*)&dyp, (void*)&xp, (void*)&mean, (void*)&rstd, (void*)&gp, (void*)&dxp,
                     (void*)&dgq, (void*)&dbq, (void*)&rows, (void*)&H, (void*)&rms, (void*)&dgp, (void*)&dbp};
     C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(grid), dim3(BLOCK), args,
-                                               0, stream));
+                                               0, a.stream));
   } else {
-    kernel<<<grid, BLOCK, 0, stream>>>(dyp, xp, mean, rstd, gp, dxp, dgq, dbq, rows, H, rms, dgp, dbp);
+    launch_kernel(kernel, grid, BLOCK, 0, a.stream, a.pdl, a.dy, a.x, a.mean, a.rstd, a.gamma, a.dx, dgq, dbq, a.rows,
+                  a.H, a.rms, a.dgamma, a.dbeta);
   }
   MPT_CHECK_LAUNCH(kBwd);
 }
 
 template <typename T, typename W, int TPR, int NV, bool PREFETCH, int BLOCK = 512, int MINB = 1>
-void launch_bwd_cached(bool fused, const T* dyp, const T* xp, const float* mean, const float* rstd, const W* gp,
-                       T* dxp, bool want_dg, bool want_db, int64_t rows, int H, bool rms,
-                       const at::TensorOptions& fopts, at::Tensor& dg_part, at::Tensor& db_part, W* dgp, W* dbp) {
+void launch_bwd_cached(bool fused, const BwdArgs<T, W>& a) {
   if (fused)
-    launch_bwd_kernel<T, W, TPR, NV, PREFETCH, BLOCK, MINB, true>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows,
-                                                                  H, rms, fopts, dg_part, db_part, dgp, dbp);
+    launch_bwd_kernel<T, W, TPR, NV, PREFETCH, BLOCK, MINB, true>(a);
   else
-    launch_bwd_kernel<T, W, TPR, NV, PREFETCH, BLOCK, MINB, false>(dyp, xp, mean, rstd, gp, dxp, want_dg, want_db,
-                                                                   rows, H, rms, fopts, dg_part, db_part, dgp, dbp);
+    launch_bwd_kernel<T, W, TPR, NV, PREFETCH, BLOCK, MINB, false>(a);
+}
+
+template <typename T, typename W, int NV>
+void launch_bwd_ring(const BwdArgs<T, W>& a) {
+  constexpr int WARPS = kRingBlock / 32, MINB = 2;
+  constexpr size_t SMEM = size_t(kRingStages) * WARPS * 2 * NV * 32 * 16;
+  auto kernel = ln_bwd_ring_kernel<T, W, NV, kRingBlock, MINB, kRingStages>;
+  static const int per_sm = blocks_per_sm(kernel, kRingBlock, SMEM);
+  const int64_t grid = balanced_grid((a.rows + WARPS - 1) / WARPS, int64_t(num_sms()) * per_sm);
+  a.alloc_partials(grid);
+  launch_kernel(kernel, grid, kRingBlock, SMEM, a.stream, a.pdl, a.dy, a.x, a.mean, a.rstd, a.gamma, a.dx, a.dgq(),
+                a.dbq(), a.rows, a.H, a.rms);
+  MPT_CHECK_LAUNCH(kBwd);
+}
+
+// The narrow (warp-per-row) shapes: the ring kernel under "ring", b256's otherwise.
+template <typename T, typename W, int NV>
+void launch_bwd_narrow(bool ring, bool fused, const BwdArgs<T, W>& a) {
+  if (ring)
+    launch_bwd_ring<T, W, NV>(a);
+  else
+    launch_bwd_cached<T, W, 32, NV, (NV <= 2), 256, 2>(fused, a);
 }
 
 template <typename T, typename W>
@@ -600,19 +1040,23 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
   const BwdFamily family = bwd_family();
   const BwdShape shape = aligned ? pick_bwd_shape(H / VEC, family) : BwdShape::Generic;
   const bool fused = family == BwdFamily::Coop && shape != BwdShape::Generic && (want_dg || want_db);
+  const bool ring = family == BwdFamily::Ring;
+  const bool pdl = use_pdl();
   W* dgp = want_dg ? reinterpret_cast<W*>(dgamma.data_ptr()) : nullptr;
   W* dbp = want_db ? reinterpret_cast<W*>(dbeta.data_ptr()) : nullptr;
+  const BwdArgs<T, W> a{dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts,
+                        &dg_part, &db_part, dgp, dbp, stream, pdl};
   switch (shape) {
-    case BwdShape::W32x2: launch_bwd_cached<T, W, 32, 2, true>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
-    case BwdShape::W64x2: launch_bwd_cached<T, W, 64, 2, true>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
-    case BwdShape::W128x2: launch_bwd_cached<T, W, 128, 2, true>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
-    case BwdShape::W256x2: launch_bwd_cached<T, W, 256, 2, true>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
-    case BwdShape::W512x2: launch_bwd_cached<T, W, 512, 2, true>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
-    case BwdShape::W512x4: launch_bwd_cached<T, W, 512, 4, false>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
-    case BwdShape::N32x1: launch_bwd_cached<T, W, 32, 1, true, 256, 2>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
-    case BwdShape::N32x2: launch_bwd_cached<T, W, 32, 2, true, 256, 2>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
-    case BwdShape::N32x3: launch_bwd_cached<T, W, 32, 3, false, 256, 2>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
-    case BwdShape::N32x4: launch_bwd_cached<T, W, 32, 4, false, 256, 2>(fused, dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts, dg_part, db_part, dgp, dbp); break;
+    case BwdShape::W32x2: launch_bwd_cached<T, W, 32, 2, true>(fused, a); break;
+    case BwdShape::W64x2: launch_bwd_cached<T, W, 64, 2, true>(fused, a); break;
+    case BwdShape::W128x2: launch_bwd_cached<T, W, 128, 2, true>(fused, a); break;
+    case BwdShape::W256x2: launch_bwd_cached<T, W, 256, 2, true>(fused, a); break;
+    case BwdShape::W512x2: launch_bwd_cached<T, W, 512, 2, true>(fused, a); break;
+    case BwdShape::W512x4: launch_bwd_cached<T, W, 512, 4, false>(fused, a); break;
+    case BwdShape::N32x1: launch_bwd_narrow<T, W, 1>(ring, fused, a); break;
+    case BwdShape::N32x2: launch_bwd_narrow<T, W, 2>(ring, fused, a); break;
+    case BwdShape::N32x3: launch_bwd_narrow<T, W, 3>(ring, fused, a); break;
+    case BwdShape::N32x4: launch_bwd_narrow<T, W, 4>(ring, fused, a); break;
     default: {
       if (H <= 1024) {
         ln_bwd_dx_generic<T, W, 32, 128><<<(rows + 3) / 4, 128, 0, stream>>>(dyp, xp, mean, rstd, gp, dxp, rows, H, rms);
@@ -638,10 +1082,11 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
   if ((!want_dg && !want_db) || fused) return;
   const at::Tensor& any = want_dg ? dg_part : db_part;
   const int P = static_cast<int>(any.size(0));
-  ln_param_finish<W><<<(H + 31) / 32, 512, 0, stream>>>(
-      want_dg ? dg_part.data_ptr<float>() : nullptr, want_db ? db_part.data_ptr<float>() : nullptr, P, H,
-      want_dg ? reinterpret_cast<W*>(dgamma.data_ptr()) : nullptr,
-      want_db ? reinterpret_cast<W*>(dbeta.data_ptr()) : nullptr);
+  // PDL here too: the finish kernel's blocks launch while the backward drains (only after
+  // a PDL-capable backward; the generic path's kernels are plain launches, and a PDL launch
+  // after a plain one simply waits for it).
+  launch_kernel(ln_param_finish<W>, (H + 31) / 32, 512, 0, stream, pdl, want_dg ? dg_part.data_ptr<float>() : nullptr,
+                want_db ? db_part.data_ptr<float>() : nullptr, P, H, dgp, dbp);
   MPT_CHECK_LAUNCH(kBwd);
 }
 

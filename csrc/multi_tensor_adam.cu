@@ -49,6 +49,12 @@ struct AdamOp {
 
   __device__ bool skip() const { return a.found_inf != nullptr && *a.found_inf != 0.f; }
 
+  // Queue launches (variants 5, 6): the last block advances the step counts, after every
+  // block has read them, so the step needs no step_increment launch of its own.
+  __device__ void last_block(const TensorListMeta<kDepth>& meta) const {
+    for (int t = threadIdx.x; t < meta.ntensors; t += blockDim.x) *static_cast<float*>(meta.addr[4][t]) += 1.f;
+  }
+
   __device__ void operator()(const TensorListMeta<kDepth>& meta, int t, int, int64_t off, int n) const {
     const G* g = static_cast<const G*>(meta.addr[0][t]) + off;
     P* p = static_cast<P*>(meta.addr[1][t]) + off;
@@ -117,7 +123,7 @@ struct AdamOp {
 constexpr int kAdamGridPerSm = 16;
 
 template <typename T>
-void adam_master_launch(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& a, const char* name) {
+void adam_master_switch(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& a, const char* name) {
   switch (variant_override()) {
     case 1:
       return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 4, 4>{a}, name);
@@ -130,6 +136,41 @@ void adam_master_launch(const std::vector<std::vector<at::Tensor>>& lists, const
                                    kAdamGridPerSm);
     default:
       return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name, kAdamGridPerSm);
+  }
+}
+
+// Queue counters (multi_tensor_apply.cuh): 64 slots per device, picked by stream.
+constexpr int kQueueSlots = 64;
+__device__ QueueCounters g_queue_counters[kQueueSlots];
+
+QueueCounters* queue_counters(cudaStream_t stream) {
+  constexpr int kMaxDevices = 64;
+  static QueueCounters* base[kMaxDevices] = {};
+  const int dev = c10::cuda::current_device();
+  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "multi_tensor queue kernels: device index ", dev, " >= ", kMaxDevices);
+  if (base[dev] == nullptr) {
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaGetSymbolAddress(&p, g_queue_counters));
+    base[dev] = static_cast<QueueCounters*>(p);
+  }
+  // Stream handles are pointers: drop the low bits that are the same for all of them.
+  const auto h = reinterpret_cast<uintptr_t>(stream);
+  return base[dev] + ((h >> 4) ^ (h >> 12)) % kQueueSlots;
+}
+
+// Returns true when the launch also advanced the step counts (queue variants).
+template <typename T>
+bool adam_master_launch(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& a, const char* name) {
+  switch (variant_override()) {
+    case 5:
+      multi_tensor_apply_queue<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name);
+      return true;
+    case 6:
+      multi_tensor_apply_queue<6>(lists, 1u << 4, AdamOp<T, T, float, true, 1, 8>{a}, name);
+      return true;
+    default:
+      adam_master_switch<T>(lists, a, name);
+      return false;
   }
 }
 
@@ -175,8 +216,9 @@ void multi_tensor_adam(const std::vector<at::Tensor>& grads, const std::vector<a
     check_dtype(exp_avgs, at::kFloat, name, "exp_avgs");
     check_dtype(exp_avg_sqs, at::kFloat, name, "exp_avg_sqs");
     const std::vector<std::vector<at::Tensor>> lists{grads, params, exp_avgs, exp_avg_sqs, steps, masters};
-    if (pt == at::kHalf) adam_master_launch<at::Half>(lists, a, name);
-    else adam_master_launch<at::BFloat16>(lists, a, name);
+    const bool stepped = pt == at::kHalf ? adam_master_launch<at::Half>(lists, a, name)
+                                         : adam_master_launch<at::BFloat16>(lists, a, name);
+    if (stepped) return;
   }
   step_increment(steps, a.found_inf, name);
 }

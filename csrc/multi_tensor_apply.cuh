@@ -214,6 +214,61 @@ __global__ void __launch_bounds__(kBlock, op_min_blocks<Op>::value)
   }
 }
 
+// ---------------------------------------------------------------- the queue kernel
+// A resident grid whose blocks take chunks from a global counter (atomicAdd) instead
+// of a fixed stride: a block that finishes early takes more chunks, so the launch
+// ends within about one chunk of the slowest block (the fixed-stride grids end when
+// the last of their pre-assigned chunk lists does, a wave-quantization tail). Each
+// block asks for its next chunk while it works on the current one (two shared slots,
+// one barrier per chunk). The last block to finish (a second counter) runs
+// op.last_block(meta) -- e.g. the step-count increment that otherwise needs a launch
+// of its own -- and sets both counters back to zero, so the next launch on the stream
+// (or the next replay of a captured graph) finds them zeroed without a memset.
+// A launch that skips (found_inf) touches neither counter.
+struct QueueCounters {
+  unsigned int next;  // next chunk to hand out
+  unsigned int done;  // blocks finished
+};
+
+template <int DEPTH, typename Op>
+__global__ void __launch_bounds__(kBlock, op_min_blocks<Op>::value)
+    multi_tensor_queue_kernel(const __grid_constant__ TensorListMeta<DEPTH> meta, const __grid_constant__ Op op,
+                              QueueCounters* q) {
+  constexpr int kChunk = op_chunk<Op>();
+  if (op.skip()) return;
+  __shared__ int slot[2];
+  __shared__ bool last;
+  const int total = meta.chunk_end[meta.ntensors - 1];
+  if (threadIdx.x == 0) slot[0] = static_cast<int>(atomicAdd(&q->next, 1u));
+  __syncthreads();
+  int t = 0;
+  for (int s = 0;; s ^= 1) {
+    const int c = slot[s];
+    if (c >= total) break;
+    // Slot s^1 was last read before the barrier that ended the previous chunk.
+    if (threadIdx.x == 0) slot[s ^ 1] = static_cast<int>(atomicAdd(&q->next, 1u));
+    while (c >= meta.chunk_end[t]) ++t;  // chunks of a block only increase
+    const int first = t == 0 ? 0 : meta.chunk_end[t - 1];
+    const int64_t off = static_cast<int64_t>(c - first) * kChunk;
+    const int64_t left = meta.numel[t] - off;
+    op(meta, t, c, off, static_cast<int>(left < kChunk ? left : kChunk));
+    __syncthreads();
+  }
+  // Every thread of the block has left the loop: its reads of shared per-tensor values
+  // (step counts) are done. Publish that, then count the block.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&q->done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other blocks' work (and reads) happened before their count
+  op.last_block(meta);
+  if (threadIdx.x == 0) {
+    q->next = 0;
+    q->done = 0;
+  }
+}
+
 // ---------------------------------------------------------------- host side
 
 // Blocks per SM for a persistent grid; 0 = ask the occupancy calculator.
@@ -329,6 +384,39 @@ void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, unsig
     if (chunks == 0) return;
     const int grid = persistent_grid<DEPTH, Op>(chunks, grid_per_sm);
     multi_tensor_kernel<DEPTH, Op><<<grid, kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(meta, op);
+    MPT_CHECK_LAUNCH(name);
+  });
+}
+
+// Zeroed counters for one queue launch on `stream` of the current device: a slot of a
+// static device array (zero at module load, zeroed again by every launch's last block),
+// picked by the stream, so launches in one stream reuse their slot in order and graph
+// capture needs neither an allocation nor a memset. Two streams hashing to the same
+// slot while both run a queue kernel at once would share counters: 64 slots make that
+// unlikely, not impossible (see notes/optim_kernels.md).
+QueueCounters* queue_counters(cudaStream_t stream);
+
+// The queue variant of multi_tensor_apply: same lists and op (which must also provide
+// `__device__ void last_block(const TensorListMeta<DEPTH>&) const`, run by one block after
+// all others finished), grid = the blocks resident at once (or the Python override).
+template <int DEPTH, typename Op>
+void multi_tensor_apply_queue(const std::vector<std::vector<at::Tensor>>& lists, unsigned scalar_lists,
+                              const Op& op, const char* name) {
+  static_assert(sizeof(TensorListMeta<DEPTH>) + sizeof(Op) + sizeof(void*) <= (kLargeKernelArgs ? 32764 : 4096),
+                "kernel arguments exceed the launch limit: lower kArgBudget");
+  for_each_launch<DEPTH>(lists, scalar_lists, op_chunk<Op>(), name, [&](const TensorListMeta<DEPTH>& meta, int chunks) {
+    static const int occupancy = [] {
+      int b = 0;
+      C10_CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, multi_tensor_queue_kernel<DEPTH, Op>, kBlock, 0));
+      return b > 0 ? b : 1;
+    }();
+    const int per_sm = blocks_per_sm_override() > 0 ? blocks_per_sm_override() : occupancy;
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    // At least one block even for a launch of empty tensors: its last block still runs.
+    const int grid = chunks < sms * per_sm ? (chunks > 0 ? chunks : 1) : sms * per_sm;
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    multi_tensor_queue_kernel<DEPTH, Op><<<grid, kBlock, 0, stream>>>(meta, op, queue_counters(stream));
     MPT_CHECK_LAUNCH(name);
   });
 }

@@ -92,7 +92,7 @@ struct ScaleOp {
 // (8-byte accesses, 32 B in flight per thread, 4096-element chunks), 1 = 4 groups of 8
 // (16-byte accesses, 64 B in flight, 8192), 2 = 2 groups of 8 (16-byte accesses,
 // 32 B in flight, 4096: the access width alone); other numbers (the Adam family's
-// 3, 4) run 0. Other dtype pairs always run 0. Run 2: 1 and 2 were 7% slower than 0.
+// 3..6) run 0. Other dtype pairs always run 0. Run 2: 1 and 2 were 7% slower than 0.
 template <typename Tin, typename Tout, bool WRITE>
 void scale_launch(const std::vector<std::vector<at::Tensor>>& lists, const float* s, float* fi, const char* name) {
   if constexpr (sizeof(Tin) == 2 && sizeof(Tout) == 2) {
@@ -249,8 +249,8 @@ std::vector<at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tenso
 }
 
 void multi_tensor_set_variant(int64_t variant) {
-  TORCH_CHECK(variant >= 0 && variant <= 4,
-              "multi_tensor_set_variant: variant must be 0 (default) to 4 (see multi_tensor_adam.cu), got ", variant);
+  TORCH_CHECK(variant >= 0 && variant <= 6,
+              "multi_tensor_set_variant: variant must be 0 (default) to 6 (see multi_tensor_adam.cu), got ", variant);
   mpt_mt::variant_override() = static_cast<int>(variant);
 }
 

@@ -477,6 +477,63 @@ softmax_fwd_multirow(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, i
   }
 }
 
+// Backward of the same layout ($MPT_SOFTMAX_SHAPE / $MPT_SOFTMAX_BWD = pair or quad):
+// one warp per row, R consecutive rows per warp, every row's y and dy loads in flight
+// before the first reduction (R x the 64 B per thread of the one-row 32 x 2 kernel at
+// 512 bf16), and R times fewer blocks to schedule.
+// ptxas (bf16): 80 registers for R = 2 (6 blocks of 128 per SM, ~98 KB of loads in
+// flight per SM vs ~82 KB for rows' 32 x 2), 158 for R = 4 (3 blocks, ~98 KB); forcing
+// 8 / 4 blocks per SM spilled 48-60 B.
+template <typename T, int NV, int R, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+softmax_bwd_multirow(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, int64_t rows, int S,
+                     float scale) {
+  constexpr int VEC = Vec16<T>::n, WARPS = BLOCK / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t row0 = (int64_t(blockIdx.x) * WARPS + threadIdx.x / 32) * R;
+  const int nvec = S / VEC;
+  uint4 ry[R][NV], rd[R][NV];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * 32 + lane;
+      const bool ok = row0 + r < rows && j < nvec;
+      ry[r][i] = ok ? load16(y + (row0 + r) * S + j * VEC) : make_uint4(0, 0, 0, 0);
+      rd[r][i] = ok ? load16(dy + (row0 + r) * S + j * VEC) : make_uint4(0, 0, 0, 0);
+    }
+  float dot[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    dot[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      float a[VEC], b[VEC];
+      unpack<T>(ry[r][i], a);
+      unpack<T>(rd[r][i], b);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) dot[r] += a[k] * b[k];
+    }
+  }
+  group_allreduce<32, R>(dot, nullptr, SumOp());
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (row0 + r >= rows) continue;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * 32 + lane;
+      if (j < nvec) {
+        float a[VEC], b[VEC];
+        unpack<T>(ry[r][i], a);
+        unpack<T>(rd[r][i], b);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) a[k] = scale * a[k] * (b[k] - dot[r]);
+        store16(dx + (row0 + r) * S + j * VEC, pack<T>(a));
+      }
+    }
+  }
+}
+
 // ---- generic kernels: any length, any alignment, scalar loads, re-reads ---------------
 
 template <typename T, int TPR, int BLOCK>
@@ -579,9 +636,14 @@ bool describe_mask(const at::Tensor& m, MaskLayout& ml) {
 //  * "rows": always the row_reduce table (run 1's layout).
 //  * "persist": rows of <= 256 vectors take one warp (NV = 1, 2, 4, 8) in the persistent
 //    kernels above, with next-row prefetch for NV <= 4; longer rows as "rows".
-//  * "pair": forward rows of 33..64 vectors in softmax_fwd_multirow (one warp per row,
-//    two rows per warp, shared mask bytes loaded once); everything else as "auto".
-enum class WideShape { None, W16x4, W32x8, P32x1, P32x2, P32x4, P32x8, M2x2 };
+//  * "pair": rows of 33..64 vectors (512 bf16) in softmax_fwd_multirow (one warp per
+//    row, two rows per warp, shared mask bytes loaded once) and, since run 5, in
+//    softmax_bwd_multirow (two rows per warp) for the backward too; other lengths as
+//    "auto".
+//  * "quad": as "pair" with four rows per warp (forward and backward).
+//  The backward's own variable takes the same names ($MPT_SOFTMAX_BWD=pair with
+//  $MPT_SOFTMAX_SHAPE=auto = pair forward at masked 512 + pair backward).
+enum class WideShape { None, W16x4, W32x8, P32x1, P32x2, P32x4, P32x8, M2x2, M2x4 };
 WideShape persist_shape(int64_t nvec) {
   if (nvec <= 32) return WideShape::P32x1;
   if (nvec <= 64) return WideShape::P32x2;
@@ -598,16 +660,19 @@ WideShape pick_wide_shape(int64_t nvec, bool forward, bool masked) {
     var = "MPT_SOFTMAX_SHAPE";
   }
   const bool long_row = nvec > 128 && nvec <= 256;
-  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0 || std::strcmp(v, "pair") == 0) {
-    const bool pair = masked || std::strcmp(v ? v : "", "pair") == 0;
-    if (forward && pair && nvec > 32 && nvec <= 64) return WideShape::M2x2;
+  const bool row512 = nvec > 32 && nvec <= 64;
+  const bool is_pair = v != nullptr && std::strcmp(v, "pair") == 0;
+  const bool is_quad = v != nullptr && std::strcmp(v, "quad") == 0;
+  if ((is_pair || is_quad) && row512) return is_quad ? WideShape::M2x4 : WideShape::M2x2;
+  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0 || is_pair || is_quad) {
+    if (forward && masked && row512) return WideShape::M2x2;
     if (forward && masked && long_row) return WideShape::P32x8;
     return WideShape::None;
   }
   if (std::strcmp(v, "rows") == 0) return WideShape::None;
   if (std::strcmp(v, "persist") == 0) return persist_shape(nvec);
   TORCH_CHECK(std::strcmp(v, "wide") == 0, var, "=", v,
-              " is not a softmax variant; use auto, rows, persist, wide or pair");
+              " is not a softmax variant; use auto, rows, persist, wide, pair or quad");
   if (nvec > 32 && nvec <= 64) return WideShape::W16x4;
   if (long_row) return WideShape::W32x8;
   return WideShape::None;
@@ -646,6 +711,14 @@ int64_t persistent_grid(int64_t want, int64_t cap) {
     default: break;                                                                \
   }
 
+// Runs the statement with constexpr R (rows per warp) bound to the multirow shape.
+#define MPT_MULTIROW_SWITCH(SHAPE, ...)                                            \
+  switch (SHAPE) {                                                                 \
+    case WideShape::M2x2: { constexpr int R = 2; __VA_ARGS__; break; }             \
+    case WideShape::M2x4: { constexpr int R = 4; __VA_ARGS__; break; }             \
+    default: break;                                                                \
+  }
+
 template <typename T>
 void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows, int S, float scale, bool causal) {
   constexpr int VEC = Vec16<T>::n;
@@ -666,11 +739,13 @@ void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows,
   const bool aligned = S % VEC == 0 && aligned16(xp) && aligned16(yp);
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
   const WideShape wide = aligned ? pick_wide_shape(S / VEC, true, ml.ptr != nullptr) : WideShape::None;
-  if (wide == WideShape::M2x2) {
-    constexpr int BLOCK = 128, R = 2, ROWS_PER_BLOCK = BLOCK / 32 * R;
-    softmax_fwd_multirow<T, 2, R, BLOCK><<<(rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, BLOCK, 0, stream>>>(
-        xp, yp, ml, rows, S, scale, causal);
-    MPT_CHECK_LAUNCH(kFwd);
+  if (wide == WideShape::M2x2 || wide == WideShape::M2x4) {
+    MPT_MULTIROW_SWITCH(wide, {
+      constexpr int BLOCK = 128, ROWS_PER_BLOCK = BLOCK / 32 * R;
+      softmax_fwd_multirow<T, 2, R, BLOCK><<<(rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, BLOCK, 0, stream>>>(
+          xp, yp, ml, rows, S, scale, causal);
+      MPT_CHECK_LAUNCH(kFwd);
+    });
   } else if (is_persistent(wide)) {
     MPT_PERSIST_SHAPE_SWITCH(wide, {
       constexpr int BLOCK = 128, RPB = BLOCK / 32;
@@ -712,7 +787,14 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& y, at::Tensor& dx, int64
   const bool aligned = S % VEC == 0 && aligned16(dyp) && aligned16(yp) && aligned16(dxp);
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
   const WideShape wide = aligned ? pick_wide_shape(S / VEC, false, false) : WideShape::None;
-  if (is_persistent(wide)) {
+  if (wide == WideShape::M2x2 || wide == WideShape::M2x4) {
+    MPT_MULTIROW_SWITCH(wide, {
+      constexpr int BLOCK = 128, ROWS_PER_BLOCK = BLOCK / 32 * R;
+      softmax_bwd_multirow<T, 2, R, BLOCK><<<(rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, BLOCK, 0, stream>>>(
+          dyp, yp, dxp, rows, S, scale);
+      MPT_CHECK_LAUNCH(kBwd);
+    });
+  } else if (is_persistent(wide)) {
     MPT_PERSIST_SHAPE_SWITCH(wide, {
       constexpr int BLOCK = 128, RPB = BLOCK / 32;
       auto kernel = softmax_bwd_persist<T, 32, NV, BLOCK, (NV <= 4)>;

@@ -1,11 +1,24 @@
-"""LayerNorm / RMSNorm benchmark cases (issue 3): fused kernel vs torch eager, fwd+bwd.
+"""LayerNorm / RMSNorm benchmark cases (issue 3): fused kernel vs torch eager.
 
-Floor (DESIGN §5): forward reads x and writes y, backward reads x and dy and writes dx:
-10 B/elem in bf16 (the params and the fp32 mean/rstd are negligible and not counted).
-Timing: both sides as GPU work, several fwd+bwd steps captured in one CUDA graph
-(mptrain/bench/graph_timing.py); each backward variant of ours is reported.
+Floor (DESIGN §5): forward reads x and writes y (4 B/elem in bf16), backward reads x
+and dy and writes dx (6 B/elem): 10 B/elem for fwd+bwd (the params, the fp32 mean/rstd
+and the dgamma/dbeta partials are small and not counted).
+Timing: both sides as GPU work, several steps captured in one CUDA graph
+(mptrain/bench/graph_timing.py).
+
+Rows, per shape:
+* ``fwd+bwd`` (the issue's target): ours under every launch variant (below), torch once.
+* ``fwd`` alone and ``bwd`` alone (bf16-weight LayerNorm): each kernel against its own
+  floor, so the fwd+bwd time can be split; ``bwd`` replays the backward of a forward
+  done before capture (``retain_graph``), for ours and torch alike.
+Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto | ring),
+$MPT_LN_BWD (auto | b256 | b512 | coop | ring), $MPT_LN_PDL (0 | 1, programmatic
+dependent launch).  The default (all auto / 0) keeps the plain row name; other rows
+name the settings that differ.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -17,28 +30,82 @@ from mptrain.bench.graph_timing import env_var, step_ms
 # (rows, hidden) from the issue's target table; all bf16.
 CASES = [(16384, 1024), (16384, 4096), (65536, 768)]
 QUICK_CASES = [(16384, 1024)]
-# Backward launch variants of csrc/layer_norm.cu ($MPT_LN_BWD), the default first.
-BWD_ENV = "MPT_LN_BWD"
-BWD_VARIANTS = ("auto", "b256", "b512", "coop")
+FWD_ENV, BWD_ENV, PDL_ENV = "MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL"
+DEFAULTS = {FWD_ENV: "auto", BWD_ENV: "auto", PDL_ENV: "0"}
+# fwd+bwd variants for the bf16-weight LayerNorm rows (the issue's table), default first.
+FULL_VARIANTS = [
+    {},
+    {BWD_ENV: "b256"},
+    {BWD_ENV: "b512"},
+    {BWD_ENV: "coop"},
+    {BWD_ENV: "ring"},
+    {FWD_ENV: "ring"},
+    {PDL_ENV: "1"},
+    {BWD_ENV: "ring", PDL_ENV: "1"},
+    {FWD_ENV: "ring", BWD_ENV: "ring", PDL_ENV: "1"},
+]
+# The fp32-weight and RMSNorm rows: the default and the new levers only (they share
+# the kernels; these rows check the levers carry over).
+SHORT_VARIANTS = [
+    {},
+    {BWD_ENV: "ring"},
+    {FWD_ENV: "ring"},
+    {PDL_ENV: "1"},
+    {FWD_ENV: "ring", BWD_ENV: "ring", PDL_ENV: "1"},
+]
+FWD_ONLY_VARIANTS = [{}, {FWD_ENV: "ring"}, {PDL_ENV: "1"}, {FWD_ENV: "ring", PDL_ENV: "1"}]
+BWD_ONLY_VARIANTS = [
+    {},
+    {BWD_ENV: "b256"},
+    {BWD_ENV: "b512"},
+    {BWD_ENV: "coop"},
+    {BWD_ENV: "ring"},
+    {PDL_ENV: "1"},
+    {BWD_ENV: "ring", PDL_ENV: "1"},
+]
+
+
+@contextlib.contextmanager
+def variant_env(variant: dict):
+    """All three switches set (defaults filled in), so an outer setting never leaks in."""
+    with contextlib.ExitStack() as stack:
+        for k, v in {**DEFAULTS, **variant}.items():
+            stack.enter_context(env_var(k, v))
+        yield
+
+
+def variant_label(variant: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in variant.items() if v != DEFAULTS[k])
+
+
+def _named(name: str, variant: dict) -> str:
+    label = variant_label(variant)
+    return f"{name} [{label}]" if label else name
+
+
+def _leaves(inputs):
+    x, w, b, _ = inputs
+    return (x, w) if b is None else (x, w, b)
 
 
 def _fwd_bwd(norm, inputs):
     x, w, b, dy = inputs
-    leaves = (x, w) if b is None else (x, w, b)
-    return torch.autograd.grad(norm(x, w, b), leaves, dy)
+    return torch.autograd.grad(norm(x, w, b), _leaves(inputs), dy)
 
 
-def _one_case(rows, hidden, kind, wdtype, args) -> list[Result]:
-    dt = torch.bfloat16
-    elem_bytes = 10  # bf16: x, y forward; x, dy, dx backward
+def _fwd(norm, inputs):
+    x, w, b, _ = inputs
+    with torch.no_grad():
+        return norm(x, w, b)
 
-    def make():
-        x = torch.randn(rows, hidden, device="cuda", dtype=dt, requires_grad=True)
-        w = (torch.randn(hidden, device="cuda") * 0.1 + 1).to(wdtype).requires_grad_()
-        b = None if kind == "rms" else torch.randn(hidden, device="cuda").to(wdtype).requires_grad_()
-        return x, w, b, torch.randn(rows, hidden, device="cuda", dtype=dt)
 
-    sets = Rotating(make, sets_for(4 * rows * hidden * dt.itemsize))
+def _check(got, expected):
+    """Never time a broken kernel: ours against torch on the first input set."""
+    for a, t in zip(got, expected):
+        torch.testing.assert_close(a.float(), t.float(), rtol=3e-2, atol=3e-2 * max(1.0, t.abs().max().item()))
+
+
+def _norms(kind, hidden):
     shape = (hidden,)
     if kind == "rms":
         ours = lambda x, w, b: ops.rms_norm(x, shape, w, 1e-6, fused=True)  # noqa: E731
@@ -46,39 +113,104 @@ def _one_case(rows, hidden, kind, wdtype, args) -> list[Result]:
     else:
         ours = lambda x, w, b: ops.layer_norm(x, shape, w, b, 1e-5, fused=True)  # noqa: E731
         theirs = lambda x, w, b: F.layer_norm(x, shape, w.to(x.dtype), b.to(x.dtype), 1e-5)  # noqa: E731
-    expected = _fwd_bwd(theirs, sets.sets[0])
-    rep = 50.0 if args.quick else 200.0
-    # Both sides timed as GPU work: several fwd+bwd steps in one CUDA graph (graph_timing).
-    # torch's LayerNorm needs the weights in x's dtype: the fp32-weight case times its casts too,
-    # which is what a *-master model would have to do without the fused kernel.
-    t_torch, how_torch = step_ms(lambda s: _fwd_bwd(theirs, s), sets.sets, rep)
+    return ours, theirs
+
+
+def _make_sets(rows, hidden, kind, wdtype):
+    dt = torch.bfloat16
+
+    def make():
+        x = torch.randn(rows, hidden, device="cuda", dtype=dt, requires_grad=True)
+        w = (torch.randn(hidden, device="cuda") * 0.1 + 1).to(wdtype).requires_grad_()
+        b = None if kind == "rms" else torch.randn(hidden, device="cuda").to(wdtype).requires_grad_()
+        return x, w, b, torch.randn(rows, hidden, device="cuda", dtype=dt)
+
+    return Rotating(make, sets_for(4 * rows * hidden * dt.itemsize))
+
+
+def _case_name(kind, wdtype, what, rows, hidden):
     wname = "fp32 w" if wdtype == torch.float32 else "bf16 w"
-    name = f"{'RMSNorm' if kind == 'rms' else 'LayerNorm'} fwd+bwd bf16 ({wname}) {rows}x{hidden}"
-    results = []
-    # The default backward variant keeps the plain case name; the others are labelled.
-    for variant in BWD_VARIANTS:
-        with env_var(BWD_ENV, variant):
-            # Never time a broken kernel: check against torch on the first set.
-            for a, t in zip(_fwd_bwd(ours, sets.sets[0]), expected):
-                torch.testing.assert_close(a.float(), t.float(), rtol=3e-2, atol=3e-2 * max(1.0, t.abs().max().item()))
+    return f"{'RMSNorm' if kind == 'rms' else 'LayerNorm'} {what} bf16 ({wname}) {rows}x{hidden}"
+
+
+def _result(name, variant, t_ours, how, t_torch, how_torch, rows, hidden, elem_bytes, what):
+    return Result(
+        case=_named(name, variant),
+        ours_ms=t_ours,
+        torch_ms=t_torch,
+        floor_ms=floor_ms(elem_bytes * rows * hidden),
+        extra={"rows": rows, "hidden": hidden, "bytes_per_elem": elem_bytes, "pass": what,
+               **{k: variant.get(k, DEFAULTS[k]) for k in DEFAULTS}, "timing": how, "timing_torch": how_torch},
+    )
+
+
+def _fwd_bwd_rows(rows, hidden, kind, wdtype, variants, rep) -> list[Result]:
+    sets = _make_sets(rows, hidden, kind, wdtype)
+    ours, theirs = _norms(kind, hidden)
+    expected = _fwd_bwd(theirs, sets.sets[0])
+    # torch's LayerNorm needs the weights in x's dtype: the fp32-weight case times its casts
+    # too, which is what a *-master model would have to do without the fused kernel.
+    t_torch, how_torch = step_ms(lambda s: _fwd_bwd(theirs, s), sets.sets, rep)
+    name = _case_name(kind, wdtype, "fwd+bwd", rows, hidden)
+    out = []
+    for variant in variants:
+        with variant_env(variant):
+            _check(_fwd_bwd(ours, sets.sets[0]), expected)
             t_ours, how = step_ms(lambda s: _fwd_bwd(ours, s), sets.sets, rep)
-        results.append(Result(
-            case=name if variant == BWD_VARIANTS[0] else f"{name} [{BWD_ENV}={variant}]",
-            ours_ms=t_ours,
-            torch_ms=t_torch,
-            floor_ms=floor_ms(elem_bytes * rows * hidden),
-            extra={"rows": rows, "hidden": hidden, "bytes_per_elem": elem_bytes, BWD_ENV: variant,
-                   "timing": how, "timing_torch": how_torch},
-        ))
-    return results
+        out.append(_result(name, variant, t_ours, how, t_torch, how_torch, rows, hidden, 10, "fwd+bwd"))
+    return out
+
+
+def _fwd_only_rows(rows, hidden, rep) -> list[Result]:
+    sets = _make_sets(rows, hidden, "layer", torch.bfloat16)
+    ours, theirs = _norms("layer", hidden)
+    expected = [_fwd(theirs, sets.sets[0])]
+    t_torch, how_torch = step_ms(lambda s: _fwd(theirs, s), sets.sets, rep)
+    name = _case_name("layer", torch.bfloat16, "fwd", rows, hidden) + " [4 B/elem]"
+    out = []
+    for variant in FWD_ONLY_VARIANTS:
+        with variant_env(variant):
+            _check([_fwd(ours, sets.sets[0])], expected)
+            t_ours, how = step_ms(lambda s: _fwd(ours, s), sets.sets, rep)
+        out.append(_result(name, variant, t_ours, how, t_torch, how_torch, rows, hidden, 4, "fwd"))
+    return out
+
+
+def _bwd_only_rows(rows, hidden, rep) -> list[Result]:
+    sets = _make_sets(rows, hidden, "layer", torch.bfloat16)
+    ours, theirs = _norms("layer", hidden)
+
+    def prepared(norm):
+        # One forward per set, kept (retain_graph) so the timed step is the backward alone.
+        with variant_env({}):
+            return [(norm(s[0], s[1], s[2]), s) for s in sets.sets]
+
+    def bwd(ys):
+        y, s = ys
+        return torch.autograd.grad(y, _leaves(s), s[3], retain_graph=True)
+
+    ours_ys, theirs_ys = prepared(ours), prepared(theirs)
+    expected = bwd(theirs_ys[0])
+    t_torch, how_torch = step_ms(bwd, theirs_ys, rep)
+    name = _case_name("layer", torch.bfloat16, "bwd", rows, hidden) + " [6 B/elem]"
+    out = []
+    for variant in BWD_ONLY_VARIANTS:
+        with variant_env(variant):
+            _check(bwd(ours_ys[0]), expected)
+            t_ours, how = step_ms(bwd, ours_ys, rep)
+        out.append(_result(name, variant, t_ours, how, t_torch, how_torch, rows, hidden, 6, "bwd"))
+    return out
 
 
 def run(args) -> list[Result]:
     results = []
     cases = QUICK_CASES if args.quick else CASES
+    rep = 50.0 if args.quick else 200.0
     for rows, hidden in cases:
-        results += _one_case(rows, hidden, "layer", torch.bfloat16, args)
+        results += _fwd_bwd_rows(rows, hidden, "layer", torch.bfloat16, FULL_VARIANTS, rep)
+        results += _fwd_only_rows(rows, hidden, rep)
+        results += _bwd_only_rows(rows, hidden, rep)
     for rows, hidden in cases:
-        results += _one_case(rows, hidden, "layer", torch.float32, args)
-        results += _one_case(rows, hidden, "rms", torch.bfloat16, args)
+        results += _fwd_bwd_rows(rows, hidden, "layer", torch.float32, SHORT_VARIANTS, rep)
+        results += _fwd_bwd_rows(rows, hidden, "rms", torch.bfloat16, SHORT_VARIANTS, rep)
     return results

@@ -30,10 +30,24 @@ SHAPE_VARIANTS = (
     ("rows", "", ALL),
     ("persist", "", ALL),
     ("wide", "", ALL),
+    # Run 5: "pair" / "quad" = 2 / 4 rows per warp in the forward AND the backward at 512
+    # ("pair" was forward-only before); auto + BWD=pair/quad keeps auto's forward.
     ("pair", "", (512,)),
+    ("quad", "", (512,)),
+    ("auto", "pair", (512,)),
+    ("auto", "quad", (512,)),
     # Separate the forward's and the backward's share of persist vs rows at 2048.
     ("persist", "rows", (2048,)),
     ("rows", "persist", (2048,)),
+)
+# Forward alone and backward alone at 512 (run 5): which half of fwd+bwd misses.
+# (variant, lengths); timed for the forward under $MPT_SOFTMAX_SHAPE and for the
+# backward under $MPT_SOFTMAX_BWD.
+HALF_VARIANTS = (
+    ("auto", (512,)),
+    ("rows", (512,)),
+    ("pair", (512,)),
+    ("quad", (512,)),
 )
 
 
@@ -86,7 +100,52 @@ def _one_case(b, h, s, masked, causal, args) -> list[Result]:
             extra={"batch": b, "heads": h, "seq": s, "mask": what, SHAPE_ENV: variant, BWD_ENV: bwd,
                    "timing": how, "timing_torch": how_torch},
         ))
+    results += _halves(b, h, s, masked, causal, sets, rep, name)
     return results
+
+
+def _halves(b, h, s, masked, causal, sets, rep, name) -> list[Result]:
+    """Forward alone (4 B/elem) and backward alone (6 B/elem) per HALF_VARIANTS, beside
+    torch eager's forward (scale, masked_fill, softmax) and its softmax backward."""
+    if not any(s in lengths for _, lengths in HALF_VARIANTS):
+        return []
+    dt = torch.bfloat16
+    tri = torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1) if causal else None
+    ext = ops.get_extension(required=True)
+    # Saved outputs for the backward: one per input set (a backward reads y and dy).
+    ys = [ops.scaled_masked_softmax(x.detach(), m, SCALE, causal, fused=True) for x, m, _ in sets.sets]
+    bwd_sets = [(y, dy) for y, (_, _, dy) in zip(ys, sets.sets)]
+
+    def fwd(fn):
+        def step(st):
+            with torch.no_grad():
+                return fn(st[0], st[1])
+        return step
+
+    ours_f = lambda x, m: ops.scaled_masked_softmax(x, m, SCALE, causal, fused=True)  # noqa: E731
+    theirs_f = lambda x, m: _eager(x, tri if causal else m)  # noqa: E731
+    t_fwd_torch, _ = step_ms(fwd(theirs_f), sets.sets, rep)
+    t_bwd_torch, _ = step_ms(lambda st: torch._softmax_backward_data(st[1], st[0], -1, dt).mul_(SCALE),
+                             bwd_sets, rep)
+    elems = b * h * s * s
+    base = name.replace("fwd+bwd ", "")
+    out = []
+    for variant, lengths in HALF_VARIANTS:
+        if s not in lengths:
+            continue
+        with env_var(SHAPE_ENV, variant):
+            t_f, how = step_ms(fwd(ours_f), sets.sets, rep)
+        with env_var(SHAPE_ENV, "auto"), env_var(BWD_ENV, variant):
+            y0, dy0 = bwd_sets[0]
+            torch.testing.assert_close(ext.scaled_masked_softmax_backward(dy0, y0, SCALE).float(),
+                                       (torch._softmax_backward_data(dy0, y0, -1, dt) * SCALE).float(),
+                                       rtol=3e-2, atol=3e-2)
+            t_b, _ = step_ms(lambda st: ext.scaled_masked_softmax_backward(st[1], st[0], SCALE), bwd_sets, rep)
+        extra = {"batch": b, "heads": h, "seq": s, "variant": variant, "timing": how}
+        out.append(Result(f"{base} fwd only [{SHAPE_ENV}={variant}]", t_f, t_fwd_torch, floor_ms(4 * elems), extra))
+        out.append(Result(f"{base} bwd only [{BWD_ENV}={variant}]", t_b, t_bwd_torch, floor_ms(6 * elems), extra))
+    del ys, bwd_sets
+    return out
 
 
 def run(args) -> list[Result]:

@@ -101,7 +101,7 @@ def test_many_rows_per_block(combo, rows, hidden):
     compare(x, (hidden,), w, b, False, what=f"rows={rows} H={hidden}")
 
 
-@pytest.mark.parametrize("variant", ["auto", "b512", "b256", "coop"])
+@pytest.mark.parametrize("variant", ["auto", "b512", "b256", "coop", "ring"])
 @pytest.mark.parametrize("combo", COMBOS[1:], ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}")
 @pytest.mark.parametrize("hidden", [64, 256, 512, 768, 1000, 1024])
 def test_backward_variants(monkeypatch, variant, combo, hidden):
@@ -124,6 +124,67 @@ def test_backward_variant_name_is_checked(monkeypatch):
     x = torch.randn(4, 64, device="cuda", requires_grad=True)
     with pytest.raises(RuntimeError, match="MPT_LN_BWD"):
         torch.autograd.grad(ops.layer_norm(x, 64, fused=True), (x,), torch.ones_like(x))
+
+
+@pytest.mark.parametrize("name,value", [("MPT_LN_FWD", "fast"), ("MPT_LN_PDL", "yes")])
+def test_launch_switch_values_are_checked(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    x = torch.randn(4, 64, device="cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match=name):
+        torch.autograd.grad(ops.layer_norm(x, 64, fused=True), (x,), torch.ones_like(x))
+
+
+# Forward variants and programmatic dependent launch ($MPT_LN_FWD, $MPT_LN_PDL), alone and
+# with the backward variants they would be combined with; the benchmark times them all.
+LAUNCH_SETTINGS = [
+    {"MPT_LN_FWD": "ring"},
+    {"MPT_LN_PDL": "1"},
+    {"MPT_LN_PDL": "1", "MPT_LN_BWD": "ring"},
+    {"MPT_LN_PDL": "1", "MPT_LN_BWD": "b512"},
+    {"MPT_LN_FWD": "ring", "MPT_LN_BWD": "ring", "MPT_LN_PDL": "1"},
+]
+
+
+def _settings_id(env):
+    return "+".join(f"{k[7:].lower()}={v}" for k, v in env.items())
+
+
+def _set_env(monkeypatch, env):
+    for k in ("MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.parametrize("env", LAUNCH_SETTINGS, ids=_settings_id)
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}")
+@pytest.mark.parametrize("hidden", [64, 768, 1000, 1024, 4096])
+def test_launch_variants(monkeypatch, env, combo, hidden):
+    # hidden 1000: misaligned-width rows take the generic kernels under every setting;
+    # 4096: beyond the ring's 128 vectors, the settings fall back to auto's kernels (PDL kept).
+    _set_env(monkeypatch, env)
+    xdt, wdt = combo
+    torch.manual_seed(hidden + 1)
+    for rows in (1, 3001):
+        x = torch.randn(rows, hidden, device="cuda").to(xdt)
+        w = torch.randn(hidden, device="cuda").to(wdt)
+        b = torch.randn(hidden, device="cuda").to(wdt)
+        compare(x, (hidden,), w, b, False, what=f"{env} rows={rows} H={hidden}")
+        compare(x.detach(), (hidden,), w.detach(), None, True, what=f"{env} rms rows={rows} H={hidden}")
+
+
+@pytest.mark.parametrize("combo,hidden", [(COMBOS[2], 64), (COMBOS[0], 512), (COMBOS[4], 1024)],
+                         ids=["bf16-64", "fp32-512", "bf16w32-1024"])
+def test_ring_many_rows_per_warp(monkeypatch, combo, hidden):
+    # > 64 rows per warp: the backward ring refetches its per-row statistics every 32 rows,
+    # and the forward ring cycles its stages many times.
+    _set_env(monkeypatch, {"MPT_LN_FWD": "ring", "MPT_LN_BWD": "ring"})
+    xdt, wdt = combo
+    rows = 140_000 if hidden <= 512 else 70_000
+    x = torch.randn(rows, hidden, device="cuda").to(xdt)
+    w = torch.randn(hidden, device="cuda").to(wdt)
+    b = torch.randn(hidden, device="cuda").to(wdt)
+    compare(x, (hidden,), w, b, False, what=f"ring rows={rows} H={hidden}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -154,9 +215,13 @@ def test_empty_input():
     assert y.shape == (0, 32) and (gw == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["auto", "coop"])
-def test_backward_is_deterministic(monkeypatch, variant):
-    monkeypatch.setenv("MPT_LN_BWD", variant)
+DETERMINISM_SETTINGS = [{}, {"MPT_LN_BWD": "coop"}, {"MPT_LN_BWD": "ring"},
+                        {"MPT_LN_FWD": "ring", "MPT_LN_BWD": "ring", "MPT_LN_PDL": "1"}]
+
+
+@pytest.mark.parametrize("env", DETERMINISM_SETTINGS, ids=lambda e: _settings_id(e) or "default")
+def test_backward_is_deterministic(monkeypatch, env):
+    _set_env(monkeypatch, env)
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(1024, device="cuda", requires_grad=True)
     b = torch.randn(1024, device="cuda", requires_grad=True)
@@ -167,10 +232,11 @@ def test_backward_is_deterministic(monkeypatch, variant):
         assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize("variant", ["auto", "coop"])
-def test_cuda_graph_capture(monkeypatch, variant):
-    # coop: a cooperative launch must be capturable (the benchmark times graphs).
-    monkeypatch.setenv("MPT_LN_BWD", variant)
+@pytest.mark.parametrize("env", DETERMINISM_SETTINGS + [{"MPT_LN_PDL": "1"}], ids=lambda e: _settings_id(e) or "default")
+def test_cuda_graph_capture(monkeypatch, env):
+    # coop: a cooperative launch must be capturable; PDL: launches with the programmatic
+    # stream serialization attribute must be (the benchmark times graphs).
+    _set_env(monkeypatch, env)
     x = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(768, device="cuda", requires_grad=True)
     b = torch.randn(768, device="cuda", requires_grad=True)

@@ -11,7 +11,7 @@ from mptrain import ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Every $MPT_SOFTMAX_SHAPE launch variant of csrc/softmax.cu.
-VARIANTS = ["auto", "rows", "wide", "persist", "pair"]
+VARIANTS = ["auto", "rows", "wide", "persist", "pair", "quad"]
 LENGTHS = [1, 7, 64, 100, 512, 1000, 2048, 4096, 8192, 16384, 20000, 32768, 40000]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -113,8 +113,9 @@ def test_shape_variants_many_rows(monkeypatch, variant, b, h, s):
     compare(x, None, 0.125, True, f"{variant} {b}x{h}x{s} causal")
 
 
-@pytest.mark.parametrize("shape,bwd", [("persist", "rows"), ("rows", "persist"), ("pair", "wide")])
-@pytest.mark.parametrize("b,h,s", [(2, 16, 512), (1, 8, 2048), (3, 3, 520)])
+@pytest.mark.parametrize("shape,bwd", [("persist", "rows"), ("rows", "persist"), ("pair", "wide"), ("auto", "pair"),
+                                       ("auto", "quad"), ("rows", "quad"), ("quad", "rows")])
+@pytest.mark.parametrize("b,h,s", [(2, 16, 512), (1, 8, 2048), (3, 3, 520), (1, 5, 264), (1, 1, 333)])
 def test_backward_override(monkeypatch, shape, bwd, b, h, s):
     # $MPT_SOFTMAX_BWD picks the backward's layout alone (the benchmark's mixed rows).
     monkeypatch.setenv("MPT_SOFTMAX_SHAPE", shape)
@@ -156,7 +157,7 @@ def test_fully_masked_rows_are_zero_with_zero_grad(dtype):
     torch.testing.assert_close(y[0].float().sum(-1), torch.ones(4, 8, device="cuda"), rtol=0, atol=2e-2)
 
 
-@pytest.mark.parametrize("variant", ["auto", "pair", "persist"])
+@pytest.mark.parametrize("variant", ["auto", "pair", "quad", "persist"])
 def test_cuda_graph_capture(monkeypatch, variant):
     monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
     x = torch.randn(4, 8, 128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
