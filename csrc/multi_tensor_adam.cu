@@ -114,8 +114,12 @@ struct AdamOp {
 // 2048-element chunks, 80 registers, 3 blocks/SM); 4 x 4 (twice the bytes in flight
 // per thread, 2 blocks/SM); 2 x 8 (16-byte half accesses, two 16-byte accesses per
 // fp32 group, 4096-element chunks, 125 registers, 2 blocks/SM).
-//   0 (default) = 2 x 8 on a grid of 16 blocks/SM (8 waves of the 2 resident blocks):
-//                 run 3's fastest of 12 settings, 2.462 ms vs 2.491 at 8 blocks/SM
+//   0 (default since run 5) = 6 = 1 x 8 in the queue kernel (multi_tensor_apply_queue: the
+//                 resident grid takes chunks from an atomic counter, its last block advances
+//                 the step counts): 2.310 ms = 95.7% of floor on the H200 (run 5)
+//   5 = 2 x 8 in the queue kernel (2.358 ms)
+//   7 = 2 x 8 on a grid of 16 blocks/SM (8 waves of the 2 resident blocks), the default of
+//       runs 3-4: 2.462 ms
 //   1 = 4 x 4, persistent grid          2 = 2 x 8, persistent grid
 //   3 = 2 x 4, persistent grid (run 2's default)
 //   4 = variant 0 plus streaming cache hints (ld/st.global.cs) on every vector access
@@ -134,39 +138,21 @@ void adam_master_switch(const std::vector<std::vector<at::Tensor>>& lists, const
     case 4:
       return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8, true>{a}, name,
                                    kAdamGridPerSm);
-    default:
+    default:  // 7: the default of runs 3-4
       return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name, kAdamGridPerSm);
   }
-}
-
-// Queue counters (multi_tensor_apply.cuh): 64 slots per device, picked by stream.
-constexpr int kQueueSlots = 64;
-__device__ QueueCounters g_queue_counters[kQueueSlots];
-
-QueueCounters* queue_counters(cudaStream_t stream) {
-  constexpr int kMaxDevices = 64;
-  static QueueCounters* base[kMaxDevices] = {};
-  const int dev = c10::cuda::current_device();
-  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "multi_tensor queue kernels: device index ", dev, " >= ", kMaxDevices);
-  if (base[dev] == nullptr) {
-    void* p = nullptr;
-    C10_CUDA_CHECK(cudaGetSymbolAddress(&p, g_queue_counters));
-    base[dev] = static_cast<QueueCounters*>(p);
-  }
-  // Stream handles are pointers: drop the low bits that are the same for all of them.
-  const auto h = reinterpret_cast<uintptr_t>(stream);
-  return base[dev] + ((h >> 4) ^ (h >> 12)) % kQueueSlots;
 }
 
 // Returns true when the launch also advanced the step counts (queue variants).
 template <typename T>
 bool adam_master_launch(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& a, const char* name) {
   switch (variant_override()) {
-    case 5:
-      multi_tensor_apply_queue<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name);
-      return true;
+    case 0:  // the default since run 5: 2.310 ms (95.7% of floor) vs 2.462 for variant 7
     case 6:
       multi_tensor_apply_queue<6>(lists, 1u << 4, AdamOp<T, T, float, true, 1, 8>{a}, name);
+      return true;
+    case 5:
+      multi_tensor_apply_queue<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name);
       return true;
     default:
       adam_master_switch<T>(lists, a, name);

@@ -222,8 +222,8 @@ __global__ void __launch_bounds__(kBlock, op_min_blocks<Op>::value)
 // block asks for its next chunk while it works on the current one (two shared slots,
 // one barrier per chunk). The last block to finish (a second counter) runs
 // op.last_block(meta) -- e.g. the step-count increment that otherwise needs a launch
-// of its own -- and sets both counters back to zero, so the next launch on the stream
-// (or the next replay of a captured graph) finds them zeroed without a memset.
+// of its own -- and sets both counters back to zero (the host side gives every launch
+// fresh zeroed counters anyway; the reset keeps the kernel correct for reused ones).
 // A launch that skips (found_inf) touches neither counter.
 struct QueueCounters {
   unsigned int next;  // next chunk to hand out
@@ -388,14 +388,6 @@ void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, unsig
   });
 }
 
-// Zeroed counters for one queue launch on `stream` of the current device: a slot of a
-// static device array (zero at module load, zeroed again by every launch's last block),
-// picked by the stream, so launches in one stream reuse their slot in order and graph
-// capture needs neither an allocation nor a memset. Two streams hashing to the same
-// slot while both run a queue kernel at once would share counters: 64 slots make that
-// unlikely, not impossible (see notes/optim_kernels.md).
-QueueCounters* queue_counters(cudaStream_t stream);
-
 // The queue variant of multi_tensor_apply: same lists and op (which must also provide
 // `__device__ void last_block(const TensorListMeta<DEPTH>&) const`, run by one block after
 // all others finished), grid = the blocks resident at once (or the Python override).
@@ -416,7 +408,12 @@ void multi_tensor_apply_queue(const std::vector<std::vector<at::Tensor>>& lists,
     // At least one block even for a launch of empty tensors: its last block still runs.
     const int grid = chunks < sms * per_sm ? (chunks > 0 ? chunks : 1) : sms * per_sm;
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    multi_tensor_queue_kernel<DEPTH, Op><<<grid, kBlock, 0, stream>>>(meta, op, queue_counters(stream));
+    // Fresh zeroed counters per launch from the caching allocator: stream-ordered, private
+    // to this launch (no state shared between streams, optimizers or captured graphs), and
+    // captured with the launch (graph pool + memset node). Cost: one 8-byte memset.
+    const at::Tensor counters = at::zeros({2}, lists[0][0].options().dtype(at::kInt));
+    multi_tensor_queue_kernel<DEPTH, Op>
+        <<<grid, kBlock, 0, stream>>>(meta, op, reinterpret_cast<QueueCounters*>(counters.data_ptr<int>()));
     MPT_CHECK_LAUNCH(name);
   });
 }

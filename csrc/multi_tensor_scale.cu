@@ -249,8 +249,8 @@ std::vector<at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tenso
 }
 
 void multi_tensor_set_variant(int64_t variant) {
-  TORCH_CHECK(variant >= 0 && variant <= 6,
-              "multi_tensor_set_variant: variant must be 0 (default) to 6 (see multi_tensor_adam.cu), got ", variant);
+  TORCH_CHECK(variant >= 0 && variant <= 7,
+              "multi_tensor_set_variant: variant must be 0 (default) to 7 (see multi_tensor_adam.cu), got ", variant);
   mpt_mt::variant_override() = static_cast<int>(variant);
 }
 

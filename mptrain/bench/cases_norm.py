@@ -31,7 +31,7 @@ from mptrain.bench.graph_timing import env_var, step_ms
 CASES = [(16384, 1024), (16384, 4096), (65536, 768)]
 QUICK_CASES = [(16384, 1024)]
 FWD_ENV, BWD_ENV, PDL_ENV = "MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL"
-DEFAULTS = {FWD_ENV: "auto", BWD_ENV: "auto", PDL_ENV: "0"}
+DEFAULTS = {FWD_ENV: "auto", BWD_ENV: "auto", PDL_ENV: "1"}  # PDL on by default since run 5
 # fwd+bwd variants for the bf16-weight LayerNorm rows (the table), default first.
 FULL_VARIANTS = [
     {},
@@ -40,7 +40,7 @@ FULL_VARIANTS = [
     {BWD_ENV: "coop"},
     {BWD_ENV: "ring"},
     {FWD_ENV: "ring"},
-    {PDL_ENV: "1"},
+    {PDL_ENV: "0"},
     {BWD_ENV: "ring", PDL_ENV: "1"},
     {FWD_ENV: "ring", BWD_ENV: "ring", PDL_ENV: "1"},
 ]
@@ -50,17 +50,17 @@ SHORT_VARIANTS = [
     {},
     {BWD_ENV: "ring"},
     {FWD_ENV: "ring"},
-    {PDL_ENV: "1"},
+    {PDL_ENV: "0"},
     {FWD_ENV: "ring", BWD_ENV: "ring", PDL_ENV: "1"},
 ]
-FWD_ONLY_VARIANTS = [{}, {FWD_ENV: "ring"}, {PDL_ENV: "1"}, {FWD_ENV: "ring", PDL_ENV: "1"}]
+FWD_ONLY_VARIANTS = [{}, {FWD_ENV: "ring"}, {PDL_ENV: "0"}, {FWD_ENV: "ring", PDL_ENV: "0"}]
 BWD_ONLY_VARIANTS = [
     {},
     {BWD_ENV: "b256"},
     {BWD_ENV: "b512"},
     {BWD_ENV: "coop"},
     {BWD_ENV: "ring"},
-    {PDL_ENV: "1"},
+    {PDL_ENV: "0"},
     {BWD_ENV: "ring", PDL_ENV: "1"},
 ]
 

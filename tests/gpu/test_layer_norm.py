@@ -139,6 +139,7 @@ def test_launch_switch_values_are_checked(monkeypatch, name, value):
 LAUNCH_SETTINGS = [
     {"MPT_LN_FWD": "ring"},
     {"MPT_LN_PDL": "1"},
+    {"MPT_LN_PDL": "0"},  # the default is 1 since run 5: keep the plain launches covered
     {"MPT_LN_PDL": "1", "MPT_LN_BWD": "ring"},
     {"MPT_LN_PDL": "1", "MPT_LN_BWD": "b512"},
     {"MPT_LN_FWD": "ring", "MPT_LN_BWD": "ring", "MPT_LN_PDL": "1"},
@@ -232,7 +233,7 @@ def test_backward_is_deterministic(monkeypatch, env):
         assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize("env", DETERMINISM_SETTINGS + [{"MPT_LN_PDL": "1"}], ids=lambda e: _settings_id(e) or "default")
+@pytest.mark.parametrize("env", DETERMINISM_SETTINGS + [{"MPT_LN_PDL": "1"}, {"MPT_LN_PDL": "0"}], ids=lambda e: _settings_id(e) or "default")
 def test_cuda_graph_capture(monkeypatch, env):
     # coop: a cooperative launch must be capturable; PDL: launches with the programmatic
     # stream serialization attribute must be (the benchmark times graphs).

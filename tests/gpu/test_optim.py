@@ -119,7 +119,7 @@ def test_kernel_matches_reference(ext, op, cfg):
     assert ours.guards_intact()
 
 
-ADAM_VARIANTS = [1, 2, 3, 4, 5, 6]  # csrc/multi_tensor_adam.cu; 5, 6: queue kernel (steps advanced inside)
+ADAM_VARIANTS = [1, 2, 3, 4, 5, 6, 7]  # csrc/multi_tensor_adam.cu; 0 (default), 5, 6: queue kernel (steps advanced inside)
 QUEUE_VARIANTS = [5, 6]
 
 
