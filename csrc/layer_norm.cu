@@ -18,6 +18,9 @@
 //    warp-per-row kernels that keep the next two rows of each warp in flight through a
 //    shared-memory ring (cp.async) instead of registers: more bytes in flight per SM at
 //    768/1024 than the register-cached kernels can afford.
+//  * MPT_LN_BWD=split / split4 / split6 (rows <= 128 vectors): one 16-byte vector per thread
+//    and ceil(nvec/32) warps per row, so the per-thread accumulators are small and the
+//    registers go to 3 / 4 / 6 rows of x and dy loaded ahead (ln_bwd_split_kernel).
 //  * MPT_LN_PDL=1 (sm_90+): the forward, backward and finish kernels are launched with
 //    programmatic dependent launch, so each one's launch and block start-up overlap the
 //    previous kernel's tail (pdl_wait() in every block before its first memory access).
@@ -657,6 +660,210 @@ ln_bwd_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x, const floa
   store_block_partial<32, NV, VEC, BLOCK>(dg, db, dg_part, db_part, H, reinterpret_cast<float*>(ring));
 }
 
+// ---- split rows (MPT_LN_BWD=split / split4 / split6) ---------------------------------
+// One 16-byte vector of x and of dy per thread per row (NV = 1): a row of <= 128 vectors
+// (1024 bf16) is spread over TPR = 32 * ceil(nvec / 32) threads (768 bf16: 3 warps, 1024:
+// 4), so the per-thread cost of the dgamma / dbeta accumulators and gamma is small, and
+// the registers left go to DEPTH rows of x / dy loaded ahead.  Why: the b256 / b512
+// kernels hold 1-2 rows per row group at ~120 registers (~32 KB in flight per SM, and not
+// continuously), under what HBM needs (Little's law: ~4.25 TB/s x ~0.9 us / 132 SMs
+// ~ 29 KB of reads in flight *at all times*).  In flight per SM: split (DEPTH 3) 16-18
+// warps x 3 rows x 32 B per lane (~50 KB), split4 (DEPTH 4) ~60 KB, split6 (DEPTH 6,
+// LEAN) ~90 KB.
+// LEAN: the dgamma / dbeta sums live in shared memory, each thread in its own slots
+// ([2][VEC][BLOCK]: conflict-free, no barrier, same fixed order), and gamma is re-read
+// from L1 every row: 24 registers less per thread, spent on two more rows in flight.
+// The row slots rotate by unrolling the row loop DEPTH + 1 times (slot indices are
+// compile-time), since copying a prefetched register would wait for its load.
+// A row group's warps meet at a named barrier (id 1 + group, TPR threads), not at
+// __syncthreads, so the groups of a block drift independently.
+struct SplitRow {  // one row's x / dy vector and statistics, as loaded
+  uint4 x, dy;
+  float mu, rs;
+};
+
+__device__ __forceinline__ void group_barrier(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+}
+
+template <typename T, typename W, int TPR, int BLOCK, int DEPTH, bool LEAN>
+struct SplitBwd {
+  static constexpr int VEC = Vec16<T>::n, G = BLOCK / TPR, WPG = TPR / 32, SLOTS = DEPTH + 1;
+  static_assert(BLOCK % TPR == 0 && TPR % 32 == 0, "split: BLOCK must be whole row groups of whole warps");
+  static_assert(G <= 15, "split: at most 15 row groups per block (named barriers 1..15)");
+  static_assert(SLOTS >= 2 && SLOTS <= 8, "split: DEPTH 1..7");
+
+  const T* dy;
+  const T* x;
+  const float* mean;
+  const float* rstd;
+  const W* gamma;
+  T* dx;
+  float* sacc;  // LEAN: [2][VEC][BLOCK] shared dgamma / dbeta sums
+  int64_t rows, stride;
+  int H, lane, g;
+  bool rms, has_col;  // has_col: this thread's vector lies inside the row
+  float inv_h;
+  float gw[VEC];  // gamma (1 without weight: __fmul_rn(d, 1) == d)
+  float dg[VEC], db[VEC];
+  SplitRow buf[SLOTS];
+  float (*red)[G][WPG][2];  // [2][G][WPG][2] shared, double-buffered by iteration parity
+
+  // gamma as fp32 (1 without weight: __fmul_rn(d, 1) == d; 0 past the row, unused there).
+  __device__ __forceinline__ void load_gamma() {
+    if (gamma && has_col) {
+      load_floats<W, VEC>(gamma + lane * VEC, gw);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) gw[i] = gamma ? 0.f : 1.f;
+    }
+  }
+
+  __device__ __forceinline__ void load(SplitRow& s, int64_t row) const {
+    const bool ok = row < rows;
+    s.mu = (ok && mean) ? mean[row] : 0.f;  // mean is nullptr for RMSNorm
+    s.rs = ok ? rstd[row] : 0.f;
+    const bool v = ok && has_col;
+    s.x = v ? load16(x + row * H + lane * VEC) : make_uint4(0, 0, 0, 0);
+    s.dy = v ? load16(dy + row * H + lane * VEC) : make_uint4(0, 0, 0, 0);
+  }
+
+  // Row `row` sits in slot S; first refill the slot freed by the previous row with the
+  // row DEPTH strides ahead.
+  template <int S>
+  __device__ __forceinline__ void step(int64_t row, int par) {
+    load(buf[(S + DEPTH) % SLOTS], row + DEPTH * stride);
+    const SplitRow& c = buf[S];
+    float xf[VEC], df[VEC];
+    unpack<T>(c.x, xf);
+    unpack<T>(c.dy, df);
+    if constexpr (LEAN) load_gamma();
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float xh = (xf[k] - c.mu) * c.rs;
+      const float gd = __fmul_rn(df[k], gw[k]);  // no FMA contraction: see kExactGd
+      s0 += gd;
+      s1 += gd * xh;
+      if constexpr (LEAN) {
+        sacc[k * BLOCK + threadIdx.x] += df[k] * xh;
+        sacc[(VEC + k) * BLOCK + threadIdx.x] += df[k];
+      } else {
+        dg[k] += df[k] * xh;
+        db[k] += df[k];
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+    }
+    if constexpr (WPG > 1) {
+      const int w = lane / 32;
+      if (lane % 32 == 0) {
+        red[par][g][w][0] = s0;
+        red[par][g][w][1] = s1;
+      }
+      group_barrier(1 + g, TPR);
+      s0 = red[par][g][0][0];
+      s1 = red[par][g][0][1];
+#pragma unroll
+      for (int k = 1; k < WPG; ++k) {  // fixed order: every thread gets the same sums
+        s0 += red[par][g][k][0];
+        s1 += red[par][g][k][1];
+      }
+    }
+    const float c1 = rms ? 0.f : s0 * inv_h, c2 = s1 * inv_h;
+    if (has_col) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = (xf[k] - c.mu) * c.rs;
+        const float gd = __fmul_rn(df[k], gw[k]);
+        xf[k] = c.rs * (gd - c1 - xh * c2);
+      }
+      store16(dx + row * H + lane * VEC, pack<T>(xf));
+    }
+  }
+};
+
+template <typename T, typename W, int TPR, int BLOCK, int MINB, int DEPTH, bool LEAN>
+__global__ void __launch_bounds__(BLOCK, MINB)
+ln_bwd_split_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
+                    const float* __restrict__ rstd, const W* __restrict__ gamma, T* __restrict__ dx,
+                    float* dg_part, float* db_part, int64_t rows, int H, bool rms) {
+  using K = SplitBwd<T, W, TPR, BLOCK, DEPTH, LEAN>;
+  constexpr int VEC = K::VEC, G = K::G;
+  __shared__ float red[2][G][K::WPG][2];
+  __shared__ float sacc[LEAN ? 2 * VEC * BLOCK : 1];
+  pdl_launch_dependents();
+  pdl_wait();
+  K k;
+  k.dy = dy;
+  k.x = x;
+  k.mean = mean;
+  k.rstd = rstd;
+  k.gamma = gamma;
+  k.dx = dx;
+  k.sacc = sacc;
+  k.rows = rows;
+  k.stride = int64_t(gridDim.x) * G;
+  k.H = H;
+  k.g = threadIdx.x / TPR;
+  k.lane = threadIdx.x % TPR;
+  k.rms = rms;
+  k.has_col = k.lane < H / VEC;
+  k.inv_h = 1.f / H;
+  k.red = red;
+  if constexpr (!LEAN) k.load_gamma();
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    if constexpr (LEAN) {
+      sacc[i * BLOCK + threadIdx.x] = 0.f;  // this thread's own slots: no barrier needed
+      sacc[(VEC + i) * BLOCK + threadIdx.x] = 0.f;
+    } else {
+      k.dg[i] = k.db[i] = 0.f;
+    }
+  }
+  int64_t row = int64_t(blockIdx.x) * G + k.g;
+#pragma unroll
+  for (int s = 0; s < DEPTH; ++s) k.load(k.buf[s], row + s * k.stride);
+
+  // Every thread of a group sees the same rows, so the group's barriers match up.
+  // Unrolled SLOTS times: slot S holds the S-th row of each round.
+  int par = 0;
+  while (row < rows) {
+#define MPT_SPLIT_STEP(S)                                   \
+  if constexpr (S < K::SLOTS) {                             \
+    if (row >= rows) break;                                 \
+    k.template step<S>(row, par);                           \
+    row += k.stride;                                        \
+    par ^= 1;                                               \
+  }
+    MPT_SPLIT_STEP(0)
+    MPT_SPLIT_STEP(1)
+    MPT_SPLIT_STEP(2)
+    MPT_SPLIT_STEP(3)
+    MPT_SPLIT_STEP(4)
+    MPT_SPLIT_STEP(5)
+    MPT_SPLIT_STEP(6)
+    MPT_SPLIT_STEP(7)
+#undef MPT_SPLIT_STEP
+  }
+  if (dg_part == nullptr && db_part == nullptr) return;
+  float dg[1][VEC], db[1][VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    dg[0][i] = LEAN ? sacc[i * BLOCK + threadIdx.x] : k.dg[i];
+    db[0][i] = LEAN ? sacc[(VEC + i) * BLOCK + threadIdx.x] : k.db[i];
+  }
+  if constexpr (G == 1) {
+    store_block_partial<TPR, 1, VEC, BLOCK>(dg, db, dg_part, db_part, H, nullptr);
+  } else {
+    __shared__ float acc[2 * TPR * VEC];
+    store_block_partial<TPR, 1, VEC, BLOCK>(dg, db, dg_part, db_part, H, acc);
+  }
+}
+
 // dx for any H / alignment: the row sums in one pass, dx in a second (re-read from L1/L2).
 template <typename T, typename W, int TPR, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
@@ -904,18 +1111,29 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
 //  * "ring": for rows of <= 128 vectors, b256's warp-per-row shapes on the shared-memory
 //    row ring (ln_bwd_ring_kernel: two rows ahead per warp in flight, no prefetch
 //    registers); longer rows use auto's table.
+//  * "split" / "split4" / "split6" (run 6): for rows of <= 128 vectors, ln_bwd_split_kernel
+//    (one vector per thread, ceil(nvec / 32) warps per row, named barrier per row group,
+//    DEPTH rows ahead in registers): split = DEPTH 3, split4 = DEPTH 4, split6 = DEPTH 6
+//    with dgamma / dbeta sums in shared memory (LEAN); see launch_bwd_split_wpg.  Longer
+//    rows use auto's table.
 enum class BwdShape { W32x2, W64x2, W128x2, W256x2, W512x2, W512x4, N32x1, N32x2, N32x3, N32x4, Generic };
-enum class BwdFamily { Auto, B256, B512, Coop, Ring };
+enum class BwdFamily { Auto, B256, B512, Coop, Ring, Split, Split4, Split6 };
 BwdFamily bwd_family() {
+  // The default backward.  To make a split variant the default: return it here when v
+  // is unset / "auto" (its rows > 128 vectors fall back to auto's table anyway).
   const char* v = env_value("MPT_LN_BWD");
   if (v == nullptr || std::strcmp(v, "auto") == 0) return BwdFamily::Auto;
   if (std::strcmp(v, "b256") == 0) return BwdFamily::B256;
   if (std::strcmp(v, "b512") == 0) return BwdFamily::B512;
   if (std::strcmp(v, "ring") == 0) return BwdFamily::Ring;
+  if (std::strcmp(v, "split") == 0) return BwdFamily::Split;
+  if (std::strcmp(v, "split4") == 0) return BwdFamily::Split4;
+  if (std::strcmp(v, "split6") == 0) return BwdFamily::Split6;
   TORCH_CHECK(std::strcmp(v, "coop") == 0, "MPT_LN_BWD=", v,
-              " is not a backward variant; use auto, b256, b512, coop or ring");
+              " is not a backward variant; use auto, b256, b512, coop, ring, split, split4 or split6");
   return BwdFamily::Coop;
 }
+bool is_split(BwdFamily f) { return f == BwdFamily::Split || f == BwdFamily::Split4 || f == BwdFamily::Split6; }
 BwdShape pick_bwd_shape(int64_t nvec, BwdFamily family) {
   const int64_t narrow_max = (family == BwdFamily::B256 || family == BwdFamily::Ring) ? 128
                              : family == BwdFamily::B512                             ? 0
@@ -1016,6 +1234,47 @@ void launch_bwd_ring(const BwdArgs<T, W>& a) {
   MPT_CHECK_LAUNCH(kBwd);
 }
 
+// The split kernel for a row of `wpg` warps (one vector per thread), block / depth by family.
+template <typename T, typename W, int TPR, int BLOCK, int MINB, int DEPTH, bool LEAN>
+void launch_bwd_split(const BwdArgs<T, W>& a) {
+  constexpr int G = BLOCK / TPR;
+  auto kernel = ln_bwd_split_kernel<T, W, TPR, BLOCK, MINB, DEPTH, LEAN>;
+  static const int per_sm = blocks_per_sm(kernel, BLOCK, 0);
+  const int64_t grid = balanced_grid((a.rows + G - 1) / G, int64_t(num_sms()) * per_sm);
+  a.alloc_partials(grid);
+  launch_kernel(kernel, grid, BLOCK, 0, a.stream, a.pdl, a.dy, a.x, a.mean, a.rstd, a.gamma, a.dx, a.dgq(),
+                a.dbq(), a.rows, a.H, a.rms);
+  MPT_CHECK_LAUNCH(kBwd);
+}
+
+// Blocks of 256 threads (8 / 4 / 2 row groups of 1 / 2 / 4 warps), two per SM (<= 128
+// registers); 3-warp rows (768 bf16): BLOCK 192 x 2 groups, or 480 x 5 groups for the
+// deeper variants (one block of 15 warps: 288 x 2 per SM spilled at its 113 registers).
+// ptxas (sm_90a, bf16): DEPTH 2 needed ~90 registers (spilled at an 80 cap: no gain over
+// DEPTH 3 at 2 blocks/SM), DEPTH 3 ~104, DEPTH 4 ~118.
+template <typename T, typename W, int WPG>
+void launch_bwd_split_wpg(BwdFamily f, const BwdArgs<T, W>& a) {
+  constexpr int TPR = 32 * WPG;
+  if (f == BwdFamily::Split) {
+    if constexpr (WPG == 3) launch_bwd_split<T, W, TPR, 192, 2, 3, false>(a);
+    else launch_bwd_split<T, W, TPR, 256, 2, 3, false>(a);
+  } else if (f == BwdFamily::Split4) {
+    if constexpr (WPG == 3) launch_bwd_split<T, W, TPR, 480, 1, 4, false>(a);
+    else launch_bwd_split<T, W, TPR, 256, 2, 4, false>(a);
+  } else {
+    if constexpr (WPG == 3) launch_bwd_split<T, W, TPR, 480, 1, 6, true>(a);
+    else launch_bwd_split<T, W, TPR, 256, 2, 6, true>(a);
+  }
+}
+
+template <typename T, typename W>
+void launch_bwd_split_family(BwdFamily f, int64_t nvec, const BwdArgs<T, W>& a) {
+  if (nvec <= 32) launch_bwd_split_wpg<T, W, 1>(f, a);
+  else if (nvec <= 64) launch_bwd_split_wpg<T, W, 2>(f, a);
+  else if (nvec <= 96) launch_bwd_split_wpg<T, W, 3>(f, a);
+  else launch_bwd_split_wpg<T, W, 4>(f, a);
+}
+
 // The narrow (warp-per-row) shapes: the ring kernel under "ring", b256's otherwise.
 template <typename T, typename W, int NV>
 void launch_bwd_narrow(bool ring, bool fused, const BwdArgs<T, W>& a) {
@@ -1043,12 +1302,14 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
   const BwdShape shape = aligned ? pick_bwd_shape(H / VEC, family) : BwdShape::Generic;
   const bool fused = family == BwdFamily::Coop && shape != BwdShape::Generic && (want_dg || want_db);
   const bool ring = family == BwdFamily::Ring;
+  const bool split = is_split(family) && shape != BwdShape::Generic && H / VEC <= 128;
   const bool pdl = use_pdl();
   W* dgp = want_dg ? reinterpret_cast<W*>(dgamma.data_ptr()) : nullptr;
   W* dbp = want_db ? reinterpret_cast<W*>(dbeta.data_ptr()) : nullptr;
   const BwdArgs<T, W> a{dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts,
                         &dg_part, &db_part, dgp, dbp, stream, pdl};
-  switch (shape) {
+  if (split) launch_bwd_split_family<T, W>(family, H / VEC, a);
+  else switch (shape) {
     case BwdShape::W32x2: launch_bwd_cached<T, W, 32, 2, true>(fused, a); break;
     case BwdShape::W64x2: launch_bwd_cached<T, W, 64, 2, true>(fused, a); break;
     case BwdShape::W128x2: launch_bwd_cached<T, W, 128, 2, true>(fused, a); break;

@@ -14,6 +14,8 @@
 //  * launch layout (row-group shape, persistent or not, rows per warp) per case by
 //    default, or by $MPT_SOFTMAX_SHAPE / $MPT_SOFTMAX_BWD, see pick_wide_shape: the
 //    benchmark times each variant in one process.
+//  * 16-bit rows of 512 (33..64 vectors): forward-only "lean" kernels (mask/causal as
+//    template arguments, masking on raw words, one FFMA + ex2 per element), see below.
 //  * rows that are misaligned, not a multiple of the 16-byte vector or longer than the
 //    register cache (32768 half / 16384 fp32 elements) use scalar kernels that re-read
 //    the row from L1/L2.
@@ -22,6 +24,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -534,6 +537,188 @@ softmax_bwd_multirow(const T* __restrict__ dy, const T* __restrict__ y, T* __res
   }
 }
 
+// ---- lean forward for 16-bit rows of 33..64 vectors (512 bf16/fp16) -----------------
+// $MPT_SOFTMAX_SHAPE = lean (2 rows per warp), lean1 (1 row per warp), stream (2 rows per
+// warp, persistent, next pair prefetched).  Same layout as "pair" (one warp per row, 2
+// vectors per lane), fewer instructions per element, because the forward at 512 spends
+// its time in each warp's serial load -> reduce -> exp -> store chain, not in bytes in
+// flight (run 5: quad, with more bytes in flight per SM than pair, was 15 points slower):
+//  * mask and causal are template parameters (no per-element runtime tests);
+//  * masking happens on the raw 16-bit words, before unpacking: the 8 mask bytes of a
+//    vector become per-byte sign bits (any nonzero byte counts), prmt's sign-replicate
+//    mode spreads them to 16-bit lanes and one lop3 writes -inf where masked; causal adds
+//    a suffix of masked bytes per vector (a few integer ops per 8 elements);
+//  * scale > 0 is required (host check): the max of the raw row is then the max of the
+//    scaled one, and exp(scale*(x - max)) = ex2(x*c - max*c), c = scale*log2(e): one FFMA
+//    and one MUFU.EX2 (ftz: outputs below 2^-126 flush to 0) per element.
+template <typename T>
+struct NegInf2;  // two -inf of T in one 32-bit word
+template <>
+struct NegInf2<at::BFloat16> {
+  static constexpr uint32_t bits = 0xff80ff80u;
+};
+template <>
+struct NegInf2<at::Half> {
+  static constexpr uint32_t bits = 0xfc00fc00u;
+};
+
+// Byte permute (PTX prmt, generic mode): selector nibbles with bit 3 set replicate the
+// sign bit of the selected byte over the output byte.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(0u), "r"(sel));
+  return d;
+}
+// Bit 7 of each byte set iff that byte is nonzero (a bool byte other than 0/1 counts as
+// true, as in torch); no carry crosses bytes.
+__device__ __forceinline__ uint32_t nonzero_msb(uint32_t u) {
+  return (((u & 0x7f7f7f7fu) + 0x7f7f7f7fu) | u) & 0x80808080u;
+}
+__device__ __forceinline__ float ex2_ftz(float v) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+  return r;
+}
+
+// R rows' raw loads: x (2 vectors per lane; -inf words where the lane or row is out of
+// range) and, with MASKED, their mask bytes (shared with the previous row when the mask
+// row is the same: consecutive heads of a [B, 1, Sq, Sk] mask under the heads-inner walk).
+template <int R, bool MASKED>
+struct LeanRows {
+  uint4 x[R][2];
+  uint2 mk[MASKED ? R : 1][2];
+  int64_t row[R];
+  int q[R];  // query index, clamped to 2^30 (>= every key index: S <= 2^30)
+  bool valid[R];
+};
+
+template <typename T, int R, bool MASKED>
+__device__ __forceinline__ void lean_load(LeanRows<R, MASKED>& b, const T* x, const MaskLayout& m, int64_t lin0,
+                                          int64_t rows, int S, int lane) {
+  constexpr uint32_t NI = NegInf2<T>::bits;
+  const int nvec = S / 8;
+  const uint8_t* prev = nullptr;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* mrow;
+    int64_t q;
+    b.valid[r] = lin0 + r < rows;
+    m.locate(b.valid[r] ? lin0 + r : 0, b.row[r], q, mrow);
+    b.q[r] = q < (int64_t(1) << 30) ? int(q) : (1 << 30);
+    const bool reuse = r > 0 && mrow == prev;
+    prev = mrow;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int j = i * 32 + lane;
+      const bool ok = b.valid[r] && j < nvec;
+      b.x[r][i] = ok ? load16(x + b.row[r] * S + j * 8) : make_uint4(NI, NI, NI, NI);
+      if constexpr (MASKED) {
+        if (reuse) b.mk[r][i] = b.mk[r > 0 ? r - 1 : 0][i];
+        else b.mk[r][i] = ok ? __ldg(reinterpret_cast<const uint2*>(mrow + j * 8)) : make_uint2(0u, 0u);
+      }
+    }
+  }
+}
+
+template <typename T, int R, bool MASKED, bool CAUSAL>
+__device__ __forceinline__ void lean_finish(const LeanRows<R, MASKED>& b, T* y, int S, float c, int lane) {
+  constexpr uint32_t NI = NegInf2<T>::bits;
+  const int nvec = S / 8;
+  float v[R][2][8];
+  float mx[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    mx[r] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      uint4 w = b.x[r][i];
+      if constexpr (MASKED || CAUSAL) {
+        uint32_t lo = 0u, hi = 0u;  // sign bit per byte = element masked
+        if constexpr (MASKED) {
+          lo = nonzero_msb(b.mk[r][i].x);
+          hi = nonzero_msb(b.mk[r][i].y);
+        }
+        if constexpr (CAUSAL) {
+          // Keys k > q are masked: the vector's first `keep` elements stay.
+          const int kq = b.q[r] - (i * 32 + lane) * 8 + 1;
+          const int keep = kq < 0 ? 0 : (kq > 8 ? 8 : kq);
+          lo |= keep >= 4 ? 0u : 0x80808080u << (8 * keep);
+          hi |= keep >= 8 ? 0u : (keep <= 4 ? 0x80808080u : 0x80808080u << (8 * (keep - 4)));
+        }
+        const uint32_t m0 = prmt(lo, 0x9988u), m1 = prmt(lo, 0xbbaau);
+        const uint32_t m2 = prmt(hi, 0x9988u), m3 = prmt(hi, 0xbbaau);
+        w.x = (w.x & ~m0) | (NI & m0);
+        w.y = (w.y & ~m1) | (NI & m1);
+        w.z = (w.z & ~m2) | (NI & m2);
+        w.w = (w.w & ~m3) | (NI & m3);
+      }
+      unpack<T>(w, v[r][i]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) mx[r] = fmaxf(mx[r], v[r][i][k]);
+    }
+  }
+  group_allreduce<32, R>(mx, nullptr, MaxOp());
+  float sum[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float mc = (mx[r] == -INFINITY ? 0.f : mx[r]) * c;  // fully masked row: exact zeros
+    sum[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        v[r][i][k] = ex2_ftz(fmaf(v[r][i][k], c, -mc));
+        sum[r] += v[r][i][k];
+      }
+  }
+  group_allreduce<32, R>(sum, nullptr, SumOp());
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (!b.valid[r]) continue;
+    const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int j = i * 32 + lane;
+      if (j < nvec) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[r][i][k] *= inv;
+        store16(y + b.row[r] * S + j * 8, pack<T>(v[r][i]));
+      }
+    }
+  }
+}
+
+// One batch of R rows per warp, one-shot grid ("lean", "lean1").
+template <typename T, int R, int BLOCK, bool MASKED, bool CAUSAL>
+__global__ void __launch_bounds__(BLOCK)
+softmax_fwd_lean(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64_t rows, int S, float c) {
+  const int lane = threadIdx.x % 32;
+  const int64_t lin0 = (int64_t(blockIdx.x) * (BLOCK / 32) + threadIdx.x / 32) * R;
+  LeanRows<R, MASKED> b;
+  lean_load<T, R, MASKED>(b, x, m, lin0, rows, S, lane);
+  lean_finish<T, R, MASKED, CAUSAL>(b, y, S, c, lane);
+}
+
+// Persistent ("stream"): each warp walks batches w, w + warps, ... and issues the next
+// batch's loads before reducing the current one, so it always has 2 KB of x in flight.
+template <typename T, int R, int BLOCK, bool MASKED, bool CAUSAL>
+__global__ void __launch_bounds__(BLOCK)
+softmax_fwd_stream(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64_t rows, int S, float c) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (BLOCK / 32);
+  const int64_t w0 = int64_t(blockIdx.x) * (BLOCK / 32) + threadIdx.x / 32;
+  const int64_t batches = (rows + R - 1) / R;
+  const int64_t iters = batches > w0 ? (batches - w0 + warps - 1) / warps : 0;
+  LeanRows<R, MASKED> cur;
+  lean_load<T, R, MASKED>(cur, x, m, w0 * R, rows, S, lane);
+  for (int64_t it = 0; it < iters; ++it) {
+    LeanRows<R, MASKED> nxt;
+    lean_load<T, R, MASKED>(nxt, x, m, (w0 + (it + 1) * warps) * R, rows, S, lane);
+    lean_finish<T, R, MASKED, CAUSAL>(cur, y, S, c, lane);
+    cur = nxt;
+  }
+}
+
 // ---- generic kernels: any length, any alignment, scalar loads, re-reads ---------------
 
 template <typename T, int TPR, int BLOCK>
@@ -644,6 +829,34 @@ bool describe_mask(const at::Tensor& m, MaskLayout& ml) {
 //  The backward's own variable takes the same names ($MPT_SOFTMAX_BWD=pair with
 //  $MPT_SOFTMAX_SHAPE=auto = pair forward at masked 512 + pair backward).
 enum class WideShape { None, W16x4, W32x8, P32x1, P32x2, P32x4, P32x8, M2x2, M2x4 };
+
+// Forward-only variants for 16-bit rows of 33..64 vectors (softmax_fwd_lean / _stream):
+// "lean" (2 rows per warp), "lean1" (1 row per warp), "stream" (persistent, 2 rows per
+// warp, next pair prefetched).  Not used by "auto" until measured: to make one the
+// default, set kAutoLeanMasked (forward with a mask tensor) and/or kAutoLeanCausal
+// (forward without one: causal or unmasked) to it.
+enum class LeanShape { None, Lean2, Lean1, Stream2 };
+constexpr LeanShape kAutoLeanMasked = LeanShape::None;
+constexpr LeanShape kAutoLeanCausal = LeanShape::None;
+
+bool is_lean_name(const char* v) {
+  return std::strcmp(v, "lean") == 0 || std::strcmp(v, "lean1") == 0 || std::strcmp(v, "stream") == 0;
+}
+
+// The lean forward for this call, or None (then pick_wide_shape decides).  They need
+// 16-bit storage (checked by the caller), rows of 33..64 vectors, a vector-loadable mask
+// or none (mode 0/1) and scale > 0 (the max is taken before scaling).
+LeanShape pick_lean_shape(int64_t nvec, int mask_mode, bool has_mask, float scale) {
+  if (!(nvec > 32 && nvec <= 64) || (mask_mode != 0 && mask_mode != 1) || !(scale > 0.f) ||
+      !(scale < INFINITY))
+    return LeanShape::None;
+  const char* v = std::getenv("MPT_SOFTMAX_SHAPE");
+  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0) return has_mask ? kAutoLeanMasked : kAutoLeanCausal;
+  if (std::strcmp(v, "lean") == 0) return LeanShape::Lean2;
+  if (std::strcmp(v, "lean1") == 0) return LeanShape::Lean1;
+  if (std::strcmp(v, "stream") == 0) return LeanShape::Stream2;
+  return LeanShape::None;
+}
 WideShape persist_shape(int64_t nvec) {
   if (nvec <= 32) return WideShape::P32x1;
   if (nvec <= 64) return WideShape::P32x2;
@@ -664,7 +877,10 @@ WideShape pick_wide_shape(int64_t nvec, bool forward, bool masked) {
   const bool is_pair = v != nullptr && std::strcmp(v, "pair") == 0;
   const bool is_quad = v != nullptr && std::strcmp(v, "quad") == 0;
   if ((is_pair || is_quad) && row512) return is_quad ? WideShape::M2x4 : WideShape::M2x2;
-  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0 || is_pair || is_quad) {
+  // The lean forwards (pick_lean_shape) take over before this is asked; where they do not
+  // apply (fp32, other lengths, scale <= 0, key-broadcast masks) and for the backward,
+  // their names mean "auto".
+  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0 || is_pair || is_quad || is_lean_name(v)) {
     if (forward && masked && row512) return WideShape::M2x2;
     if (forward && masked && long_row) return WideShape::P32x8;
     return WideShape::None;
@@ -672,7 +888,7 @@ WideShape pick_wide_shape(int64_t nvec, bool forward, bool masked) {
   if (std::strcmp(v, "rows") == 0) return WideShape::None;
   if (std::strcmp(v, "persist") == 0) return persist_shape(nvec);
   TORCH_CHECK(std::strcmp(v, "wide") == 0, var, "=", v,
-              " is not a softmax variant; use auto, rows, persist, wide, pair or quad");
+              " is not a softmax variant; use auto, rows, persist, wide, pair, quad, lean, lean1 or stream");
   if (nvec > 32 && nvec <= 64) return WideShape::W16x4;
   if (long_row) return WideShape::W32x8;
   return WideShape::None;
@@ -719,6 +935,38 @@ int64_t persistent_grid(int64_t want, int64_t cap) {
     default: break;                                                                \
   }
 
+// Launches the lean forward `shape` with the mask and causal flags as template arguments.
+template <typename T>
+void launch_lean(LeanShape shape, const T* xp, T* yp, const MaskLayout& ml, int64_t rows, int S, float scale,
+                 bool causal, cudaStream_t stream) {
+  constexpr int BLOCK = 128;
+  const float c = scale * kLog2e;
+  auto go = [&](auto masked, auto is_causal) {
+    constexpr bool M = decltype(masked)::value, C = decltype(is_causal)::value;
+    if (shape == LeanShape::Stream2) {
+      constexpr int R = 2;
+      auto kernel = softmax_fwd_stream<T, R, BLOCK, M, C>;
+      static const int64_t cap = resident_blocks(kernel, BLOCK);
+      const int64_t want = (rows + BLOCK / 32 * R - 1) / (BLOCK / 32 * R);
+      kernel<<<persistent_grid(want, cap), BLOCK, 0, stream>>>(xp, yp, ml, rows, S, c);
+    } else if (shape == LeanShape::Lean1) {
+      constexpr int RPB = BLOCK / 32;
+      softmax_fwd_lean<T, 1, BLOCK, M, C><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(xp, yp, ml, rows, S, c);
+    } else {
+      constexpr int RPB = BLOCK / 32 * 2;
+      softmax_fwd_lean<T, 2, BLOCK, M, C><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(xp, yp, ml, rows, S, c);
+    }
+    MPT_CHECK_LAUNCH(kFwd);
+  };
+  using Y = std::true_type;
+  using N = std::false_type;
+  const bool masked = ml.mode == 1;
+  if (masked && causal) go(Y{}, Y{});
+  else if (masked) go(Y{}, N{});
+  else if (causal) go(N{}, Y{});
+  else go(N{}, N{});
+}
+
 template <typename T>
 void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows, int S, float scale, bool causal) {
   constexpr int VEC = Vec16<T>::n;
@@ -737,6 +985,10 @@ void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows,
   }
   ml.idx32 = rows <= int64_t(UINT32_MAX);
   const bool aligned = S % VEC == 0 && aligned16(xp) && aligned16(yp);
+  if constexpr (VEC == 8) {
+    const LeanShape lean = aligned ? pick_lean_shape(S / VEC, ml.mode, ml.ptr != nullptr, scale) : LeanShape::None;
+    if (lean != LeanShape::None) return launch_lean<T>(lean, xp, yp, ml, rows, S, scale, causal, stream);
+  }
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
   const WideShape wide = aligned ? pick_wide_shape(S / VEC, true, ml.ptr != nullptr) : WideShape::None;
   if (wide == WideShape::M2x2 || wide == WideShape::M2x4) {

@@ -12,13 +12,18 @@ Rows, per shape:
   floor, so the fwd+bwd time can be split; ``bwd`` calls the backward ops directly
   (ours and aten's) on the saved statistics of one forward per input set.
 Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto | ring),
-$MPT_LN_BWD (auto | b256 | b512 | coop | ring), $MPT_LN_PDL (0 | 1, programmatic
-dependent launch).  The default (all auto / 0) keeps the plain row name; other rows
-name the settings that differ.
+$MPT_LN_BWD (auto | b256 | b512 | coop | ring | split | split4 | split6), $MPT_LN_PDL (0 | 1,
+programmatic dependent launch).  The default (auto / auto / 1) keeps the plain row name;
+other rows name the settings that differ.
+
+``MPT_BENCH_NORM=split`` (run 6's quick round): only the split backward candidates, as
+bwd-only and fwd+bwd rows at 16384x1024 and 65536x768 next to the default (~20 s).
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +59,9 @@ SHORT_VARIANTS = [
     {FWD_ENV: "ring", BWD_ENV: "ring", PDL_ENV: "1"},
 ]
 FWD_ONLY_VARIANTS = [{}, {FWD_ENV: "ring"}, {PDL_ENV: "0"}, {FWD_ENV: "ring", PDL_ENV: "0"}]
+# Run 6 candidates (the split backward kernels), for rows of <= 1024 bf16.
+SPLIT_VARIANTS = [{}, {BWD_ENV: "split"}, {BWD_ENV: "split4"}, {BWD_ENV: "split6"}]
+SPLIT_CASES = [(16384, 1024), (65536, 768)]
 BWD_ONLY_VARIANTS = [
     {},
     {BWD_ENV: "b256"},
@@ -162,9 +170,10 @@ def _fwd_bwd_rows(rows, hidden, kind, wdtype, variants, rep) -> list[Result]:
     out = []
     for variant in variants:
         with variant_env(variant):
-            _check(_fwd_bwd(ours, sets.sets[0]), expected)
-            t_ours, how = step_ms(lambda s: _fwd_bwd(ours, s), sets.sets, rep)
-        out.append(_result(name, variant, t_ours, how, t_torch, how_torch, rows, hidden, 10, "fwd+bwd"))
+            timed = _guarded(name, variant, lambda: (_check(_fwd_bwd(ours, sets.sets[0]), expected),
+                                                     step_ms(lambda s: _fwd_bwd(ours, s), sets.sets, rep))[1])
+        if timed:
+            out.append(_result(name, variant, *timed, t_torch, how_torch, rows, hidden, 10, "fwd+bwd"))
     return out
 
 
@@ -183,7 +192,18 @@ def _fwd_only_rows(rows, hidden, rep) -> list[Result]:
     return out
 
 
-def _bwd_only_rows(rows, hidden, rep) -> list[Result]:
+def _guarded(name, variant, timed):
+    """A variant that fails its check (or raises) is reported and skipped, not fatal: the
+    other rows of the family still come out."""
+    try:
+        return timed()
+    except Exception:  # noqa: BLE001 - reported, the family goes on
+        print(f"[bench norm] {_named(name, variant)} FAILED, skipped:\n{traceback.format_exc()}", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def _bwd_only_rows(rows, hidden, rep, variants=None) -> list[Result]:
     """The backward ops called directly (ours: the extension's layer_norm_backward; torch:
     aten's native_layer_norm_backward) on statistics from one forward per set.  Not through
     autograd: the engine would run a backward on the stream of its forward, outside the
@@ -214,15 +234,29 @@ def _bwd_only_rows(rows, hidden, rep) -> list[Result]:
     t_torch, how_torch = step_ms(theirs, theirs_in, rep)
     name = _case_name("layer", torch.bfloat16, "bwd", rows, hidden) + " [6 B/elem]"
     out = []
-    for variant in BWD_ONLY_VARIANTS:
+    for variant in BWD_ONLY_VARIANTS if variants is None else variants:
         with variant_env(variant):
-            _check(ours(ours_in[0]), expected)
-            t_ours, how = step_ms(ours, ours_in, rep)
-        out.append(_result(name, variant, t_ours, how, t_torch, how_torch, rows, hidden, 6, "bwd"))
+            timed = _guarded(name, variant, lambda: (_check(ours(ours_in[0]), expected), step_ms(ours, ours_in, rep))[1])
+        if timed:
+            out.append(_result(name, variant, *timed, t_torch, how_torch, rows, hidden, 6, "bwd"))
     return out
 
 
+def run_split() -> list[Result]:
+    """Run 6's quick round: the split backward candidates against the default."""
+    results = []
+    for rows, hidden in SPLIT_CASES:
+        results += _bwd_only_rows(rows, hidden, 100.0, SPLIT_VARIANTS)
+        results += _fwd_bwd_rows(rows, hidden, "layer", torch.bfloat16, SPLIT_VARIANTS, 100.0)
+    return results
+
+
 def run(args) -> list[Result]:
+    only = os.environ.get("MPT_BENCH_NORM", "")
+    if only == "split":
+        return run_split()
+    if only:
+        raise ValueError(f"MPT_BENCH_NORM={only!r}: unknown subset; use 'split' or leave it unset")
     results = []
     cases = QUICK_CASES if args.quick else CASES
     rep = 50.0 if args.quick else 200.0

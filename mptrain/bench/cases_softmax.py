@@ -9,6 +9,8 @@ Timing: both sides as GPU work, several fwd+bwd steps captured in one CUDA graph
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mptrain import ops
@@ -36,6 +38,12 @@ SHAPE_VARIANTS = (
     ("quad", "", (512,)),
     ("auto", "pair", (512,)),
     ("auto", "quad", (512,)),
+    # Run 6: forward-only variants at 512 (16-bit; backward as auto): lean = pair's layout
+    # with compile-time mask/causal, masking on raw words, ex2(FFMA); lean1 = the same, one
+    # row per warp (31 registers, 64 warps/SM); stream = lean pairs, persistent, prefetched.
+    ("lean", "", (512,)),
+    ("lean1", "", (512,)),
+    ("stream", "", (512,)),
     # Separate the forward's and the backward's share of persist vs rows at 2048.
     ("persist", "rows", (2048,)),
     ("rows", "persist", (2048,)),
@@ -48,7 +56,24 @@ HALF_VARIANTS = (
     ("rows", (512,)),
     ("pair", (512,)),
     ("quad", (512,)),
+    ("lean", (512,)),
+    ("lean1", (512,)),
+    ("stream", (512,)),
 )
+# Forward-only variants: no "bwd only" row (their backward is auto's).
+FWD_ONLY = ("lean", "lean1", "stream")
+# $MPT_SOFTMAX_BENCH=fwd512: only the 512 cases (masked and causal), only these variants'
+# rows (fwd+bwd and fwd only), no bwd-only rows: the short run that compares the 512
+# forwards (about 20 timings).
+BENCH_ENV = "MPT_SOFTMAX_BENCH"
+FWD512_VARIANTS = ("auto", "pair", "lean", "lean1", "stream")
+
+
+def _fwd512() -> bool:
+    v = os.environ.get(BENCH_ENV, "")
+    if v not in ("", "fwd512"):
+        raise ValueError(f"${BENCH_ENV}={v!r}: use 'fwd512' (the 512 forward rows only) or leave it unset")
+    return v == "fwd512"
 
 
 def _label(shape: str, bwd: str) -> str:
@@ -86,7 +111,7 @@ def _one_case(b, h, s, masked, causal, args) -> list[Result]:
     results = []
     # The default variant keeps the plain case name; the others are labelled.
     for variant, bwd, lengths in SHAPE_VARIANTS:
-        if s not in lengths:
+        if s not in lengths or (_fwd512() and (bwd or variant not in FWD512_VARIANTS)):
             continue
         with env_var(SHAPE_ENV, variant), env_var(BWD_ENV, bwd):
             # Never time a broken kernel.
@@ -124,32 +149,38 @@ def _halves(b, h, s, masked, causal, sets, rep, name) -> list[Result]:
 
     ours_f = lambda x, m: ops.scaled_masked_softmax(x, m, SCALE, causal, fused=True)  # noqa: E731
     theirs_f = lambda x, m: _eager(x, tri if causal else m)  # noqa: E731
+    only = _fwd512()
     t_fwd_torch, _ = step_ms(fwd(theirs_f), sets.sets, rep)
-    t_bwd_torch, _ = step_ms(lambda st: torch._softmax_backward_data(st[1], st[0], -1, dt).mul_(SCALE),
-                             bwd_sets, rep)
+    t_bwd_torch = None if only else step_ms(
+        lambda st: torch._softmax_backward_data(st[1], st[0], -1, dt).mul_(SCALE), bwd_sets, rep)[0]
     elems = b * h * s * s
     base = name.replace("fwd+bwd ", "")
     out = []
     for variant, lengths in HALF_VARIANTS:
-        if s not in lengths:
+        if s not in lengths or (only and variant not in FWD512_VARIANTS):
             continue
         with env_var(SHAPE_ENV, variant):
+            # Never time a broken kernel.
+            torch.testing.assert_close(fwd(ours_f)(sets.sets[0]).float(), fwd(theirs_f)(sets.sets[0]).float(),
+                                       rtol=3e-2, atol=3e-2)
             t_f, how = step_ms(fwd(ours_f), sets.sets, rep)
+        extra = {"batch": b, "heads": h, "seq": s, "variant": variant, "timing": how}
+        out.append(Result(f"{base} fwd only [{SHAPE_ENV}={variant}]", t_f, t_fwd_torch, floor_ms(4 * elems), extra))
+        if only or variant in FWD_ONLY:
+            continue
         with env_var(SHAPE_ENV, "auto"), env_var(BWD_ENV, variant):
             y0, dy0 = bwd_sets[0]
             torch.testing.assert_close(ext.scaled_masked_softmax_backward(dy0, y0, SCALE).float(),
                                        (torch._softmax_backward_data(dy0, y0, -1, dt) * SCALE).float(),
                                        rtol=3e-2, atol=3e-2)
             t_b, _ = step_ms(lambda st: ext.scaled_masked_softmax_backward(st[1], st[0], SCALE), bwd_sets, rep)
-        extra = {"batch": b, "heads": h, "seq": s, "variant": variant, "timing": how}
-        out.append(Result(f"{base} fwd only [{SHAPE_ENV}={variant}]", t_f, t_fwd_torch, floor_ms(4 * elems), extra))
         out.append(Result(f"{base} bwd only [{BWD_ENV}={variant}]", t_b, t_bwd_torch, floor_ms(6 * elems), extra))
     del ys, bwd_sets
     return out
 
 
 def run(args) -> list[Result]:
-    cases = QUICK_CASES if args.quick else CASES
+    cases = QUICK_CASES if args.quick or _fwd512() else CASES
     results = []
     for masked, causal in ((True, False), (False, True)):
         for b, h, s in cases:

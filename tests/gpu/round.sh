@@ -14,7 +14,7 @@ tests=$1 families=$2 kexpr=${3:-}
   files=(); for f in $tests; do files+=("tests/gpu/$f"); done
   if [[ ${#files[@]} -gt 0 ]]; then
     t0=$SECONDS
-    python3 -m pytest "${files[@]}" -q -rfE --maxfail=20 --timeout=300 -p no:cacheprovider -o addopts="" ${kexpr:+-k "$kexpr"} | tail -25
+    python3 -m pytest "${files[@]}" -q -rfE --maxfail=20 --timeout=${TEST_TIMEOUT:-300} -p no:cacheprovider -o addopts="" ${kexpr:+-k "$kexpr"} | tail -25
     echo "tests: $((SECONDS - t0)) s"
   fi
   [[ -n "$families" ]] && python3 -m mptrain.bench.kernels --only "$families" --json "$OUT/bench.json"

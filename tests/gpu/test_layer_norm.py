@@ -101,7 +101,7 @@ def test_many_rows_per_block(combo, rows, hidden):
     compare(x, (hidden,), w, b, False, what=f"rows={rows} H={hidden}")
 
 
-@pytest.mark.parametrize("variant", ["auto", "b512", "b256", "coop", "ring"])
+@pytest.mark.parametrize("variant", ["auto", "b512", "b256", "coop", "ring", "split", "split4", "split6"])
 @pytest.mark.parametrize("combo", COMBOS[1:], ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}")
 @pytest.mark.parametrize("hidden", [64, 256, 512, 768, 1000, 1024])
 def test_backward_variants(monkeypatch, variant, combo, hidden):
@@ -117,6 +117,39 @@ def test_backward_variants(monkeypatch, variant, combo, hidden):
         b = torch.randn(hidden, device="cuda").to(wdt)
         compare(x, (hidden,), w, b, False, what=f"{variant} rows={rows} H={hidden}")
         compare(x.detach(), (hidden,), w.detach(), None, True, what=f"{variant} rms rows={rows} H={hidden}")
+
+
+SPLIT = ["split", "split4", "split6"]
+
+
+@pytest.mark.parametrize("variant", SPLIT)
+@pytest.mark.parametrize("combo,hidden,rows", [(COMBOS[2], 1024, 70_000), (COMBOS[4], 768, 90_001),
+                                               (COMBOS[0], 512, 50_000), (COMBOS[3], 256, 40_003),
+                                               (COMBOS[1], 96, 20_000)],
+                         ids=["bf16-1024", "bf16w32-768", "fp32-512", "fp16w32-256", "fp16-96"])
+def test_split_many_rows_per_group(monkeypatch, variant, combo, hidden, rows):
+    # Dozens of rows per row group: the DEPTH + 1 register slots rotate many times, rows
+    # end at every slot position, and 1-4 warps per row (named barrier per group).
+    _set_env(monkeypatch, {"MPT_LN_BWD": variant})
+    xdt, wdt = combo
+    torch.manual_seed(rows)
+    x = torch.randn(rows, hidden, device="cuda").to(xdt)
+    w = torch.randn(hidden, device="cuda").to(wdt)
+    b = torch.randn(hidden, device="cuda").to(wdt)
+    compare(x, (hidden,), w, b, False, what=f"{variant} rows={rows} H={hidden}")
+    compare(x.detach(), (hidden,), None, None, True, what=f"{variant} rms no-weight rows={rows} H={hidden}")
+
+
+@pytest.mark.parametrize("variant", SPLIT)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 600, 1031])
+def test_split_row_counts(monkeypatch, variant, rows):
+    # Fewer rows than row groups, and counts that end mid-round of the slot rotation.
+    _set_env(monkeypatch, {"MPT_LN_BWD": variant})
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 1024, device="cuda").to(torch.bfloat16)
+    w = torch.randn(1024, device="cuda").to(torch.bfloat16)
+    b = torch.randn(1024, device="cuda").to(torch.bfloat16)
+    compare(x, (1024,), w, b, False, what=f"{variant} rows={rows}")
 
 
 def test_backward_variant_name_is_checked(monkeypatch):
@@ -216,7 +249,8 @@ def test_empty_input():
     assert y.shape == (0, 32) and (gw == 0).all()
 
 
-DETERMINISM_SETTINGS = [{}, {"MPT_LN_BWD": "coop"}, {"MPT_LN_BWD": "ring"},
+DETERMINISM_SETTINGS = [{}, {"MPT_LN_BWD": "coop"}, {"MPT_LN_BWD": "ring"}, {"MPT_LN_BWD": "split"},
+                        {"MPT_LN_BWD": "split4"}, {"MPT_LN_BWD": "split6"},
                         {"MPT_LN_FWD": "ring", "MPT_LN_BWD": "ring", "MPT_LN_PDL": "1"}]
 
 

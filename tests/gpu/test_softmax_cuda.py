@@ -11,7 +11,9 @@ from mptrain import ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Every $MPT_SOFTMAX_SHAPE launch variant of csrc/softmax.cu.
-VARIANTS = ["auto", "rows", "wide", "persist", "pair", "quad"]
+VARIANTS = ["auto", "rows", "wide", "persist", "pair", "quad", "lean", "lean1", "stream"]
+# Forward-only 512 variants (16-bit rows of 33..64 vectors, scale > 0; "auto" elsewhere).
+LEAN = ["lean", "lean1", "stream"]
 LENGTHS = [1, 7, 64, 100, 512, 1000, 2048, 4096, 8192, 16384, 20000, 32768, 40000]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -157,7 +159,7 @@ def test_fully_masked_rows_are_zero_with_zero_grad(dtype):
     torch.testing.assert_close(y[0].float().sum(-1), torch.ones(4, 8, device="cuda"), rtol=0, atol=2e-2)
 
 
-@pytest.mark.parametrize("variant", ["auto", "pair", "quad", "persist"])
+@pytest.mark.parametrize("variant", ["auto", "pair", "quad", "persist"] + LEAN)
 def test_cuda_graph_capture(monkeypatch, variant):
     monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
     x = torch.randn(4, 8, 128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -179,3 +181,29 @@ def test_cuda_graph_capture(monkeypatch, variant):
         x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, step())
+
+
+@pytest.mark.parametrize("variant", LEAN)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("b,h,s", [(2, 16, 512), (3, 5, 512), (2, 3, 264), (1, 7, 392)])
+def test_lean_forwards(monkeypatch, variant, dtype, b, h, s):
+    # The lean forwards mask on raw 16-bit words and take the max before scaling: check
+    # them where that could go wrong.  Odd head counts (row pairs straddling two mask
+    # rows), 33..64-vector rows with idle lanes, fully masked rows (zeros, zero grad),
+    # mask bytes other than 0/1 (a bool view of uint8 2s: true, as in torch), mask and
+    # causal together, large logits, and a negative scale (falls back to "auto").
+    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
+    gen = torch.Generator(device="cuda").manual_seed(s + h)
+    x = (torch.randn(b, h, s, s, device="cuda", generator=gen) * 3).to(dtype)
+    x[0, 0, 1, :8] = 60.0  # large logits: exp(scale * (x - max)) must not overflow
+    mask = torch.rand(b, 1, s, s, device="cuda", generator=gen) < 0.2
+    mask[0, 0, 2] = True  # a fully masked row
+    for m, causal in ((mask, False), (None, True), (mask, True), (None, False)):
+        compare(x, m, 0.125, causal, f"{variant} {b}x{h}x{s} mask={m is not None} causal={causal}")
+    compare(x, mask, -0.5, False, f"{variant} {b}x{h}x{s} negative scale")
+    y = ops.scaled_masked_softmax(x, mask, 0.125, fused=True)
+    assert (y[0, :, 2] == 0).all(), "fully masked row must be zeros"
+    # Bool bytes other than 0/1 (a uint8 view) count as True: same output as the clean mask.
+    raw = mask.to(torch.uint8) * torch.randint(1, 256, mask.shape, device="cuda", generator=gen, dtype=torch.uint8)
+    y_raw = ops.scaled_masked_softmax(x, raw.view(torch.bool), 0.125, fused=True)
+    assert torch.equal(y_raw, y), "mask bytes > 1 must act as True"
