@@ -836,8 +836,10 @@ enum class WideShape { None, W16x4, W32x8, P32x1, P32x2, P32x4, P32x8, M2x2, M2x
 // default, set kAutoLeanMasked (forward with a mask tensor) and/or kAutoLeanCausal
 // (forward without one: causal or unmasked) to it.
 enum class LeanShape { None, Lean2, Lean1, Stream2 };
-constexpr LeanShape kAutoLeanMasked = LeanShape::None;
-constexpr LeanShape kAutoLeanCausal = LeanShape::None;
+// Run 6 (H200, 512x512x512 bf16, fwd+bwd): lean1 masked 99.5% / causal 100.6% of floor,
+// against pair 92.1% / rows 90.4% before: lean1 is auto's forward for both.
+constexpr LeanShape kAutoLeanMasked = LeanShape::Lean1;
+constexpr LeanShape kAutoLeanCausal = LeanShape::Lean1;
 
 bool is_lean_name(const char* v) {
   return std::strcmp(v, "lean") == 0 || std::strcmp(v, "lean1") == 0 || std::strcmp(v, "stream") == 0;
