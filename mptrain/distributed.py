@@ -21,11 +21,12 @@ def all_reduce_max_(t: torch.Tensor) -> torch.Tensor:
 
 
 def grads_all_reduced(strategy: Any) -> bool:
-    """True when the strategy leaves every rank with the same, all-reduced gradients (DDP):
-    then found_inf computed from them is already identical on every rank."""
-    from lightning.fabric.strategies import DDPStrategy
+    """True when the strategy leaves every rank with the same, all-reduced gradients (plain
+    DDP): then found_inf computed from them is already identical on every rank.  DeepSpeed
+    derives from Fabric's DDPStrategy but may partition gradients (ZeRO): not counted."""
+    from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 
-    return isinstance(strategy, DDPStrategy)
+    return isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
 
 
 def tune_ddp(strategy: Any, module: torch.nn.Module, user_strategy: Any) -> None:
@@ -39,9 +40,7 @@ def tune_ddp(strategy: Any, module: torch.nn.Module, user_strategy: Any) -> None
       statistics): otherwise every forward would start with a broadcast, a collective that
       makes the ranks wait for each other before any compute (BERT's buffers are constant
       position and token-type ids)."""
-    from lightning.fabric.strategies import DDPStrategy
-
-    if not isinstance(strategy, DDPStrategy) or not isinstance(user_strategy, str):
+    if not grads_all_reduced(strategy) or not isinstance(user_strategy, str):
         return
     kwargs = getattr(strategy, "_ddp_kwargs", None)
     if kwargs is None:  # a Lightning version without the attribute: keep its defaults

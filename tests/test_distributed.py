@@ -50,3 +50,14 @@ def test_tune_ddp_defaults_follow_the_module(with_bn):
     tune_ddp(given, module, given)
     assert given._ddp_kwargs == {"broadcast_buffers": True}
     tune_ddp(object(), module, "ddp")
+
+
+def test_found_inf_sync_only_where_grads_are_not_all_reduced():
+    from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+    from mptrain.distributed import grads_all_reduced
+
+    assert grads_all_reduced(DDPStrategy())
+    assert not grads_all_reduced(SingleDeviceStrategy(device=torch.device("cpu")))
+    # DeepSpeed derives from DDPStrategy but ZeRO partitions gradients
+    assert not grads_all_reduced(DeepSpeedStrategy.__new__(DeepSpeedStrategy))
