@@ -14,16 +14,14 @@
 //    (cooperative launch), saving a launch and its tail at small shapes.  The next
 //    row's x / dy are loaded before the current row is reduced (software pipelining)
 //    where registers allow, to keep enough bytes in flight with one block per SM.
-//  * MPT_LN_FWD=ring / MPT_LN_BWD=ring (rows <= 128 vectors, i.e. <= 1024 bf16): persistent
-//    warp-per-row kernels that keep the next two rows of each warp in flight through a
-//    shared-memory ring (cp.async) instead of registers: more bytes in flight per SM at
-//    768/1024 than the register-cached kernels can afford.
-//  * MPT_LN_BWD=split / split4 / split6 (rows <= 128 vectors): one 16-byte vector per thread
-//    and ceil(nvec/32) warps per row, so the per-thread accumulators are small and the
-//    registers go to 3 / 4 / 6 rows of x and dy loaded ahead (ln_bwd_split_kernel).
-//  * MPT_LN_PDL=1 (sm_90+): the forward, backward and finish kernels are launched with
-//    programmatic dependent launch, so each one's launch and block start-up overlap the
-//    previous kernel's tail (pdl_wait() in every block before its first memory access).
+//  * backward of rows <= 128 vectors (<= 1024 bf16), the default since run 6 (split4):
+//    one 16-byte vector per thread and ceil(nvec/32) warps per row, so the per-thread
+//    accumulators are small and the registers go to 4 rows of x and dy loaded ahead
+//    (ln_bwd_split_kernel).
+//  * MPT_LN_PDL=1 (sm_90+, the default since run 5): the forward, backward and finish
+//    kernels are launched with programmatic dependent launch, so each one's launch and
+//    block start-up overlap the previous kernel's tail (pdl_wait() in every block before
+//    its first memory access).
 //  * storage fp32 / fp16 / bf16; gamma / beta either the input's dtype or fp32 (the
 //    `*-master` precisions keep normalization weights in fp32 under half activations).
 //  * rows that are misaligned (storage offset), not a multiple of the 16-byte vector or
@@ -66,33 +64,6 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// ---- asynchronous global -> shared copies (sm_80+ cp.async) -------------------------
-// Used to keep several rows in flight per warp without spending registers on them.
-// A thread only ever reads back the shared slots it filled itself, so cp_async_wait
-// (which makes a thread's own completed copies visible to it) is the only ordering
-// needed: no barrier.  `valid == false` zero-fills the 16 bytes and reads nothing.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
-               : "memory");
-#else
-  *reinterpret_cast<uint4*>(smem) = valid ? load16(gmem) : make_uint4(0, 0, 0, 0);
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-// Waits until at most N of this thread's committed copy groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
 
@@ -173,114 +144,6 @@ ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __r
       store16(yr + j * VEC, pack<T>(f));
     }
   }
-}
-
-// ---- the row ring (MPT_LN_FWD=ring / MPT_LN_BWD=ring) --------------------------------
-// Persistent grid, one warp per row, and the next STAGES-1 rows of each warp already in
-// flight into shared memory (cp.async) while the current one is reduced: the bytes in
-// flight per SM (warps x (STAGES-1) rows) no longer cost registers, which is what capped
-// the register-cached kernels at 1024 bf16 (prefetch in registers spilled there).
-// Ring layout per block: [STAGES][WARPS][TENSORS][NV][32 lanes] 16-byte vectors; each
-// lane reads back only the slots it filled (see cp_async16).
-template <int STAGES, int WARPS, int TENSORS, int NV>
-__device__ __forceinline__ uint4* ring_slot(uint4* ring, int stage, int warp, int t, int i, int lane) {
-  return ring + (((stage * WARPS + warp) * TENSORS + t) * NV + i) * 32 + lane;
-}
-
-// The per-row fp32 statistics a warp needs for its next 32 rows (row0 + (base+k)*stride
-// in lane k), fetched 32 iterations ahead so they never stall an iteration; read with
-// __shfl_sync(v, it & 31).
-__device__ __forceinline__ float stat_batch(const float* v, int64_t row0, int64_t base, int64_t stride,
-                                            int64_t rows, int lane) {
-  const int64_t r = row0 + (base + lane) * stride;
-  return (v != nullptr && r < rows) ? v[r] : 0.f;
-}
-
-template <typename T, typename W, int NV, int BLOCK, int STAGES>
-__global__ void __launch_bounds__(BLOCK)
-ln_fwd_ring_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __restrict__ beta,
-                   T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                   int64_t rows, int H, float eps, bool rms) {
-  constexpr int VEC = Vec16<T>::n, WARPS = BLOCK / 32;
-  extern __shared__ uint4 ring[];
-  pdl_launch_dependents();
-  pdl_wait();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int nvec = H / VEC;
-  const int64_t stride = int64_t(gridDim.x) * WARPS;
-  const int64_t row0 = int64_t(blockIdx.x) * WARPS + warp;
-  auto issue = [&](int stage, int64_t row) {
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int j = i * 32 + lane;
-      const bool ok = row < rows && j < nvec;
-      cp_async16(ring_slot<STAGES, WARPS, 1, NV>(ring, stage, warp, 0, i, lane), ok ? x + row * H + j * VEC : x, ok);
-    }
-    cp_async_commit();  // one group per row, empty or not, so wait_group counts rows
-  };
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue(s, row0 + s * stride);
-  int stage = 0;
-  for (int64_t row = row0; row < rows; row += stride) {
-    issue((stage + STAGES - 1) % STAGES, row + (STAGES - 1) * stride);
-    cp_async_wait<STAGES - 1>();
-    uint4 raw[NV];
-#pragma unroll
-    for (int i = 0; i < NV; ++i) raw[i] = *ring_slot<STAGES, WARPS, 1, NV>(ring, stage, warp, 0, i, lane);
-    stage = stage + 1 == STAGES ? 0 : stage + 1;
-    float mu = 0.f;
-    if (!rms) {
-      float s[1] = {0.f};
-#pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        float f[VEC];
-        unpack<T>(raw[i], f);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) s[0] += f[k];
-      }
-      group_allreduce<32, 1>(s, nullptr, SumOp());
-      mu = s[0] / H;
-    }
-    float q[1] = {0.f};
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      if (i * 32 + lane < nvec) {
-        float f[VEC];
-        unpack<T>(raw[i], f);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float d = f[k] - mu;
-          q[0] += d * d;
-        }
-      }
-    }
-    group_allreduce<32, 1>(q, nullptr, SumOp());
-    const float rs = rsqrtf(q[0] / H + eps);
-    if (lane == 0) {
-      if (mean_out) mean_out[row] = mu;
-      rstd_out[row] = rs;
-    }
-    T* yr = y + row * H;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int j = i * 32 + lane;
-      if (j < nvec) {
-        float f[VEC], gw[VEC], bw[VEC];
-        unpack<T>(raw[i], f);
-        if (gamma) load_floats<W, VEC>(gamma + j * VEC, gw);
-        if (beta) load_floats<W, VEC>(beta + j * VEC, bw);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          float o = (f[k] - mu) * rs;
-          if (gamma) o *= gw[k];
-          if (beta) o += bw[k];
-          f[k] = o;
-        }
-        store16(yr + j * VEC, pack<T>(f));
-      }
-    }
-  }
-  cp_async_wait<0>();  // the zero-filled copies past the end must land before the block exits
 }
 
 // Any H, any alignment: scalar loads, three passes over the row (the re-reads hit L1/L2).
@@ -557,122 +420,16 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
   }
 }
 
-// Backward on the row ring (see ln_fwd_ring_kernel): one warp per row, x and dy of the
-// next STAGES-1 rows in flight into shared memory, dgamma / dbeta accumulated in fp32
-// registers as in ln_bwd_kernel (each lane owns the same columns for every row), then
-// one partial row per block for ln_param_finish.  No block barrier inside the row loop.
-// The row is read twice from shared memory (sums, then dx) instead of being held in
-// registers, which leaves the registers to the accumulators (two blocks per SM).
-template <typename T, typename W, int NV, int BLOCK, int MINB, int STAGES>
-__global__ void __launch_bounds__(BLOCK, MINB)
-ln_bwd_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
-                   const float* __restrict__ rstd, const W* __restrict__ gamma, T* __restrict__ dx,
-                   float* dg_part, float* db_part, int64_t rows, int H, bool rms) {
-  constexpr int VEC = Vec16<T>::n, WARPS = BLOCK / 32;
-  extern __shared__ uint4 ring[];
-  pdl_launch_dependents();
-  pdl_wait();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int nvec = H / VEC;
-  const float inv_h = 1.f / H;
-  const int64_t stride = int64_t(gridDim.x) * WARPS;
-  const int64_t row0 = int64_t(blockIdx.x) * WARPS + warp;
-  auto issue = [&](int stage, int64_t row) {
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int j = i * 32 + lane;
-      const bool ok = row < rows && j < nvec;
-      const int64_t off = ok ? row * H + j * VEC : 0;
-      cp_async16(ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 0, i, lane), x + off, ok);
-      cp_async16(ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 1, i, lane), dy + off, ok);
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue(s, row0 + s * stride);
-  float cmu = stat_batch(mean, row0, 0, stride, rows, lane), crs = stat_batch(rstd, row0, 0, stride, rows, lane);
-  float nmu = stat_batch(mean, row0, 32, stride, rows, lane), nrs = stat_batch(rstd, row0, 32, stride, rows, lane);
-
-  float dg[NV][VEC], db[NV][VEC];
-#pragma unroll
-  for (int i = 0; i < NV; ++i)
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) dg[i][k] = db[i][k] = 0.f;
-
-  int stage = 0;
-  int64_t it = 0;
-  for (int64_t row = row0; row < rows; row += stride, ++it) {
-    issue((stage + STAGES - 1) % STAGES, row + (STAGES - 1) * stride);
-    if (it > 0 && (it & 31) == 0) {
-      cmu = nmu;
-      crs = nrs;
-      nmu = stat_batch(mean, row0, it + 32, stride, rows, lane);
-      nrs = stat_batch(rstd, row0, it + 32, stride, rows, lane);
-    }
-    const float mu = __shfl_sync(0xffffffffu, cmu, int(it & 31));
-    const float rs = __shfl_sync(0xffffffffu, crs, int(it & 31));
-    cp_async_wait<STAGES - 1>();
-
-    float s[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int j = i * 32 + lane;
-      if (j < nvec) {
-        float xf[VEC], df[VEC], gw[VEC];
-        unpack<T>(*ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 0, i, lane), xf);
-        unpack<T>(*ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 1, i, lane), df);
-        if (gamma) load_floats<W, VEC>(gamma + j * VEC, gw);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float xh = (xf[k] - mu) * rs;
-          const float gd = gamma ? __fmul_rn(df[k], gw[k]) : df[k];  // no FMA contraction: see kExactGd
-          s[0] += gd;
-          s[1] += gd * xh;
-          dg[i][k] += df[k] * xh;
-          db[i][k] += df[k];
-        }
-      }
-    }
-    group_allreduce<32, 2>(s, nullptr, SumOp());
-    const float c1 = rms ? 0.f : s[0] * inv_h, c2 = s[1] * inv_h;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int j = i * 32 + lane;
-      if (j < nvec) {
-        float xf[VEC], df[VEC], gw[VEC];
-        unpack<T>(*ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 0, i, lane), xf);
-        unpack<T>(*ring_slot<STAGES, WARPS, 2, NV>(ring, stage, warp, 1, i, lane), df);
-        if (gamma) load_floats<W, VEC>(gamma + j * VEC, gw);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float xh = (xf[k] - mu) * rs;
-          const float gd = gamma ? __fmul_rn(df[k], gw[k]) : df[k];  // no FMA contraction: see kExactGd
-          xf[k] = rs * (gd - c1 - xh * c2);
-        }
-        store16(dx + row * H + j * VEC, pack<T>(xf));
-      }
-    }
-    stage = stage + 1 == STAGES ? 0 : stage + 1;
-  }
-  cp_async_wait<0>();
-  if (dg_part == nullptr && db_part == nullptr) return;
-  __syncthreads();  // every warp is done with the ring: it becomes the combine buffer
-  store_block_partial<32, NV, VEC, BLOCK>(dg, db, dg_part, db_part, H, reinterpret_cast<float*>(ring));
-}
-
-// ---- split rows (MPT_LN_BWD=split / split4 / split6) ---------------------------------
+// ---- split rows (MPT_LN_BWD=split4, the default at <= 128 vectors) ------------------
 // One 16-byte vector of x and of dy per thread per row (NV = 1): a row of <= 128 vectors
 // (1024 bf16) is spread over TPR = 32 * ceil(nvec / 32) threads (768 bf16: 3 warps, 1024:
 // 4), so the per-thread cost of the dgamma / dbeta accumulators and gamma is small, and
 // the registers left go to DEPTH rows of x / dy loaded ahead.  Why: the b256 / b512
 // kernels hold 1-2 rows per row group at ~120 registers (~32 KB in flight per SM, and not
 // continuously), under what HBM needs (Little's law: ~4.25 TB/s x ~0.9 us / 132 SMs
-// ~ 29 KB of reads in flight *at all times*).  In flight per SM: split (DEPTH 3) 16-18
-// warps x 3 rows x 32 B per lane (~50 KB), split4 (DEPTH 4) ~60 KB, split6 (DEPTH 6,
-// LEAN) ~90 KB.
-// LEAN: the dgamma / dbeta sums live in shared memory, each thread in its own slots
-// ([2][VEC][BLOCK]: conflict-free, no barrier, same fixed order), and gamma is re-read
-// from L1 every row: 24 registers less per thread, spent on two more rows in flight.
+// ~ 29 KB of reads in flight *at all times*).  In flight per SM at DEPTH 4 (split4):
+// 16-18 warps x 4 rows x 32 B per lane (~60 KB).  DEPTH 3 and DEPTH 6 with the sums in
+// shared memory lost to it on the H200 (run 6) and were removed.
 // The row slots rotate by unrolling the row loop DEPTH + 1 times (slot indices are
 // compile-time), since copying a prefetched register would wait for its load.
 // A row group's warps meet at a named barrier (id 1 + group, TPR threads), not at
@@ -686,7 +443,7 @@ __device__ __forceinline__ void group_barrier(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
 }
 
-template <typename T, typename W, int TPR, int BLOCK, int DEPTH, bool LEAN>
+template <typename T, typename W, int TPR, int BLOCK, int DEPTH>
 struct SplitBwd {
   static constexpr int VEC = Vec16<T>::n, G = BLOCK / TPR, WPG = TPR / 32, SLOTS = DEPTH + 1;
   static_assert(BLOCK % TPR == 0 && TPR % 32 == 0, "split: BLOCK must be whole row groups of whole warps");
@@ -699,7 +456,6 @@ struct SplitBwd {
   const float* rstd;
   const W* gamma;
   T* dx;
-  float* sacc;  // LEAN: [2][VEC][BLOCK] shared dgamma / dbeta sums
   int64_t rows, stride;
   int H, lane, g;
   bool rms, has_col;  // has_col: this thread's vector lies inside the row
@@ -737,7 +493,6 @@ struct SplitBwd {
     float xf[VEC], df[VEC];
     unpack<T>(c.x, xf);
     unpack<T>(c.dy, df);
-    if constexpr (LEAN) load_gamma();
     float s0 = 0.f, s1 = 0.f;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
@@ -745,13 +500,8 @@ struct SplitBwd {
       const float gd = __fmul_rn(df[k], gw[k]);  // no FMA contraction: see kExactGd
       s0 += gd;
       s1 += gd * xh;
-      if constexpr (LEAN) {
-        sacc[k * BLOCK + threadIdx.x] += df[k] * xh;
-        sacc[(VEC + k) * BLOCK + threadIdx.x] += df[k];
-      } else {
-        dg[k] += df[k] * xh;
-        db[k] += df[k];
-      }
+      dg[k] += df[k] * xh;
+      db[k] += df[k];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -786,15 +536,14 @@ struct SplitBwd {
   }
 };
 
-template <typename T, typename W, int TPR, int BLOCK, int MINB, int DEPTH, bool LEAN>
+template <typename T, typename W, int TPR, int BLOCK, int MINB, int DEPTH>
 __global__ void __launch_bounds__(BLOCK, MINB)
 ln_bwd_split_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
                     const float* __restrict__ rstd, const W* __restrict__ gamma, T* __restrict__ dx,
                     float* dg_part, float* db_part, int64_t rows, int H, bool rms) {
-  using K = SplitBwd<T, W, TPR, BLOCK, DEPTH, LEAN>;
+  using K = SplitBwd<T, W, TPR, BLOCK, DEPTH>;
   constexpr int VEC = K::VEC, G = K::G;
   __shared__ float red[2][G][K::WPG][2];
-  __shared__ float sacc[LEAN ? 2 * VEC * BLOCK : 1];
   pdl_launch_dependents();
   pdl_wait();
   K k;
@@ -804,7 +553,6 @@ ln_bwd_split_kernel(const T* __restrict__ dy, const T* __restrict__ x, const flo
   k.rstd = rstd;
   k.gamma = gamma;
   k.dx = dx;
-  k.sacc = sacc;
   k.rows = rows;
   k.stride = int64_t(gridDim.x) * G;
   k.H = H;
@@ -814,16 +562,9 @@ ln_bwd_split_kernel(const T* __restrict__ dy, const T* __restrict__ x, const flo
   k.has_col = k.lane < H / VEC;
   k.inv_h = 1.f / H;
   k.red = red;
-  if constexpr (!LEAN) k.load_gamma();
+  k.load_gamma();
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) {
-    if constexpr (LEAN) {
-      sacc[i * BLOCK + threadIdx.x] = 0.f;  // this thread's own slots: no barrier needed
-      sacc[(VEC + i) * BLOCK + threadIdx.x] = 0.f;
-    } else {
-      k.dg[i] = k.db[i] = 0.f;
-    }
-  }
+  for (int i = 0; i < VEC; ++i) k.dg[i] = k.db[i] = 0.f;
   int64_t row = int64_t(blockIdx.x) * G + k.g;
 #pragma unroll
   for (int s = 0; s < DEPTH; ++s) k.load(k.buf[s], row + s * k.stride);
@@ -853,8 +594,8 @@ ln_bwd_split_kernel(const T* __restrict__ dy, const T* __restrict__ x, const flo
   float dg[1][VEC], db[1][VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
-    dg[0][i] = LEAN ? sacc[i * BLOCK + threadIdx.x] : k.dg[i];
-    db[0][i] = LEAN ? sacc[(VEC + i) * BLOCK + threadIdx.x] : k.db[i];
+    dg[0][i] = k.dg[i];
+    db[0][i] = k.db[i];
   }
   if constexpr (G == 1) {
     store_block_partial<TPR, 1, VEC, BLOCK>(dg, db, dg_part, db_part, H, nullptr);
@@ -1030,30 +771,14 @@ int64_t balanced_grid(int64_t groups, int64_t cap) {
 }
 
 // ---- forward ----
-// $MPT_LN_FWD: "auto" (default): the register-cached ln_fwd_kernel, one row group per
-// block slot, a block per 1-4 rows (non-persistent).  "ring": for rows of <= 128 vectors
-// (1024 bf16), the persistent ln_fwd_ring_kernel (next two rows of each warp in flight
-// through shared memory); longer rows use auto's kernel.
-enum class FwdFamily { Auto, Ring };
-FwdFamily fwd_family() {
+// $MPT_LN_FWD: "auto" (default), the only forward variant: the register-cached
+// ln_fwd_kernel, one row group per block slot, a block per 1-4 rows (non-persistent).
+// ("ring", a persistent cp.async variant, lost in run 5 and was removed.)  The variable
+// is still checked so that a stale setting fails instead of silently running auto.
+void check_fwd_variant() {
   const char* v = env_value("MPT_LN_FWD");
-  if (v == nullptr || std::strcmp(v, "auto") == 0) return FwdFamily::Auto;
-  TORCH_CHECK(std::strcmp(v, "ring") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto or ring");
-  return FwdFamily::Ring;
-}
-
-constexpr int kRingBlock = 256, kRingStages = 3;
-
-template <typename T, typename W, int NV>
-void launch_fwd_ring(const T* xp, const W* gp, const W* bp, T* yp, float* mean, float* rstd, int64_t rows, int H,
-                     float eps, bool rms, cudaStream_t stream, bool pdl) {
-  constexpr int WARPS = kRingBlock / 32;
-  constexpr size_t SMEM = size_t(kRingStages) * WARPS * NV * 32 * 16;
-  auto kernel = ln_fwd_ring_kernel<T, W, NV, kRingBlock, kRingStages>;
-  static const int per_sm = blocks_per_sm(kernel, kRingBlock, SMEM);
-  const int64_t grid = balanced_grid((rows + WARPS - 1) / WARPS, int64_t(num_sms()) * per_sm);
-  launch_kernel(kernel, grid, kRingBlock, SMEM, stream, pdl, xp, gp, bp, yp, mean, rstd, rows, H, eps, rms);
-  MPT_CHECK_LAUNCH(kFwd);
+  TORCH_CHECK(v == nullptr || std::strcmp(v, "auto") == 0, "MPT_LN_FWD=", v,
+              " is not a forward variant; use auto (the only one)");
 }
 
 template <typename T, typename W>
@@ -1068,13 +793,8 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
   const bool aligned = H % VEC == 0 && aligned16(xp) && aligned16(yp) && aligned16(gp) && aligned16(bp);
   const RowShape shape = aligned ? pick_row_shape(H / VEC) : RowShape::Generic;
   const bool pdl = use_pdl();
-  const int64_t nvec = H / VEC;
-  if (shape != RowShape::Generic && fwd_family() == FwdFamily::Ring && nvec <= 128) {
-    if (nvec <= 32) launch_fwd_ring<T, W, 1>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
-    else if (nvec <= 64) launch_fwd_ring<T, W, 2>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
-    else if (nvec <= 96) launch_fwd_ring<T, W, 3>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
-    else launch_fwd_ring<T, W, 4>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
-  } else if (shape != RowShape::Generic) {
+  check_fwd_variant();
+  if (shape != RowShape::Generic) {
     MPT_ROW_SHAPE_SWITCH(shape, {
       constexpr int BLOCK = TPR < 128 ? 128 : TPR;
       constexpr int RPB = BLOCK / TPR;
@@ -1108,39 +828,28 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
 //    (16384x1024: 66.0% vs 56.0%; 4096 is the same kernel in both).
 //  * "coop": auto's shapes, with dgamma / dbeta finished inside the backward kernel
 //    after a grid-wide barrier (FUSED_FINISH): one kernel instead of two.
-//  * "ring": for rows of <= 128 vectors, b256's warp-per-row shapes on the shared-memory
-//    row ring (ln_bwd_ring_kernel: two rows ahead per warp in flight, no prefetch
-//    registers); longer rows use auto's table.
-//  * "split" / "split4" / "split6" (run 6): for rows of <= 128 vectors, ln_bwd_split_kernel
-//    (one vector per thread, ceil(nvec / 32) warps per row, named barrier per row group,
-//    DEPTH rows ahead in registers): split = DEPTH 3, split4 = DEPTH 4, split6 = DEPTH 6
-//    with dgamma / dbeta sums in shared memory (LEAN); see launch_bwd_split_wpg.  Longer
-//    rows use auto's table.
+//  * "split4" (run 6): for rows of <= 128 vectors, ln_bwd_split_kernel (one vector per
+//    thread, ceil(nvec / 32) warps per row, named barrier per row group, 4 rows ahead in
+//    registers); see launch_bwd_split4_wpg.  Longer rows use auto's table.
+//  Removed after run 6, having lost on the H200: "ring" (shared-memory row ring, run 5)
+//  and "split" / "split6" (DEPTH 3 / DEPTH 6 with shared-memory sums, run 6).
 enum class BwdShape { W32x2, W64x2, W128x2, W256x2, W512x2, W512x4, N32x1, N32x2, N32x3, N32x4, Generic };
-enum class BwdFamily { Auto, B256, B512, Coop, Ring, Split, Split4, Split6 };
+enum class BwdFamily { Auto, B256, B512, Coop, Split4 };
 BwdFamily bwd_family() {
-  // The default backward.  To make a split variant the default: return it here when v
-  // is unset / "auto" (its rows > 128 vectors fall back to auto's table anyway).
-  // Default since run 6: split4 (H200 bwd 65536x768 83.2% vs 72.1%, 16384x1024 68.0% vs
-  // 62.7%); rows over 128 vectors and misaligned rows take the run-5 table (b256 at <= 96
+  // The default ("auto") since run 6: split4 (H200 bwd 65536x768 83.2% vs 72.1%,
+  // 16384x1024 68.0% vs 62.7%); rows over 128 vectors and misaligned rows take the run-5 table (b256 at <= 96
   // vectors, b512 above: still selectable by name).
   const char* v = env_value("MPT_LN_BWD");
   if (v == nullptr || std::strcmp(v, "auto") == 0) return BwdFamily::Split4;
   if (std::strcmp(v, "b256") == 0) return BwdFamily::B256;
   if (std::strcmp(v, "b512") == 0) return BwdFamily::B512;
-  if (std::strcmp(v, "ring") == 0) return BwdFamily::Ring;
-  if (std::strcmp(v, "split") == 0) return BwdFamily::Split;
   if (std::strcmp(v, "split4") == 0) return BwdFamily::Split4;
-  if (std::strcmp(v, "split6") == 0) return BwdFamily::Split6;
   TORCH_CHECK(std::strcmp(v, "coop") == 0, "MPT_LN_BWD=", v,
-              " is not a backward variant; use auto, b256, b512, coop, ring, split, split4 or split6");
+              " is not a backward variant; use auto, b256, b512, coop or split4");
   return BwdFamily::Coop;
 }
-bool is_split(BwdFamily f) { return f == BwdFamily::Split || f == BwdFamily::Split4 || f == BwdFamily::Split6; }
 BwdShape pick_bwd_shape(int64_t nvec, BwdFamily family) {
-  const int64_t narrow_max = (family == BwdFamily::B256 || family == BwdFamily::Ring) ? 128
-                             : family == BwdFamily::B512                             ? 0
-                                                                                     : 96;
+  const int64_t narrow_max = family == BwdFamily::B256 ? 128 : family == BwdFamily::B512 ? 0 : 96;
   if (nvec <= narrow_max) {
     if (nvec <= 32) return BwdShape::N32x1;
     if (nvec <= 64) return BwdShape::N32x2;
@@ -1224,24 +933,11 @@ void launch_bwd_cached(bool fused, const BwdArgs<T, W>& a) {
     launch_bwd_kernel<T, W, TPR, NV, PREFETCH, BLOCK, MINB, false>(a);
 }
 
-template <typename T, typename W, int NV>
-void launch_bwd_ring(const BwdArgs<T, W>& a) {
-  constexpr int WARPS = kRingBlock / 32, MINB = 2;
-  constexpr size_t SMEM = size_t(kRingStages) * WARPS * 2 * NV * 32 * 16;
-  auto kernel = ln_bwd_ring_kernel<T, W, NV, kRingBlock, MINB, kRingStages>;
-  static const int per_sm = blocks_per_sm(kernel, kRingBlock, SMEM);
-  const int64_t grid = balanced_grid((a.rows + WARPS - 1) / WARPS, int64_t(num_sms()) * per_sm);
-  a.alloc_partials(grid);
-  launch_kernel(kernel, grid, kRingBlock, SMEM, a.stream, a.pdl, a.dy, a.x, a.mean, a.rstd, a.gamma, a.dx, a.dgq(),
-                a.dbq(), a.rows, a.H, a.rms);
-  MPT_CHECK_LAUNCH(kBwd);
-}
-
-// The split kernel for a row of `wpg` warps (one vector per thread), block / depth by family.
-template <typename T, typename W, int TPR, int BLOCK, int MINB, int DEPTH, bool LEAN>
+// The split kernel for rows of TPR / 32 warps (one vector per thread).
+template <typename T, typename W, int TPR, int BLOCK, int MINB, int DEPTH>
 void launch_bwd_split(const BwdArgs<T, W>& a) {
   constexpr int G = BLOCK / TPR;
-  auto kernel = ln_bwd_split_kernel<T, W, TPR, BLOCK, MINB, DEPTH, LEAN>;
+  auto kernel = ln_bwd_split_kernel<T, W, TPR, BLOCK, MINB, DEPTH>;
   static const int per_sm = blocks_per_sm(kernel, BLOCK, 0);
   const int64_t grid = balanced_grid((a.rows + G - 1) / G, int64_t(num_sms()) * per_sm);
   a.alloc_partials(grid);
@@ -1250,41 +946,29 @@ void launch_bwd_split(const BwdArgs<T, W>& a) {
   MPT_CHECK_LAUNCH(kBwd);
 }
 
-// Blocks of 256 threads (8 / 4 / 2 row groups of 1 / 2 / 4 warps), two per SM (<= 128
-// registers); 3-warp rows (768 bf16): BLOCK 192 x 2 groups, or 480 x 5 groups for the
-// deeper variants (one block of 15 warps: 288 x 2 per SM spilled at its 113 registers).
-// ptxas (sm_90a, bf16): DEPTH 2 needed ~90 registers (spilled at an 80 cap: no gain over
-// DEPTH 3 at 2 blocks/SM), DEPTH 3 ~104, DEPTH 4 ~118.
+// split4 (DEPTH 4): blocks of 256 threads (8 / 4 / 2 row groups of 1 / 2 / 4 warps), two
+// per SM (<= 128 registers); 3-warp rows (768 bf16): one block of 480 (5 groups of 3
+// warps) per SM (288 x 2 per SM spilled at its 113 registers).  ptxas (sm_90a, bf16): DEPTH 4 ~118
+// registers; DEPTH 2 needed ~90 (spilled at an 80 cap), DEPTH 3 ~104.
 template <typename T, typename W, int WPG>
-void launch_bwd_split_wpg(BwdFamily f, const BwdArgs<T, W>& a) {
+void launch_bwd_split4_wpg(const BwdArgs<T, W>& a) {
   constexpr int TPR = 32 * WPG;
-  if (f == BwdFamily::Split) {
-    if constexpr (WPG == 3) launch_bwd_split<T, W, TPR, 192, 2, 3, false>(a);
-    else launch_bwd_split<T, W, TPR, 256, 2, 3, false>(a);
-  } else if (f == BwdFamily::Split4) {
-    if constexpr (WPG == 3) launch_bwd_split<T, W, TPR, 480, 1, 4, false>(a);
-    else launch_bwd_split<T, W, TPR, 256, 2, 4, false>(a);
-  } else {
-    if constexpr (WPG == 3) launch_bwd_split<T, W, TPR, 480, 1, 6, true>(a);
-    else launch_bwd_split<T, W, TPR, 256, 2, 6, true>(a);
-  }
+  if constexpr (WPG == 3) launch_bwd_split<T, W, TPR, 480, 1, 4>(a);
+  else launch_bwd_split<T, W, TPR, 256, 2, 4>(a);
 }
 
 template <typename T, typename W>
-void launch_bwd_split_family(BwdFamily f, int64_t nvec, const BwdArgs<T, W>& a) {
-  if (nvec <= 32) launch_bwd_split_wpg<T, W, 1>(f, a);
-  else if (nvec <= 64) launch_bwd_split_wpg<T, W, 2>(f, a);
-  else if (nvec <= 96) launch_bwd_split_wpg<T, W, 3>(f, a);
-  else launch_bwd_split_wpg<T, W, 4>(f, a);
+void launch_bwd_split4(int64_t nvec, const BwdArgs<T, W>& a) {
+  if (nvec <= 32) launch_bwd_split4_wpg<T, W, 1>(a);
+  else if (nvec <= 64) launch_bwd_split4_wpg<T, W, 2>(a);
+  else if (nvec <= 96) launch_bwd_split4_wpg<T, W, 3>(a);
+  else launch_bwd_split4_wpg<T, W, 4>(a);
 }
 
-// The narrow (warp-per-row) shapes: the ring kernel under "ring", b256's otherwise.
+// The narrow (warp-per-row) shapes of b256 / auto: prefetch only at NV <= 2 (see above).
 template <typename T, typename W, int NV>
-void launch_bwd_narrow(bool ring, bool fused, const BwdArgs<T, W>& a) {
-  if (ring)
-    launch_bwd_ring<T, W, NV>(a);
-  else
-    launch_bwd_cached<T, W, 32, NV, (NV <= 2), 256, 2>(fused, a);
+void launch_bwd_narrow(bool fused, const BwdArgs<T, W>& a) {
+  launch_bwd_cached<T, W, 32, NV, (NV <= 2), 256, 2>(fused, a);
 }
 
 template <typename T, typename W>
@@ -1304,14 +988,13 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
   const BwdFamily family = bwd_family();
   const BwdShape shape = aligned ? pick_bwd_shape(H / VEC, family) : BwdShape::Generic;
   const bool fused = family == BwdFamily::Coop && shape != BwdShape::Generic && (want_dg || want_db);
-  const bool ring = family == BwdFamily::Ring;
-  const bool split = is_split(family) && shape != BwdShape::Generic && H / VEC <= 128;
+  const bool split = family == BwdFamily::Split4 && shape != BwdShape::Generic && H / VEC <= 128;
   const bool pdl = use_pdl();
   W* dgp = want_dg ? reinterpret_cast<W*>(dgamma.data_ptr()) : nullptr;
   W* dbp = want_db ? reinterpret_cast<W*>(dbeta.data_ptr()) : nullptr;
   const BwdArgs<T, W> a{dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts,
                         &dg_part, &db_part, dgp, dbp, stream, pdl};
-  if (split) launch_bwd_split_family<T, W>(family, H / VEC, a);
+  if (split) launch_bwd_split4<T, W>(H / VEC, a);
   else switch (shape) {
     case BwdShape::W32x2: launch_bwd_cached<T, W, 32, 2, true>(fused, a); break;
     case BwdShape::W64x2: launch_bwd_cached<T, W, 64, 2, true>(fused, a); break;
@@ -1319,10 +1002,10 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
     case BwdShape::W256x2: launch_bwd_cached<T, W, 256, 2, true>(fused, a); break;
     case BwdShape::W512x2: launch_bwd_cached<T, W, 512, 2, true>(fused, a); break;
     case BwdShape::W512x4: launch_bwd_cached<T, W, 512, 4, false>(fused, a); break;
-    case BwdShape::N32x1: launch_bwd_narrow<T, W, 1>(ring, fused, a); break;
-    case BwdShape::N32x2: launch_bwd_narrow<T, W, 2>(ring, fused, a); break;
-    case BwdShape::N32x3: launch_bwd_narrow<T, W, 3>(ring, fused, a); break;
-    case BwdShape::N32x4: launch_bwd_narrow<T, W, 4>(ring, fused, a); break;
+    case BwdShape::N32x1: launch_bwd_narrow<T, W, 1>(fused, a); break;
+    case BwdShape::N32x2: launch_bwd_narrow<T, W, 2>(fused, a); break;
+    case BwdShape::N32x3: launch_bwd_narrow<T, W, 3>(fused, a); break;
+    case BwdShape::N32x4: launch_bwd_narrow<T, W, 4>(fused, a); break;
     default: {
       if (H <= 1024) {
         ln_bwd_dx_generic<T, W, 32, 128><<<(rows + 3) / 4, 128, 0, stream>>>(dyp, xp, mean, rstd, gp, dxp, rows, H, rms);

@@ -14,8 +14,9 @@
 //  * launch layout (row-group shape, persistent or not, rows per warp) per case by
 //    default, or by $MPT_SOFTMAX_SHAPE / $MPT_SOFTMAX_BWD, see pick_wide_shape: the
 //    benchmark times each variant in one process.
-//  * 16-bit rows of 512 (33..64 vectors): forward-only "lean" kernels (mask/causal as
-//    template arguments, masking on raw words, one FFMA + ex2 per element), see below.
+//  * 16-bit rows of 512 (33..64 vectors): the forward-only "lean1" kernel, auto's forward
+//    there since run 6 (mask/causal as template arguments, masking on raw words, one FFMA
+//    + ex2 per element), see below.
 //  * rows that are misaligned, not a multiple of the 16-byte vector or longer than the
 //    register cache (32768 half / 16384 fp32 elements) use scalar kernels that re-read
 //    the row from L1/L2.
@@ -480,69 +481,13 @@ softmax_fwd_multirow(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, i
   }
 }
 
-// Backward of the same layout ($MPT_SOFTMAX_SHAPE / $MPT_SOFTMAX_BWD = pair or quad):
-// one warp per row, R consecutive rows per warp, every row's y and dy loads in flight
-// before the first reduction (R x the 64 B per thread of the one-row 32 x 2 kernel at
-// 512 bf16), and R times fewer blocks to schedule.
-// ptxas (bf16): 80 registers for R = 2 (6 blocks of 128 per SM, ~98 KB of loads in
-// flight per SM vs ~82 KB for rows' 32 x 2), 158 for R = 4 (3 blocks, ~98 KB); forcing
-// 8 / 4 blocks per SM spilled 48-60 B.
-template <typename T, int NV, int R, int BLOCK>
-__global__ void __launch_bounds__(BLOCK)
-softmax_bwd_multirow(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, int64_t rows, int S,
-                     float scale) {
-  constexpr int VEC = Vec16<T>::n, WARPS = BLOCK / 32;
-  const int lane = threadIdx.x % 32;
-  const int64_t row0 = (int64_t(blockIdx.x) * WARPS + threadIdx.x / 32) * R;
-  const int nvec = S / VEC;
-  uint4 ry[R][NV], rd[R][NV];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int j = i * 32 + lane;
-      const bool ok = row0 + r < rows && j < nvec;
-      ry[r][i] = ok ? load16(y + (row0 + r) * S + j * VEC) : make_uint4(0, 0, 0, 0);
-      rd[r][i] = ok ? load16(dy + (row0 + r) * S + j * VEC) : make_uint4(0, 0, 0, 0);
-    }
-  float dot[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    dot[r] = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      float a[VEC], b[VEC];
-      unpack<T>(ry[r][i], a);
-      unpack<T>(rd[r][i], b);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) dot[r] += a[k] * b[k];
-    }
-  }
-  group_allreduce<32, R>(dot, nullptr, SumOp());
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    if (row0 + r >= rows) continue;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int j = i * 32 + lane;
-      if (j < nvec) {
-        float a[VEC], b[VEC];
-        unpack<T>(ry[r][i], a);
-        unpack<T>(rd[r][i], b);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) a[k] = scale * a[k] * (b[k] - dot[r]);
-        store16(dx + (row0 + r) * S + j * VEC, pack<T>(a));
-      }
-    }
-  }
-}
-
 // ---- lean forward for 16-bit rows of 33..64 vectors (512 bf16/fp16) -----------------
-// $MPT_SOFTMAX_SHAPE = lean (2 rows per warp), lean1 (1 row per warp), stream (2 rows per
-// warp, persistent, next pair prefetched).  Same layout as "pair" (one warp per row, 2
-// vectors per lane), fewer instructions per element, because the forward at 512 spends
-// its time in each warp's serial load -> reduce -> exp -> store chain, not in bytes in
-// flight (run 5: quad, with more bytes in flight per SM than pair, was 15 points slower):
+// $MPT_SOFTMAX_SHAPE = lean1 (one row per warp; auto's forward here since run 6).  The
+// layout of "pair" (one warp per row, 2 vectors per lane), fewer instructions per element,
+// because the forward at 512 spends its time in each warp's serial load -> reduce -> exp
+// -> store chain, not in bytes in flight (run 5: quad, 4 rows per warp, with more bytes in
+// flight per SM than pair, was 15 points slower; run 6: lean1 beat the 2-row "lean" and
+// the persistent "stream", both removed):
 //  * mask and causal are template parameters (no per-element runtime tests);
 //  * masking happens on the raw 16-bit words, before unpacking: the 8 mask bytes of a
 //    vector become per-byte sign bits (any nonzero byte counts), prmt's sign-replicate
@@ -688,7 +633,7 @@ __device__ __forceinline__ void lean_finish(const LeanRows<R, MASKED>& b, T* y, 
   }
 }
 
-// One batch of R rows per warp, one-shot grid ("lean", "lean1").
+// One batch of R rows per warp, one-shot grid (lean1: R = 1).
 template <typename T, int R, int BLOCK, bool MASKED, bool CAUSAL>
 __global__ void __launch_bounds__(BLOCK)
 softmax_fwd_lean(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64_t rows, int S, float c) {
@@ -697,26 +642,6 @@ softmax_fwd_lean(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64
   LeanRows<R, MASKED> b;
   lean_load<T, R, MASKED>(b, x, m, lin0, rows, S, lane);
   lean_finish<T, R, MASKED, CAUSAL>(b, y, S, c, lane);
-}
-
-// Persistent ("stream"): each warp walks batches w, w + warps, ... and issues the next
-// batch's loads before reducing the current one, so it always has 2 KB of x in flight.
-template <typename T, int R, int BLOCK, bool MASKED, bool CAUSAL>
-__global__ void __launch_bounds__(BLOCK)
-softmax_fwd_stream(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64_t rows, int S, float c) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (BLOCK / 32);
-  const int64_t w0 = int64_t(blockIdx.x) * (BLOCK / 32) + threadIdx.x / 32;
-  const int64_t batches = (rows + R - 1) / R;
-  const int64_t iters = batches > w0 ? (batches - w0 + warps - 1) / warps : 0;
-  LeanRows<R, MASKED> cur;
-  lean_load<T, R, MASKED>(cur, x, m, w0 * R, rows, S, lane);
-  for (int64_t it = 0; it < iters; ++it) {
-    LeanRows<R, MASKED> nxt;
-    lean_load<T, R, MASKED>(nxt, x, m, (w0 + (it + 1) * warps) * R, rows, S, lane);
-    lean_finish<T, R, MASKED, CAUSAL>(cur, y, S, c, lane);
-    cur = nxt;
-  }
 }
 
 // ---- generic kernels: any length, any alignment, scalar loads, re-reads ---------------
@@ -814,38 +739,37 @@ bool describe_mask(const at::Tensor& m, MaskLayout& ml) {
 //    (masked 512: pair 92.1 vs rows 89.4), "persist" for masked rows of 129..256
 //    vectors (masked 2048), "rows" otherwise (causal 512: rows 90.4 vs pair 89.8);
 //    backward "rows" (2048: masked persist/rows 96.0 vs persist/persist 92.9, causal
-//    rows/rows 89.4 vs rows/persist 87.3).
+//    rows/rows 89.4 vs rows/persist 87.3).  Since run 6 the forward of 16-bit rows of
+//    33..64 vectors is "lean1" wherever it applies (pick_lean_shape).
 //  * "wide": rows of 33..64 vectors (512 bf16) take half a warp with 4 vectors
 //    per thread (two rows per warp), rows of 129..256 vectors (2048 bf16) a whole warp
 //    with 8 (no shared-memory reduction, no barrier).
 //  * "rows": always the row_reduce table (run 1's layout).
 //  * "persist": rows of <= 256 vectors take one warp (NV = 1, 2, 4, 8) in the persistent
 //    kernels above, with next-row prefetch for NV <= 4; longer rows as "rows".
-//  * "pair": rows of 33..64 vectors (512 bf16) in softmax_fwd_multirow (one warp per
-//    row, two rows per warp, shared mask bytes loaded once) and, since run 5, in
-//    softmax_bwd_multirow (two rows per warp) for the backward too; other lengths as
-//    "auto".
-//  * "quad": as "pair" with four rows per warp (forward and backward).
-//  The backward's own variable takes the same names ($MPT_SOFTMAX_BWD=pair with
-//  $MPT_SOFTMAX_SHAPE=auto = pair forward at masked 512 + pair backward).
-enum class WideShape { None, W16x4, W32x8, P32x1, P32x2, P32x4, P32x8, M2x2, M2x4 };
+//  * "pair": forward only, rows of 33..64 vectors (512 bf16) in softmax_fwd_multirow
+//    (one warp per row, two rows per warp, shared mask bytes loaded once); the backward
+//    and other lengths as "auto".
+//  * "lean1": forward only, 16-bit rows of 33..64 vectors, see pick_lean_shape.
+//  The backward's own variable takes the same names (forward-only names mean "auto" there).
+//  Removed after runs 5-6, having lost on the H200: "quad" (4 rows per warp, forward and
+//  backward), the pair/quad backward (softmax_bwd_multirow: no better than "rows"), and
+//  the "lean" (2 rows per warp) and "stream" (persistent) forwards.
+enum class WideShape { None, W16x4, W32x8, P32x1, P32x2, P32x4, P32x8, M2x2 };
 
-// Forward-only variants for 16-bit rows of 33..64 vectors (softmax_fwd_lean / _stream):
-// "lean" (2 rows per warp), "lean1" (1 row per warp), "stream" (persistent, 2 rows per
-// warp, next pair prefetched).  Not used by "auto" until measured: to make one the
-// default, set kAutoLeanMasked (forward with a mask tensor) and/or kAutoLeanCausal
-// (forward without one: causal or unmasked) to it.
-enum class LeanShape { None, Lean2, Lean1, Stream2 };
+// The forward-only variant for 16-bit rows of 33..64 vectors (softmax_fwd_lean):
+// "lean1" (1 row per warp).  kAutoLeanMasked (forward with a mask tensor) and
+// kAutoLeanCausal (forward without one: causal or unmasked) say whether "auto" uses it;
+// None there gives back run 5's auto (pair / rows).
+enum class LeanShape { None, Lean1 };
 // Run 6 (H200, 512x512x512 bf16, fwd+bwd): lean1 masked 99.5% / causal 100.6% of floor,
 // against pair 92.1% / rows 90.4% before: lean1 is auto's forward for both.
 constexpr LeanShape kAutoLeanMasked = LeanShape::Lean1;
 constexpr LeanShape kAutoLeanCausal = LeanShape::Lean1;
 
-bool is_lean_name(const char* v) {
-  return std::strcmp(v, "lean") == 0 || std::strcmp(v, "lean1") == 0 || std::strcmp(v, "stream") == 0;
-}
+bool is_lean_name(const char* v) { return std::strcmp(v, "lean1") == 0; }
 
-// The lean forward for this call, or None (then pick_wide_shape decides).  They need
+// The lean forward for this call, or None (then pick_wide_shape decides).  It needs
 // 16-bit storage (checked by the caller), rows of 33..64 vectors, a vector-loadable mask
 // or none (mode 0/1) and scale > 0 (the max is taken before scaling).
 LeanShape pick_lean_shape(int64_t nvec, int mask_mode, bool has_mask, float scale) {
@@ -854,9 +778,7 @@ LeanShape pick_lean_shape(int64_t nvec, int mask_mode, bool has_mask, float scal
     return LeanShape::None;
   const char* v = std::getenv("MPT_SOFTMAX_SHAPE");
   if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0) return has_mask ? kAutoLeanMasked : kAutoLeanCausal;
-  if (std::strcmp(v, "lean") == 0) return LeanShape::Lean2;
   if (std::strcmp(v, "lean1") == 0) return LeanShape::Lean1;
-  if (std::strcmp(v, "stream") == 0) return LeanShape::Stream2;
   return LeanShape::None;
 }
 WideShape persist_shape(int64_t nvec) {
@@ -877,12 +799,11 @@ WideShape pick_wide_shape(int64_t nvec, bool forward, bool masked) {
   const bool long_row = nvec > 128 && nvec <= 256;
   const bool row512 = nvec > 32 && nvec <= 64;
   const bool is_pair = v != nullptr && std::strcmp(v, "pair") == 0;
-  const bool is_quad = v != nullptr && std::strcmp(v, "quad") == 0;
-  if ((is_pair || is_quad) && row512) return is_quad ? WideShape::M2x4 : WideShape::M2x2;
-  // The lean forwards (pick_lean_shape) take over before this is asked; where they do not
+  if (forward && is_pair && row512) return WideShape::M2x2;
+  // The lean forward (pick_lean_shape) takes over before this is asked; where it does not
   // apply (fp32, other lengths, scale <= 0, key-broadcast masks) and for the backward,
-  // their names mean "auto".
-  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0 || is_pair || is_quad || is_lean_name(v)) {
+  // its name means "auto", as "pair" does for the backward and at other lengths.
+  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0 || is_pair || is_lean_name(v)) {
     if (forward && masked && row512) return WideShape::M2x2;
     if (forward && masked && long_row) return WideShape::P32x8;
     return WideShape::None;
@@ -890,7 +811,7 @@ WideShape pick_wide_shape(int64_t nvec, bool forward, bool masked) {
   if (std::strcmp(v, "rows") == 0) return WideShape::None;
   if (std::strcmp(v, "persist") == 0) return persist_shape(nvec);
   TORCH_CHECK(std::strcmp(v, "wide") == 0, var, "=", v,
-              " is not a softmax variant; use auto, rows, persist, wide, pair, quad, lean, lean1 or stream");
+              " is not a softmax variant; use auto, rows, persist, wide, pair or lean1");
   if (nvec > 32 && nvec <= 64) return WideShape::W16x4;
   if (long_row) return WideShape::W32x8;
   return WideShape::None;
@@ -929,35 +850,16 @@ int64_t persistent_grid(int64_t want, int64_t cap) {
     default: break;                                                                \
   }
 
-// Runs the statement with constexpr R (rows per warp) bound to the multirow shape.
-#define MPT_MULTIROW_SWITCH(SHAPE, ...)                                            \
-  switch (SHAPE) {                                                                 \
-    case WideShape::M2x2: { constexpr int R = 2; __VA_ARGS__; break; }             \
-    case WideShape::M2x4: { constexpr int R = 4; __VA_ARGS__; break; }             \
-    default: break;                                                                \
-  }
-
-// Launches the lean forward `shape` with the mask and causal flags as template arguments.
+// Launches the lean1 forward with the mask and causal flags as template arguments.
 template <typename T>
-void launch_lean(LeanShape shape, const T* xp, T* yp, const MaskLayout& ml, int64_t rows, int S, float scale,
-                 bool causal, cudaStream_t stream) {
+void launch_lean1(const T* xp, T* yp, const MaskLayout& ml, int64_t rows, int S, float scale, bool causal,
+                  cudaStream_t stream) {
   constexpr int BLOCK = 128;
   const float c = scale * kLog2e;
   auto go = [&](auto masked, auto is_causal) {
     constexpr bool M = decltype(masked)::value, C = decltype(is_causal)::value;
-    if (shape == LeanShape::Stream2) {
-      constexpr int R = 2;
-      auto kernel = softmax_fwd_stream<T, R, BLOCK, M, C>;
-      static const int64_t cap = resident_blocks(kernel, BLOCK);
-      const int64_t want = (rows + BLOCK / 32 * R - 1) / (BLOCK / 32 * R);
-      kernel<<<persistent_grid(want, cap), BLOCK, 0, stream>>>(xp, yp, ml, rows, S, c);
-    } else if (shape == LeanShape::Lean1) {
-      constexpr int RPB = BLOCK / 32;
-      softmax_fwd_lean<T, 1, BLOCK, M, C><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(xp, yp, ml, rows, S, c);
-    } else {
-      constexpr int RPB = BLOCK / 32 * 2;
-      softmax_fwd_lean<T, 2, BLOCK, M, C><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(xp, yp, ml, rows, S, c);
-    }
+    constexpr int RPB = BLOCK / 32;
+    softmax_fwd_lean<T, 1, BLOCK, M, C><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(xp, yp, ml, rows, S, c);
     MPT_CHECK_LAUNCH(kFwd);
   };
   using Y = std::true_type;
@@ -989,17 +891,15 @@ void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows,
   const bool aligned = S % VEC == 0 && aligned16(xp) && aligned16(yp);
   if constexpr (VEC == 8) {
     const LeanShape lean = aligned ? pick_lean_shape(S / VEC, ml.mode, ml.ptr != nullptr, scale) : LeanShape::None;
-    if (lean != LeanShape::None) return launch_lean<T>(lean, xp, yp, ml, rows, S, scale, causal, stream);
+    if (lean == LeanShape::Lean1) return launch_lean1<T>(xp, yp, ml, rows, S, scale, causal, stream);
   }
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
   const WideShape wide = aligned ? pick_wide_shape(S / VEC, true, ml.ptr != nullptr) : WideShape::None;
-  if (wide == WideShape::M2x2 || wide == WideShape::M2x4) {
-    MPT_MULTIROW_SWITCH(wide, {
-      constexpr int BLOCK = 128, ROWS_PER_BLOCK = BLOCK / 32 * R;
-      softmax_fwd_multirow<T, 2, R, BLOCK><<<(rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, BLOCK, 0, stream>>>(
-          xp, yp, ml, rows, S, scale, causal);
-      MPT_CHECK_LAUNCH(kFwd);
-    });
+  if (wide == WideShape::M2x2) {
+    constexpr int BLOCK = 128, R = 2, ROWS_PER_BLOCK = BLOCK / 32 * R;
+    softmax_fwd_multirow<T, 2, R, BLOCK><<<(rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, BLOCK, 0, stream>>>(
+        xp, yp, ml, rows, S, scale, causal);
+    MPT_CHECK_LAUNCH(kFwd);
   } else if (is_persistent(wide)) {
     MPT_PERSIST_SHAPE_SWITCH(wide, {
       constexpr int BLOCK = 128, RPB = BLOCK / 32;
@@ -1041,14 +941,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& y, at::Tensor& dx, int64
   const bool aligned = S % VEC == 0 && aligned16(dyp) && aligned16(yp) && aligned16(dxp);
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
   const WideShape wide = aligned ? pick_wide_shape(S / VEC, false, false) : WideShape::None;
-  if (wide == WideShape::M2x2 || wide == WideShape::M2x4) {
-    MPT_MULTIROW_SWITCH(wide, {
-      constexpr int BLOCK = 128, ROWS_PER_BLOCK = BLOCK / 32 * R;
-      softmax_bwd_multirow<T, 2, R, BLOCK><<<(rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, BLOCK, 0, stream>>>(
-          dyp, yp, dxp, rows, S, scale);
-      MPT_CHECK_LAUNCH(kBwd);
-    });
-  } else if (is_persistent(wide)) {
+  if (is_persistent(wide)) {
     MPT_PERSIST_SHAPE_SWITCH(wide, {
       constexpr int BLOCK = 128, RPB = BLOCK / 32;
       auto kernel = softmax_bwd_persist<T, 32, NV, BLOCK, (NV <= 4)>;

@@ -11,13 +11,14 @@ Rows, per shape:
 * ``fwd`` alone and ``bwd`` alone (bf16-weight LayerNorm): each kernel against its own
   floor, so the fwd+bwd time can be split; ``bwd`` calls the backward ops directly
   (ours and aten's) on the saved statistics of one forward per input set.
-Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto | ring),
-$MPT_LN_BWD (auto | b256 | b512 | coop | ring | split | split4 | split6), $MPT_LN_PDL (0 | 1,
-programmatic dependent launch).  The default (auto / auto / 1) keeps the plain row name;
-other rows name the settings that differ.
+Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto only),
+$MPT_LN_BWD (auto | b256 | b512 | coop | split4), $MPT_LN_PDL (0 | 1, programmatic dependent
+launch).  The default (auto / auto / 1; auto's backward is split4 at rows <= 1024 bf16)
+keeps the plain row name; other rows name the settings that differ.
 
-``MPT_BENCH_NORM=split`` (run 6's quick round): only the split backward candidates, as
-bwd-only and fwd+bwd rows at 16384x1024 and 65536x768 next to the default (~20 s).
+``MPT_BENCH_NORM=split`` (quick round): the default backward (split4 at these shapes)
+against run 5's table (b256, b512), as bwd-only and fwd+bwd rows at 16384x1024 and
+65536x768 (~15 s).
 """
 from __future__ import annotations
 
@@ -43,33 +44,21 @@ FULL_VARIANTS = [
     {BWD_ENV: "b256"},
     {BWD_ENV: "b512"},
     {BWD_ENV: "coop"},
-    {BWD_ENV: "ring"},
-    {FWD_ENV: "ring"},
     {PDL_ENV: "0"},
-    {BWD_ENV: "ring", PDL_ENV: "1"},
-    {FWD_ENV: "ring", BWD_ENV: "ring", PDL_ENV: "1"},
 ]
-# The fp32-weight and RMSNorm rows: the default and the new levers only (they share
-# the kernels; these rows check the levers carry over).
-SHORT_VARIANTS = [
-    {},
-    {BWD_ENV: "ring"},
-    {FWD_ENV: "ring"},
-    {PDL_ENV: "0"},
-    {FWD_ENV: "ring", BWD_ENV: "ring", PDL_ENV: "1"},
-]
-FWD_ONLY_VARIANTS = [{}, {FWD_ENV: "ring"}, {PDL_ENV: "0"}, {FWD_ENV: "ring", PDL_ENV: "0"}]
-# Run 6 candidates (the split backward kernels), for rows of <= 1024 bf16.
-SPLIT_VARIANTS = [{}, {BWD_ENV: "split"}, {BWD_ENV: "split4"}, {BWD_ENV: "split6"}]
+# The fp32-weight and RMSNorm rows: the default and the PDL switch only (they share the
+# kernels; these rows check the levers carry over).
+SHORT_VARIANTS = [{}, {PDL_ENV: "0"}]
+FWD_ONLY_VARIANTS = [{}, {PDL_ENV: "0"}]
+# The quick round: the default (split4 at rows of <= 1024 bf16) against run 5's table.
+SPLIT_VARIANTS = [{}, {BWD_ENV: "b256"}, {BWD_ENV: "b512"}]
 SPLIT_CASES = [(16384, 1024), (65536, 768)]
 BWD_ONLY_VARIANTS = [
     {},
     {BWD_ENV: "b256"},
     {BWD_ENV: "b512"},
     {BWD_ENV: "coop"},
-    {BWD_ENV: "ring"},
     {PDL_ENV: "0"},
-    {BWD_ENV: "ring", PDL_ENV: "1"},
 ]
 
 
@@ -243,7 +232,7 @@ def _bwd_only_rows(rows, hidden, rep, variants=None) -> list[Result]:
 
 
 def run_split() -> list[Result]:
-    """Run 6's quick round: the split backward candidates against the default."""
+    """The quick round: the default backward (split4 at these shapes) against b256 / b512."""
     results = []
     for rows, hidden in SPLIT_CASES:
         results += _bwd_only_rows(rows, hidden, 100.0, SPLIT_VARIANTS)
