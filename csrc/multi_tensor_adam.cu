@@ -168,39 +168,16 @@ void multi_tensor_adam(const std::vector<at::Tensor>& grads, const std::vector<a
                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   static const char* name = "multi_tensor_adam";
   if (params.empty()) return;
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, name, ": betas must lie in [0, 1), got (",
-              beta1, ", ", beta2, ")");  // log(0) = -inf gives a bias correction of exactly 1
-  const at::Device device = params[0].device();
   AdamArgs a;
-  a.lr = static_cast<float>(lr);
-  a.lr_ptr = scalar_ptr(lr_tensor, device, name, "lr");
-  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  a.beta2 = static_cast<float>(beta2);
-  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  a.eps = static_cast<float>(eps);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.log_beta1 = std::log(beta1);
-  a.log_beta2 = std::log(beta2);
+  fill_moment_args(a, name, params[0].device(), lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, grad_scale,
+                   found_inf);
   a.decoupled = decoupled;
-  a.maximize = maximize;
-  a.grad_scale = scalar_ptr(grad_scale, device, name, "grad_scale");
-  a.found_inf = scalar_ptr(found_inf, device, name, "found_inf");
   const at::ScalarType pt = params[0].scalar_type();
-  check_dtype(grads, pt, name, "grads");
-  check_dtype(steps, at::kFloat, name, "steps");
-  if (masters.empty()) {
-    check_dtype(exp_avgs, pt, name, "exp_avgs");
-    check_dtype(exp_avg_sqs, pt, name, "exp_avg_sqs");
+  if (!check_moment_lists(grads, params, exp_avgs, exp_avg_sqs, steps, masters, name)) {
     MPT_DISPATCH_FLOAT_HALF_BF16(pt, name, T,
       multi_tensor_apply<5>({grads, params, exp_avgs, exp_avg_sqs, steps}, 1u << 4,
                             AdamOp<T, T, T, false>{a}, name));
   } else {
-    TORCH_CHECK(pt == at::kHalf || pt == at::kBFloat16, name,
-                ": master weights are for float16/bfloat16 params, got ", pt,
-                "; pass an empty master list for float32 params");
-    check_dtype(masters, at::kFloat, name, "masters");
-    check_dtype(exp_avgs, at::kFloat, name, "exp_avgs");
-    check_dtype(exp_avg_sqs, at::kFloat, name, "exp_avg_sqs");
     const std::vector<std::vector<at::Tensor>> lists{grads, params, exp_avgs, exp_avg_sqs, steps, masters};
     const bool stepped = pt == at::kHalf ? adam_master_launch<at::Half>(lists, a, name)
                                          : adam_master_launch<at::BFloat16>(lists, a, name);

@@ -438,6 +438,51 @@ inline void check_dtype(const std::vector<at::Tensor>& list, at::ScalarType dtyp
                 ", expected ", dtype);
 }
 
+// The hyper-parameters Adam and LAMB share (their Args structs name the fields alike),
+// checked and converted once on the host for the kernels.
+template <typename Args>
+void fill_moment_args(Args& a, const char* name, const at::Device& device, double lr,
+                      const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2, double eps,
+                      double weight_decay, bool maximize, const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf) {
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, name, ": betas must lie in [0, 1), got (",
+              beta1, ", ", beta2, ")");  // log(0) = -inf gives a bias correction of exactly 1
+  a.lr = static_cast<float>(lr);
+  a.lr_ptr = scalar_ptr(lr_tensor, device, name, "lr");
+  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  a.beta2 = static_cast<float>(beta2);
+  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  a.eps = static_cast<float>(eps);
+  a.weight_decay = static_cast<float>(weight_decay);
+  a.log_beta1 = std::log(beta1);
+  a.log_beta2 = std::log(beta2);
+  a.maximize = maximize;
+  a.grad_scale = scalar_ptr(grad_scale, device, name, "grad_scale");
+  a.found_inf = scalar_ptr(found_inf, device, name, "found_inf");
+}
+
+// Dtypes of an Adam-family step's lists; true when fp32 masters carry half params
+// (grads like the params, fp32 step counts; moments like the params, or fp32 with masters).
+inline bool check_moment_lists(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                               const std::vector<at::Tensor>& steps, const std::vector<at::Tensor>& masters,
+                               const char* name) {
+  const at::ScalarType pt = params[0].scalar_type();
+  check_dtype(grads, pt, name, "grads");
+  check_dtype(steps, at::kFloat, name, "steps");
+  if (masters.empty()) {
+    check_dtype(exp_avgs, pt, name, "exp_avgs");
+    check_dtype(exp_avg_sqs, pt, name, "exp_avg_sqs");
+    return false;
+  }
+  TORCH_CHECK(pt == at::kHalf || pt == at::kBFloat16, name, ": master weights are for float16/bfloat16 params, got ",
+              pt, "; pass an empty master list for float32 params");
+  check_dtype(masters, at::kFloat, name, "masters");
+  check_dtype(exp_avgs, at::kFloat, name, "exp_avgs");
+  check_dtype(exp_avg_sqs, at::kFloat, name, "exp_avg_sqs");
+  return true;
+}
+
 // 1 - beta^step computed as -expm1(step * log(beta)) in double: exact for the
 // small steps where 1 - beta^step is tiny and float would lose digits.
 __device__ __forceinline__ double bias_correction(double log_beta, float step) {

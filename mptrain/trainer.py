@@ -143,6 +143,7 @@ class Trainer:
 
             self.loggers = build_loggers(logger, self.default_root_dir)
         self._strategy_arg = strategy
+        self._sync_found_inf = None  # set with the module (_setup_model): all-reduce of found_inf or None
         self.fabric = Fabric(
             accelerator=accelerator,
             devices=devices,
@@ -281,6 +282,9 @@ class Trainer:
         if self.auto_fp32_fallback:
             precision.enable_auto_fallback(model)
         mdist.tune_ddp(self.fabric.strategy, model, self._strategy_arg)
+        # found_inf must agree across ranks; under DDP the grads it is computed from already do.
+        sharded = self.world_size > 1 and not mdist.grads_all_reduced(self.fabric.strategy)
+        self._sync_found_inf = mdist.all_reduce_max_ if sharded else None
         self._wrapped = self.fabric.setup_module(model)
         ModuleBridge.attach(model, self)  # Fabric sets module._fabric; ours must win
         self._setup_done = True
@@ -472,11 +476,8 @@ class Trainer:
             self.found_inf = found_inf
             self._call("on_before_optimizer_step", self._optimizer)
 
-        # found_inf must agree across ranks; under DDP the grads it is computed from already do.
-        sharded = self.world_size > 1 and not mdist.grads_all_reduced(self.fabric.strategy)
-        sync = mdist.all_reduce_max_ if sharded else None
         grad_norm, found_inf = self._precision.optimizer_step(
-            self._optimizer, self.loss_scaler, self.gradient_clip_val, before_step, sync
+            self._optimizer, self.loss_scaler, self.gradient_clip_val, before_step, self._sync_found_inf
         )
         self.found_inf = found_inf
         auto = self._precision.auto

@@ -100,6 +100,23 @@ def _randn(shapes, dtype, scale=1.0, positive=False):
     return out
 
 
+def _torch_master_path(params, grads, make_optimizer):
+    """PyTorch's master-weight step today: grads up to fp32, ``make_optimizer(masters)``
+    (a fused torch optimizer) steps the fp32 masters, params down.  Returns the step."""
+    masters = [p.float() for p in params]
+    for w in masters:
+        w.grad = torch.empty_like(w)
+    opt = make_optimizer(masters)
+    master_grads = [w.grad for w in masters]
+
+    def step():
+        torch._foreach_copy_(master_grads, grads)
+        opt.step()
+        torch._foreach_copy_(params, masters)
+
+    return step
+
+
 def _adamw_cases(shapes, n) -> list[Result]:
     params = _randn(shapes, torch.bfloat16)
     grads = _randn(shapes, torch.bfloat16, 1e-2)
@@ -117,17 +134,8 @@ def _adamw_cases(shapes, n) -> list[Result]:
         ops.multi_tensor.multi_tensor_check_finite_(grads, found, fused=True)
         ops.multi_tensor_adam(grads, params, m, v, steps, masters, grad_scale=1.0, found_inf=found, **kw)
 
-    # PyTorch today: grads up, fused AdamW on the fp32 masters, params down.
-    t_masters = [p.float() for p in params]
-    t_grads = [torch.empty_like(w) for w in t_masters]
-    for w, g in zip(t_masters, t_grads):
-        w.grad = g
-    t_opt = torch.optim.AdamW(t_masters, lr=1e-4, weight_decay=0.01, fused=True)
-
-    def torch_path():
-        torch._foreach_copy_(t_grads, grads)
-        t_opt.step()
-        torch._foreach_copy_(params, t_masters)
+    torch_path = _torch_master_path(params, grads,
+                                    lambda w: torch.optim.AdamW(w, lr=1e-4, weight_decay=0.01, fused=True))
 
     ours_ms = per_call_ms(ours)
     single_ms = median_ms(ours)
@@ -142,7 +150,7 @@ def _adamw_cases(shapes, n) -> list[Result]:
     torch_ms = per_call_ms(torch_path)
     checked_ms = per_call_ms(ours_checked)
     assert found.item() == 0, "benchmark data produced a non-finite gradient"
-    del t_opt, t_masters, t_grads
+    del torch_path  # frees torch's fp32 masters and state before the next case
 
     # torch's fused AdamW on fp32 params alone (no master, no copies).
     f_params = _randn(shapes, torch.float32)
@@ -173,16 +181,7 @@ def _sgd_case(shapes, n) -> Result:
         ops.multi_tensor_sgd(grads, params, bufs, steps, masters, lr=1e-4, momentum=0.9, dampening=0.0,
                              weight_decay=0.0, nesterov=False, fused=True)
 
-    t_masters = [p.float() for p in params]
-    t_grads = [torch.empty_like(w) for w in t_masters]
-    for w, g in zip(t_masters, t_grads):
-        w.grad = g
-    t_opt = torch.optim.SGD(t_masters, lr=1e-4, momentum=0.9, fused=True)
-
-    def torch_path():
-        torch._foreach_copy_(t_grads, grads)
-        t_opt.step()
-        torch._foreach_copy_(params, t_masters)
+    torch_path = _torch_master_path(params, grads, lambda w: torch.optim.SGD(w, lr=1e-4, momentum=0.9, fused=True))
 
     return Result("SGD momentum master bf16 BERT-large (20 B/param)", per_call_ms(ours), per_call_ms(torch_path),
                   floor_ms(20 * n), dict(single_call_ms=round(median_ms(ours), 4)))

@@ -54,6 +54,11 @@ class Probe(_CallbackBase):
         self.count, self.t0, self.t1, self.batch = 0, None, None, None
         self._prof = self._sync_log = self._warn_ctx = None
 
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the run must last for every phase of this probe."""
+        return self.warmup + self.steps + self.syncs + self.profile
+
     @staticmethod
     def _sync():
         if torch.cuda.is_available():
@@ -147,7 +152,7 @@ def launch(recipe: str, nproc: int, out_dir: str, probe: dict, cpu: bool, extra:
     that precision on the same model); ``probe`` holds the Probe's arguments but ``out_dir``.
     Returns the per-rank records and the text reports the probes wrote."""
     os.makedirs(out_dir, exist_ok=True)
-    total = probe["warmup"] + probe["steps"] + probe["syncs"] + probe["profile"]
+    total = Probe(out_dir, **probe).total_steps
     if lightning:
         if cpu:
             raise ValueError("--lightning runs on GPUs only")

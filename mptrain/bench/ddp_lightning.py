@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 import torch
@@ -22,9 +24,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
-    import json
-    import os
-
     import lightning as L
 
     from mptrain.bench.ddp import Probe
@@ -36,7 +35,7 @@ def main(argv=None) -> int:
         model = model.to(memory_format=torch.channels_last)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     probe = Probe(args.out, **json.loads(args.probe))
-    total = probe.warmup + probe.steps + probe.syncs + probe.profile
+    total = probe.total_steps
     trainer = L.Trainer(precision=args.precision, accelerator="cuda", devices=world,
                         strategy="ddp" if world > 1 else "auto", max_steps=total, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,

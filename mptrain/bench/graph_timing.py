@@ -14,26 +14,32 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from mptrain.bench.common import median_ms
 
 
-def _capture(step: Callable[[object], object], sets: Sequence[object], steps: int) -> torch.cuda.CUDAGraph:
-    # Warm up on a side stream (lazy init, autotuning, allocator pools), as capture requires.
+def capture_graph(fn: Callable[[], object], warmup: Optional[Callable[[], object]] = None):
+    """``(graph, fn's outputs)``: ``fn`` captured in a CUDA graph, after ``warmup`` (default
+    ``fn``) ran once on a side stream (lazy init, autotuning, allocator pools), as capture
+    requires.  Replaying the graph rewrites the returned outputs in place."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for inp in sets:
-            step(inp)
+        (warmup or fn)()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(steps):
-            step(sets[i % len(sets)])
+        out = fn()
+    return graph, out
+
+
+def _capture(step: Callable[[object], object], sets: Sequence[object], steps: int) -> torch.cuda.CUDAGraph:
+    graph, _ = capture_graph(lambda: [step(sets[i % len(sets)]) for i in range(steps)],
+                             warmup=lambda: [step(inp) for inp in sets])
     return graph
 
 

@@ -44,11 +44,7 @@ class DigitsDataModule(MPTDataModule):
         y = torch.randint(0, self.num_classes, (self.batch_size,), generator=g, device=device)
         return x, y
 
-    def setup(self, stage: str = "fit") -> None:
-        if self.train_set is not None:
-            return
-        if self.synthetic:
-            return self.synthetic_sets()
+    def load(self, stage: str) -> None:
         x, y = load_digits_tensors()
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.split_seed))
         n_val = int(round(len(x) * self.val_fraction))

@@ -97,11 +97,7 @@ class ImageFolderDataModule(MPTDataModule):
         y = torch.randint(0, self.num_classes, (self.batch_size,), generator=g, device=device)
         return x, y
 
-    def setup(self, stage: str = "fit") -> None:
-        if self.train_set is not None:
-            return
-        if self.synthetic:
-            return self.synthetic_sets()
+    def load(self, stage: str) -> None:
         self.train_set = SeededImageFolder(os.path.join(self.data_dir, "train"),
                                            standard_transforms(True, self.image_size), self.seed)
         self.val_set = SeededImageFolder(os.path.join(self.data_dir, "val"),

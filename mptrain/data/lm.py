@@ -92,11 +92,7 @@ class LMTextDataModule(MPTDataModule):
         s = torch.randint(0, self._vocab_size, (self.batch_size, self.seq_len + 1), generator=g, device=device)
         return s[:, :-1].contiguous(), s[:, 1:].contiguous()
 
-    def setup(self, stage: str = "fit") -> None:
-        if self.train_set is not None:
-            return
-        if self.synthetic:
-            return self.synthetic_sets()
+    def load(self, stage: str) -> None:
         train_files, val_files = split_files(self.data_dir)
         train_text = read_text(train_files)
         if val_files is None:

@@ -101,11 +101,7 @@ class MLMDataModule(MPTDataModule):
         input_ids, labels = mask_tokens(ids, ids >= N_SPECIAL, self._vocab_size, 4, self.mlm_probability, g)
         return {"input_ids": input_ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
-    def setup(self, stage: str = "fit") -> None:
-        if self.train_set is not None:
-            return
-        if self.synthetic:
-            return self.synthetic_sets()
+    def load(self, stage: str) -> None:
         train_files, val_files = split_files(self.data_dir)
         path = self.tokenizer_path or os.path.join(self.data_dir, ".mptrain", f"wordpiece{self._vocab_size}.json")
         self.tokenizer = tok = load_or_train(path, train_files, self._vocab_size)

@@ -52,7 +52,7 @@ class SyntheticBatches(Dataset):
 
 
 class MPTDataModule(L.LightningDataModule):
-    """Base class: subclasses fill ``self.train_set`` / ``self.val_set`` in ``setup`` (or build
+    """Base class: subclasses fill ``self.train_set`` / ``self.val_set`` in ``load`` (or build
     synthetic sets with ``synthetic_sets``) and may set ``self.collate_fn``.
 
     Args:
@@ -75,6 +75,19 @@ class MPTDataModule(L.LightningDataModule):
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
         self.collate_fn: Optional[Callable] = None
+
+    def setup(self, stage: str = "fit") -> None:
+        """Build the sets once: synthetic ones, or the subclass's ``load`` from files."""
+        if self.train_set is not None:
+            return
+        if self.synthetic:
+            self.synthetic_sets()
+        else:
+            self.load(stage)
+
+    def load(self, stage: str) -> None:
+        """Fill ``self.train_set`` / ``self.val_set`` from the real data (subclasses)."""
+        raise NotImplementedError(f"{type(self).__name__} reads no files; use synthetic=True")
 
     # -- synthetic ---------------------------------------------------------
     def make_synthetic_batch(self, g: torch.Generator, device: torch.device) -> Any:

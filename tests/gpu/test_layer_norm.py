@@ -9,6 +9,7 @@ import torch
 
 from mptrain import ops
 from mptrain.ops import reference
+from mptrain.bench.graph_timing import capture_graph
 
 COMBOS = [  # (input dtype, weight/bias dtype)
     (torch.float32, torch.float32),
@@ -266,14 +267,7 @@ def test_cuda_graph_capture(monkeypatch, env):
     def step():
         return torch.autograd.grad(ops.layer_norm(x, 768, w, b, fused=True), (x, w, b), dy)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     with torch.no_grad():
         x.copy_(torch.randn_like(x))
     graph.replay()

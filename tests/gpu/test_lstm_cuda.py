@@ -7,6 +7,7 @@ from torch import nn
 from mptrain.ops import lstm as lstm_ops
 from mptrain.ops import reference
 from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
+from mptrain.bench.graph_timing import capture_graph
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rtol, atol) for kernel vs reference on the same inputs: both compute in fp32 and round
@@ -268,14 +269,7 @@ def test_cell_module_fwd_bwd_fast_path_and_cuda_graph(ext):
     for got, w in zip(step(), want):
         assert rel_err(got, w) < 10 * norm_tol(torch.float32)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        captured = step()
+    g, captured = capture_graph(step)
     with torch.no_grad():
         for t in xhc:
             t.copy_(torch.randn_like(t))

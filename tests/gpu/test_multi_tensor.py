@@ -6,6 +6,7 @@ import torch
 
 from mptrain import ops
 from mptrain.ops import reference
+from mptrain.bench.graph_timing import capture_graph
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 3, 4, 5, 1023, 2048, 2049, 8191, 8192 + 7, 65537]
@@ -176,14 +177,7 @@ def test_unscale_captured_in_a_cuda_graph(ext):
     grads = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in SIZES]
     inv = torch.ones((), device="cuda")
     found = torch.zeros((), device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        ops.multi_tensor_unscale_(grads, inv, found, fused=True)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.multi_tensor_unscale_(grads, inv, found, fused=True)
+    graph, _ = capture_graph(lambda: ops.multi_tensor_unscale_(grads, inv, found, fused=True))
     fresh = [torch.randn_like(g) for g in grads]
     for g, f in zip(grads, fresh):
         g.copy_(f)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mptrain import ops
+from mptrain.bench.graph_timing import capture_graph
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Every $MPT_SOFTMAX_SHAPE launch variant of csrc/softmax.cu.
@@ -181,14 +182,7 @@ def test_cuda_graph_capture(monkeypatch, variant):
     def step():
         return torch.autograd.grad(ops.scaled_masked_softmax(x, mask, 0.1, True, fused=True), (x,), dy)[0]
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     with torch.no_grad():
         x.copy_(torch.randn_like(x))
     graph.replay()
