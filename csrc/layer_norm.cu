@@ -69,79 +69,102 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 
 // ============================== forward ================================================
 
-template <typename T, typename W, int TPR, int NV, int BLOCK>
+// R rows per row group (R > 1: MPT_LN_FWD=r2 / r4, warp-per-row shapes only): all R rows'
+// vectors are loaded before the first reduction, so a warp keeps R times the bytes in
+// flight and the R rows' shuffle reductions interleave.  Why: ncu at 16384x1024 bf16
+// (run 7) showed the R = 1 kernel at 20.5 us with DRAM reads at ~1.6 TB/s -- latency-bound
+// (one row's loads per warp, then reductions and stores with nothing in flight).
+template <typename T, typename W, int TPR, int NV, int BLOCK, int R>
 __global__ void __launch_bounds__(BLOCK)
 ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __restrict__ beta,
               T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
               int64_t rows, int H, float eps, bool rms) {
-  constexpr int VEC = Vec16<T>::n, RPB = BLOCK / TPR;
-  __shared__ float red[2][BLOCK / 32];
+  constexpr int VEC = Vec16<T>::n, GPB = BLOCK / TPR;
+  __shared__ float red[2][BLOCK / 32 * R];
   pdl_launch_dependents();
   pdl_wait();  // before any load: the previous kernel may be the one writing x
   const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
-  const int64_t row = int64_t(blockIdx.x) * RPB + g;
-  const bool valid = row < rows;
+  const int64_t row0 = (int64_t(blockIdx.x) * GPB + g) * R;
   const int nvec = H / VEC;
-  const T* xr = x + row * H;
 
-  uint4 raw[NV];
+  uint4 raw[R][NV];
 #pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const int j = i * TPR + lane;
-    raw[i] = (valid && j < nvec) ? load16(xr + j * VEC) : make_uint4(0, 0, 0, 0);
+  for (int r = 0; r < R; ++r) {
+    const bool valid = row0 + r < rows;
+    const T* xr = x + (row0 + r) * H;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int j = i * TPR + lane;
+      raw[r][i] = (valid && j < nvec) ? load16(xr + j * VEC) : make_uint4(0, 0, 0, 0);
+    }
   }
   // Padding slots hold zeros: they add nothing to the sum, and are skipped for the
   // variance (where x - mean would not be zero).
-  float mu = 0.f;
+  float mu[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) mu[r] = 0.f;
   if (!rms) {
-    float s[1] = {0.f};
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        float f[VEC];
+        unpack<T>(raw[r][i], f);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) mu[r] += f[k];
+      }
+    }
+    group_allreduce<TPR, R>(mu, red[0], SumOp());
+#pragma unroll
+    for (int r = 0; r < R; ++r) mu[r] /= H;
+  }
+  float q[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    q[r] = 0.f;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      float f[VEC];
-      unpack<T>(raw[i], f);
+      if (i * TPR + lane < nvec) {
+        float f[VEC];
+        unpack<T>(raw[r][i], f);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) s[0] += f[k];
-    }
-    group_allreduce<TPR, 1>(s, red[0], SumOp());
-    mu = s[0] / H;
-  }
-  float q[1] = {0.f};
-#pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    if (i * TPR + lane < nvec) {
-      float f[VEC];
-      unpack<T>(raw[i], f);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float d = f[k] - mu;
-        q[0] += d * d;
+        for (int k = 0; k < VEC; ++k) {
+          const float d = f[k] - mu[r];
+          q[r] += d * d;
+        }
       }
     }
   }
-  group_allreduce<TPR, 1>(q, red[1], SumOp());
-  const float rs = rsqrtf(q[0] / H + eps);
-  if (!valid) return;
-  if (lane == 0) {
-    if (mean_out) mean_out[row] = mu;
-    rstd_out[row] = rs;
+  group_allreduce<TPR, R>(q, red[1], SumOp());
+  float rs[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    rs[r] = rsqrtf(q[r] / H + eps);
+    if (lane == 0 && row0 + r < rows) {
+      if (mean_out) mean_out[row0 + r] = mu[r];
+      rstd_out[row0 + r] = rs[r];
+    }
   }
-  T* yr = y + row * H;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int j = i * TPR + lane;
-    if (j < nvec) {
-      float f[VEC], gw[VEC], bw[VEC];
-      unpack<T>(raw[i], f);
-      if (gamma) load_floats<W, VEC>(gamma + j * VEC, gw);
-      if (beta) load_floats<W, VEC>(beta + j * VEC, bw);
+    if (j >= nvec) continue;
+    float gw[VEC], bw[VEC];
+    if (gamma) load_floats<W, VEC>(gamma + j * VEC, gw);
+    if (beta) load_floats<W, VEC>(beta + j * VEC, bw);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r >= rows) continue;
+      float f[VEC];
+      unpack<T>(raw[r][i], f);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        float o = (f[k] - mu) * rs;
+        float o = (f[k] - mu[r]) * rs[r];
         if (gamma) o *= gw[k];
         if (beta) o += bw[k];
         f[k] = o;
       }
-      store16(yr + j * VEC, pack<T>(f));
+      store16(y + (row0 + r) * H + j * VEC, pack<T>(f));
     }
   }
 }
@@ -267,15 +290,20 @@ __device__ __forceinline__ void store_block_partial(const float (&dg)[NV][VEC], 
   }
 }
 
-// Sums the [P, H] fp32 partials over P for the 32 columns of `tile`, in a fixed order,
-// and writes dgamma / dbeta in the parameters' dtype.  BLOCK threads = 32 columns x
-// BLOCK/32 partial lanes; `s` is [2][BLOCK/32][33] floats of shared memory.
-template <typename W, int BLOCK>
+// Sums partial rows [0, P) of columns [tile * COLS, tile * COLS + COLS) and writes
+// dgamma / dbeta there.  Block: COLS columns x LANES = BLOCK / COLS partial lanes; `s` is
+// [2][LANES][COLS + 1] floats of shared memory.  The lanes' sums meet in a fixed-order tree
+// (deterministic).  COLS = 8 (the standalone finish since run 7): H / 8 blocks, so a
+// 1024-wide row fills 128 SMs instead of 32, and each thread has only P / 64 partials to
+// load -- one L2 round trip at P = 256.  ncu, run 7: the COLS = 32 finish took 5.0 us of
+// the 56 us fwd+bwd at 16384x1024 (32 blocks, 420 GB/s from L2).
+template <typename W, int BLOCK, int COLS>
 __device__ __forceinline__ void param_finish_tile(const float* dg_part, const float* db_part, int P, int H, int tile,
                                                   W* dgamma, W* dbeta, float* s) {
-  constexpr int LANES = BLOCK / 32;
-  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
-  const int c = tile * 32 + tx;
+  constexpr int LANES = BLOCK / COLS, SP = COLS + 1;
+  static_assert(BLOCK % COLS == 0 && (LANES & (LANES - 1)) == 0, "finish: LANES must be a power of two");
+  const int tx = threadIdx.x % COLS, ty = threadIdx.x / COLS;
+  const int c = tile * COLS + tx;
   // The partials were just written (L2-resident): issue U loads before summing them, so
   // a thread waits about one L2 latency per U partials instead of one per partial.  The
   // summation order stays fixed (deterministic).
@@ -296,16 +324,20 @@ __device__ __forceinline__ void param_finish_tile(const float* dg_part, const fl
         b += vb[u];
       }
     }
-  s[ty * 33 + tx] = a;
-  s[(LANES + ty) * 33 + tx] = b;
+  s[ty * SP + tx] = a;
+  s[(LANES + ty) * SP + tx] = b;
   __syncthreads();
-  if (ty == 0 && c < H) {
-    for (int k = 1; k < LANES; ++k) {
-      a += s[k * 33 + tx];
-      b += s[(LANES + k) * 33 + tx];
+#pragma unroll
+  for (int h = LANES / 2; h > 0; h >>= 1) {
+    if (ty < h) {
+      s[ty * SP + tx] += s[(ty + h) * SP + tx];
+      s[(LANES + ty) * SP + tx] += s[(LANES + ty + h) * SP + tx];
     }
-    if (dgamma) dgamma[c] = static_cast<W>(a);
-    if (dbeta) dbeta[c] = static_cast<W>(b);
+    __syncthreads();
+  }
+  if (ty == 0 && c < H) {
+    if (dgamma) dgamma[c] = static_cast<W>(s[tx]);
+    if (dbeta) dbeta[c] = static_cast<W>(s[LANES * SP + tx]);
   }
   __syncthreads();  // `s` is reused by the next tile
 }
@@ -411,12 +443,12 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
     store_block_partial<TPR, NV, VEC, BLOCK>(dg, db, dg_part, db_part, H, acc);
   }
   if constexpr (FUSED_FINISH) {
-    __shared__ float fin[2 * (BLOCK / 32) * 33];
+    __shared__ float fin[2 * (BLOCK / 32) * 33];  // param_finish_tile<W, BLOCK, 32>
     __threadfence();
     cooperative_groups::this_grid().sync();
     const int P = static_cast<int>(gridDim.x);
     for (int tile = blockIdx.x; tile * 32 < H; tile += gridDim.x)
-      param_finish_tile<W, BLOCK>(dg_part, db_part, P, H, tile, dgamma, dbeta, fin);
+      param_finish_tile<W, BLOCK, 32>(dg_part, db_part, P, H, tile, dgamma, dbeta, fin);
   }
 }
 
@@ -675,15 +707,15 @@ ln_param_part_generic(const T* __restrict__ dy, const T* __restrict__ x, const f
 }
 
 // Sums the [P, H] fp32 partials over P in a fixed order and writes dgamma / dbeta in
-// the parameters' dtype.  Block: 32 columns x 16 partial lanes.
-template <typename W>
+// the parameters' dtype.  Block: COLS columns x 512 / COLS partial lanes, a block per tile.
+template <typename W, int COLS>
 __global__ void __launch_bounds__(512)
 ln_param_finish(const float* __restrict__ dg_part, const float* __restrict__ db_part, int P, int H,
                 W* __restrict__ dgamma, W* __restrict__ dbeta) {
-  __shared__ float s[2 * 16 * 33];
+  __shared__ float s[2 * (512 / COLS) * (COLS + 1)];
   pdl_launch_dependents();
   pdl_wait();
-  param_finish_tile<W, 512>(dg_part, db_part, P, H, blockIdx.x, dgamma, dbeta, s);
+  param_finish_tile<W, 512, COLS>(dg_part, db_part, P, H, blockIdx.x, dgamma, dbeta, s);
 }
 
 // ============================== host side ==============================================
@@ -724,7 +756,7 @@ bool pdl_supported() {
   if (at::cuda::getCurrentDeviceProperties()->major < 9) return false;
   static const bool compiled_for_sm90 = [] {
     cudaFuncAttributes a{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(ln_param_finish<float>)));
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(ln_param_finish<float, 8>)));
     return a.ptxVersion >= 90;
   }();
   return compiled_for_sm90;
@@ -770,15 +802,38 @@ int64_t balanced_grid(int64_t groups, int64_t cap) {
   return (groups + iters - 1) / iters;
 }
 
+// $MPT_LN_FINISH: column-tile width of the dgamma / dbeta finish kernel, 8 (default since
+// run 7) or 32 (the kernel before; kept selectable to compare in one process).
+int finish_cols() {
+  const char* v = env_value("MPT_LN_FINISH");
+  if (v == nullptr || std::strcmp(v, "8") == 0) return 8;
+  TORCH_CHECK(std::strcmp(v, "32") == 0, "MPT_LN_FINISH=", v, " is not a finish tile width; use 8 or 32");
+  return 32;
+}
+
 // ---- forward ----
-// $MPT_LN_FWD: "auto" (default), the only forward variant: the register-cached
-// ln_fwd_kernel, one row group per block slot, a block per 1-4 rows (non-persistent).
-// ("ring", a persistent cp.async variant, lost in run 5 and was removed.)  The variable
-// is still checked so that a stale setting fails instead of silently running auto.
-void check_fwd_variant() {
+// $MPT_LN_FWD: "auto" (default): the register-cached ln_fwd_kernel, one row per row group
+// (R = 1), a block per 1-4 rows (non-persistent).  "r2" / "r4" (run 7 experiment): R = 2 / 4
+// rows per warp for rows of <= 128 vectors (other shapes run auto).  ("ring", a persistent
+// cp.async variant, lost in run 5 and was removed.)  A stale or misspelt setting fails
+// instead of silently running auto.
+int fwd_rows_per_group() {
   const char* v = env_value("MPT_LN_FWD");
-  TORCH_CHECK(v == nullptr || std::strcmp(v, "auto") == 0, "MPT_LN_FWD=", v,
-              " is not a forward variant; use auto (the only one)");
+  if (v == nullptr || std::strcmp(v, "auto") == 0) return 1;
+  if (std::strcmp(v, "r2") == 0) return 2;
+  TORCH_CHECK(std::strcmp(v, "r4") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto, r2 or r4");
+  return 4;
+}
+
+template <typename T, typename W, int TPR, int NV, int R>
+void launch_fwd_rows(const T* xp, const W* gp, const W* bp, T* yp, float* mean, float* rstd, int64_t rows, int H,
+                     float eps, bool rms, cudaStream_t stream, bool pdl) {
+  constexpr int BLOCK = TPR < 128 ? 128 : TPR;
+  constexpr int RPB = BLOCK / TPR * R;
+  const int64_t grid = (rows + RPB - 1) / RPB;
+  launch_kernel(ln_fwd_kernel<T, W, TPR, NV, BLOCK, R>, grid, BLOCK, 0, stream, pdl, xp, gp, bp, yp, mean, rstd,
+                rows, H, eps, rms);
+  MPT_CHECK_LAUNCH(kFwd);
 }
 
 template <typename T, typename W>
@@ -793,15 +848,16 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
   const bool aligned = H % VEC == 0 && aligned16(xp) && aligned16(yp) && aligned16(gp) && aligned16(bp);
   const RowShape shape = aligned ? pick_row_shape(H / VEC) : RowShape::Generic;
   const bool pdl = use_pdl();
-  check_fwd_variant();
+  const int R = fwd_rows_per_group();
   if (shape != RowShape::Generic) {
     MPT_ROW_SHAPE_SWITCH(shape, {
-      constexpr int BLOCK = TPR < 128 ? 128 : TPR;
-      constexpr int RPB = BLOCK / TPR;
-      const int64_t grid = (rows + RPB - 1) / RPB;
-      launch_kernel(ln_fwd_kernel<T, W, TPR, NV, BLOCK>, grid, BLOCK, 0, stream, pdl, xp, gp, bp, yp, mean, rstd,
-                    rows, H, eps, rms);
-      MPT_CHECK_LAUNCH(kFwd);
+      if constexpr (TPR == 32) {
+        if (R == 2) launch_fwd_rows<T, W, TPR, NV, 2>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
+        else if (R == 4) launch_fwd_rows<T, W, TPR, NV, 4>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
+        else launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
+      } else {
+        launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
+      }
     });
   } else if (H <= 1024) {
     const int64_t grid = (rows + 3) / 4;
@@ -1034,8 +1090,12 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
   // PDL here too: the finish kernel's blocks launch while the backward drains (only after
   // a PDL-capable backward; the generic path's kernels are plain launches, and a PDL launch
   // after a plain one simply waits for it).
-  launch_kernel(ln_param_finish<W>, (H + 31) / 32, 512, 0, stream, pdl, want_dg ? dg_part.data_ptr<float>() : nullptr,
-                want_db ? db_part.data_ptr<float>() : nullptr, P, H, dgp, dbp);
+  float* dgq = want_dg ? dg_part.data_ptr<float>() : nullptr;
+  float* dbq = want_db ? db_part.data_ptr<float>() : nullptr;
+  if (finish_cols() == 8)
+    launch_kernel(ln_param_finish<W, 8>, (H + 7) / 8, 512, 0, stream, pdl, dgq, dbq, P, H, dgp, dbp);
+  else
+    launch_kernel(ln_param_finish<W, 32>, (H + 31) / 32, 512, 0, stream, pdl, dgq, dbq, P, H, dgp, dbp);
   MPT_CHECK_LAUNCH(kBwd);
 }
 

@@ -11,14 +11,17 @@ Rows, per shape:
 * ``fwd`` alone and ``bwd`` alone (bf16-weight LayerNorm): each kernel against its own
   floor, so the fwd+bwd time can be split; ``bwd`` calls the backward ops directly
   (ours and aten's) on the saved statistics of one forward per input set.
-Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto only),
-$MPT_LN_BWD (auto | b256 | b512 | coop | split4), $MPT_LN_PDL (0 | 1, programmatic dependent
-launch).  The default (auto / auto / 1; auto's backward is split4 at rows <= 1024 bf16)
-keeps the plain row name; other rows name the settings that differ.
+Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto | r2 |
+r4: rows per warp), $MPT_LN_BWD (auto | b256 | b512 | coop | split4), $MPT_LN_PDL (0 | 1,
+programmatic dependent launch), $MPT_LN_FINISH (8 | 32: column tile of the dgamma / dbeta
+finish kernel).  The default (auto / auto / 1 / 8; auto's backward is split4 at rows <= 1024
+bf16) keeps the plain row name; other rows name the settings that differ.
 
 ``MPT_BENCH_NORM=split`` (quick round): the default backward (split4 at these shapes)
 against run 5's table (b256, b512), as bwd-only and fwd+bwd rows at 16384x1024 and
-65536x768 (~15 s).
+65536x768 (~15 s).  ``MPT_BENCH_NORM=rows`` (run 7's quick round): the forward's rows per
+warp (r2, r4) and the finish tile (32) against the default, fwd / bwd / fwd+bwd rows at
+the three target shapes.
 """
 from __future__ import annotations
 
@@ -36,8 +39,9 @@ from mptrain.bench.graph_timing import env_var, step_ms
 # (rows, hidden) from the issue's target table; all bf16.
 CASES = [(16384, 1024), (16384, 4096), (65536, 768)]
 QUICK_CASES = [(16384, 1024)]
-FWD_ENV, BWD_ENV, PDL_ENV = "MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL"
-DEFAULTS = {FWD_ENV: "auto", BWD_ENV: "auto", PDL_ENV: "1"}  # PDL on by default since run 5
+FWD_ENV, BWD_ENV, PDL_ENV, FIN_ENV = "MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL", "MPT_LN_FINISH"
+# PDL on by default since run 5, the 8-column finish since run 7.
+DEFAULTS = {FWD_ENV: "auto", BWD_ENV: "auto", PDL_ENV: "1", FIN_ENV: "8"}
 # fwd+bwd variants for the bf16-weight LayerNorm rows (the issue's table), default first.
 FULL_VARIANTS = [
     {},
@@ -45,11 +49,14 @@ FULL_VARIANTS = [
     {BWD_ENV: "b512"},
     {BWD_ENV: "coop"},
     {PDL_ENV: "0"},
+    {FWD_ENV: "r2"},
+    {FWD_ENV: "r4"},
+    {FIN_ENV: "32"},
 ]
 # The fp32-weight and RMSNorm rows: the default and the PDL switch only (they share the
 # kernels; these rows check the levers carry over).
 SHORT_VARIANTS = [{}, {PDL_ENV: "0"}]
-FWD_ONLY_VARIANTS = [{}, {PDL_ENV: "0"}]
+FWD_ONLY_VARIANTS = [{}, {PDL_ENV: "0"}, {FWD_ENV: "r2"}, {FWD_ENV: "r4"}]
 # The quick round: the default (split4 at rows of <= 1024 bf16) against run 5's table.
 SPLIT_VARIANTS = [{}, {BWD_ENV: "b256"}, {BWD_ENV: "b512"}]
 SPLIT_CASES = [(16384, 1024), (65536, 768)]
@@ -59,7 +66,12 @@ BWD_ONLY_VARIANTS = [
     {BWD_ENV: "b512"},
     {BWD_ENV: "coop"},
     {PDL_ENV: "0"},
+    {FIN_ENV: "32"},
 ]
+# run 7's quick round (MPT_BENCH_NORM=rows).
+ROWS_FWD_VARIANTS = [{}, {FWD_ENV: "r2"}, {FWD_ENV: "r4"}]
+ROWS_BWD_VARIANTS = [{}, {FIN_ENV: "32"}]
+ROWS_VARIANTS = [{}, {FWD_ENV: "r2"}, {FWD_ENV: "r4"}, {FIN_ENV: "32"}]
 
 
 @contextlib.contextmanager
@@ -166,18 +178,19 @@ def _fwd_bwd_rows(rows, hidden, kind, wdtype, variants, rep) -> list[Result]:
     return out
 
 
-def _fwd_only_rows(rows, hidden, rep) -> list[Result]:
+def _fwd_only_rows(rows, hidden, rep, variants=None) -> list[Result]:
     sets = _make_sets(rows, hidden, "layer", torch.bfloat16)
     ours, theirs = _norms("layer", hidden)
     expected = [_fwd(theirs, sets.sets[0])]
     t_torch, how_torch = step_ms(lambda s: _fwd(theirs, s), sets.sets, rep)
     name = _case_name("layer", torch.bfloat16, "fwd", rows, hidden) + " [4 B/elem]"
     out = []
-    for variant in FWD_ONLY_VARIANTS:
+    for variant in FWD_ONLY_VARIANTS if variants is None else variants:
         with variant_env(variant):
-            _check([_fwd(ours, sets.sets[0])], expected)
-            t_ours, how = step_ms(lambda s: _fwd(ours, s), sets.sets, rep)
-        out.append(_result(name, variant, t_ours, how, t_torch, how_torch, rows, hidden, 4, "fwd"))
+            timed = _guarded(name, variant, lambda: (_check([_fwd(ours, sets.sets[0])], expected),
+                                                     step_ms(lambda s: _fwd(ours, s), sets.sets, rep))[1])
+        if timed:
+            out.append(_result(name, variant, *timed, t_torch, how_torch, rows, hidden, 4, "fwd"))
     return out
 
 
@@ -240,12 +253,24 @@ def run_split() -> list[Result]:
     return results
 
 
+def run_rows() -> list[Result]:
+    """Run 7's quick round: rows per warp in the forward, and the finish tile width."""
+    results = []
+    for rows, hidden in CASES:
+        results += _fwd_only_rows(rows, hidden, 100.0, ROWS_FWD_VARIANTS)
+        results += _bwd_only_rows(rows, hidden, 100.0, ROWS_BWD_VARIANTS)
+        results += _fwd_bwd_rows(rows, hidden, "layer", torch.bfloat16, ROWS_VARIANTS, 100.0)
+    return results
+
+
 def run(args) -> list[Result]:
     only = os.environ.get("MPT_BENCH_NORM", "")
     if only == "split":
         return run_split()
+    if only == "rows":
+        return run_rows()
     if only:
-        raise ValueError(f"MPT_BENCH_NORM={only!r}: unknown subset; use 'split' or leave it unset")
+        raise ValueError(f"MPT_BENCH_NORM={only!r}: unknown subset; use 'split', 'rows' or leave it unset")
     results = []
     cases = QUICK_CASES if args.quick else CASES
     rep = 50.0 if args.quick else 200.0
