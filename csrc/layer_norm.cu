@@ -69,11 +69,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 
 // ============================== forward ================================================
 
-// R rows per row group (R > 1: MPT_LN_FWD=r2 / r4, warp-per-row shapes only): all R rows'
-// vectors are loaded before the first reduction, so a warp keeps R times the bytes in
-// flight and the R rows' shuffle reductions interleave.  Why: ncu at 16384x1024 bf16
-// (run 7) showed the R = 1 kernel at 20.5 us with DRAM reads at ~1.6 TB/s -- latency-bound
-// (one row's loads per warp, then reductions and stores with nothing in flight).
+// R rows per row group (R = 2 at warp-per-row shapes, the default since run 7): all R
+// rows' vectors are loaded before the first reduction, so a warp keeps R times the bytes
+// in flight and the R rows' shuffle reductions interleave.  Why: ncu at 16384x1024 bf16
+// (run 7) showed the R = 1 kernel at 20.5 us with DRAM reads at ~1.6 TB/s, latency-bound
+// (one row's loads per warp, then reductions and stores with nothing in flight).  H200,
+// run 7, fwd alone: R = 2 73.2% / 86.9% of floor at 16384x1024 / 65536x768 against R = 1's
+// 72.3% / 85.1%; R = 4 (113 registers, half the warps) lost at both (67.7% / 82.7%).
 template <typename T, typename W, int TPR, int NV, int BLOCK, int R>
 __global__ void __launch_bounds__(BLOCK)
 ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __restrict__ beta,
@@ -802,27 +804,29 @@ int64_t balanced_grid(int64_t groups, int64_t cap) {
   return (groups + iters - 1) / iters;
 }
 
-// $MPT_LN_FINISH: column-tile width of the dgamma / dbeta finish kernel, 8 (default since
-// run 7) or 32 (the kernel before; kept selectable to compare in one process).
-int finish_cols() {
+// $MPT_LN_FINISH: column-tile width of the dgamma / dbeta finish kernel.  "auto" (default
+// since run 7): 8 below 2048 columns, 32 from there (H200, run 7, bwd alone: 8 columns
+// 70.1% / 83.4% of floor at 1024 / 768 against 32's 67.9% / 83.0%, but 76.6% against
+// 77.8% at 4096, where 32 columns already make 128 blocks); "8" or "32" force one.
+int finish_cols(int H) {
   const char* v = env_value("MPT_LN_FINISH");
-  if (v == nullptr || std::strcmp(v, "8") == 0) return 8;
-  TORCH_CHECK(std::strcmp(v, "32") == 0, "MPT_LN_FINISH=", v, " is not a finish tile width; use 8 or 32");
+  if (v == nullptr || std::strcmp(v, "auto") == 0) return H < 2048 ? 8 : 32;
+  if (std::strcmp(v, "8") == 0) return 8;
+  TORCH_CHECK(std::strcmp(v, "32") == 0, "MPT_LN_FINISH=", v, " is not a finish tile width; use auto, 8 or 32");
   return 32;
 }
 
 // ---- forward ----
-// $MPT_LN_FWD: "auto" (default): the register-cached ln_fwd_kernel, one row per row group
-// (R = 1), a block per 1-4 rows (non-persistent).  "r2" / "r4" (run 7 experiment): R = 2 / 4
-// rows per warp for rows of <= 128 vectors (other shapes run auto).  ("ring", a persistent
-// cp.async variant, lost in run 5 and was removed.)  A stale or misspelt setting fails
-// instead of silently running auto.
+// $MPT_LN_FWD: "auto" (default): the register-cached ln_fwd_kernel (non-persistent), R = 2
+// rows per warp where a row is one warp's (<= 128 vectors), one row per group elsewhere.
+// "r1": one row per warp everywhere (the kernel before run 7, kept to compare).  ("ring", a
+// persistent cp.async variant, lost in run 5 and "r4" in run 7; both removed.)  A stale or
+// misspelt setting fails instead of silently running auto.
 int fwd_rows_per_group() {
   const char* v = env_value("MPT_LN_FWD");
-  if (v == nullptr || std::strcmp(v, "auto") == 0) return 1;
-  if (std::strcmp(v, "r2") == 0) return 2;
-  TORCH_CHECK(std::strcmp(v, "r4") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto, r2 or r4");
-  return 4;
+  if (v == nullptr || std::strcmp(v, "auto") == 0) return 2;
+  TORCH_CHECK(std::strcmp(v, "r1") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto or r1");
+  return 1;
 }
 
 template <typename T, typename W, int TPR, int NV, int R>
@@ -853,7 +857,6 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
     MPT_ROW_SHAPE_SWITCH(shape, {
       if constexpr (TPR == 32) {
         if (R == 2) launch_fwd_rows<T, W, TPR, NV, 2>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
-        else if (R == 4) launch_fwd_rows<T, W, TPR, NV, 4>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
         else launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
       } else {
         launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
@@ -1042,6 +1045,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
   at::Tensor dg_part, db_part;
   const bool aligned = H % VEC == 0 && aligned16(dyp) && aligned16(xp) && aligned16(dxp) && aligned16(gp);
   const BwdFamily family = bwd_family();
+  const int fin_cols = finish_cols(H);  // read (and checked) on every call, like the family
   const BwdShape shape = aligned ? pick_bwd_shape(H / VEC, family) : BwdShape::Generic;
   const bool fused = family == BwdFamily::Coop && shape != BwdShape::Generic && (want_dg || want_db);
   const bool split = family == BwdFamily::Split4 && shape != BwdShape::Generic && H / VEC <= 128;
@@ -1092,7 +1096,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
   // after a plain one simply waits for it).
   float* dgq = want_dg ? dg_part.data_ptr<float>() : nullptr;
   float* dbq = want_db ? db_part.data_ptr<float>() : nullptr;
-  if (finish_cols() == 8)
+  if (fin_cols == 8)
     launch_kernel(ln_param_finish<W, 8>, (H + 7) / 8, 512, 0, stream, pdl, dgq, dbq, P, H, dgp, dbp);
   else
     launch_kernel(ln_param_finish<W, 32>, (H + 31) / 32, 512, 0, stream, pdl, dgq, dbq, P, H, dgp, dbp);

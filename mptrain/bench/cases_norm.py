@@ -11,17 +11,17 @@ Rows, per shape:
 * ``fwd`` alone and ``bwd`` alone (bf16-weight LayerNorm): each kernel against its own
   floor, so the fwd+bwd time can be split; ``bwd`` calls the backward ops directly
   (ours and aten's) on the saved statistics of one forward per input set.
-Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto | r2 |
-r4: rows per warp), $MPT_LN_BWD (auto | b256 | b512 | coop | split4), $MPT_LN_PDL (0 | 1,
-programmatic dependent launch), $MPT_LN_FINISH (8 | 32: column tile of the dgamma / dbeta
-finish kernel).  The default (auto / auto / 1 / 8; auto's backward is split4 at rows <= 1024
-bf16) keeps the plain row name; other rows name the settings that differ.
+Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto | r1:
+rows per warp), $MPT_LN_BWD (auto | b256 | b512 | coop | split4), $MPT_LN_PDL (0 | 1,
+programmatic dependent launch), $MPT_LN_FINISH (auto | 8 | 32: column tile of the
+dgamma / dbeta finish kernel).  The default (auto / auto / 1 / auto; auto's forward takes 2
+rows per warp and its backward is split4 at rows <= 1024 bf16) keeps the plain row name; other rows name the settings that differ.
 
 ``MPT_BENCH_NORM=split`` (quick round): the default backward (split4 at these shapes)
 against run 5's table (b256, b512), as bwd-only and fwd+bwd rows at 16384x1024 and
-65536x768 (~15 s).  ``MPT_BENCH_NORM=rows`` (run 7's quick round): the forward's rows per
-warp (r2, r4) and the finish tile (32) against the default, fwd / bwd / fwd+bwd rows at
-the three target shapes.
+65536x768 (~15 s).  ``MPT_BENCH_NORM=rows`` (run 7's quick round): one row per warp in the
+forward (r1) and both finish tiles (8, 32) against the default, fwd / bwd / fwd+bwd rows
+at the three target shapes.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ from mptrain.bench.graph_timing import env_var, step_ms
 CASES = [(16384, 1024), (16384, 4096), (65536, 768)]
 QUICK_CASES = [(16384, 1024)]
 FWD_ENV, BWD_ENV, PDL_ENV, FIN_ENV = "MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL", "MPT_LN_FINISH"
-# PDL on by default since run 5, the 8-column finish since run 7.
-DEFAULTS = {FWD_ENV: "auto", BWD_ENV: "auto", PDL_ENV: "1", FIN_ENV: "8"}
+# PDL on by default since run 5; 2 rows per warp (fwd) and the finish tile by width since run 7.
+DEFAULTS = {FWD_ENV: "auto", BWD_ENV: "auto", PDL_ENV: "1", FIN_ENV: "auto"}
 # fwd+bwd variants for the bf16-weight LayerNorm rows (the issue's table), default first.
 FULL_VARIANTS = [
     {},
@@ -49,14 +49,14 @@ FULL_VARIANTS = [
     {BWD_ENV: "b512"},
     {BWD_ENV: "coop"},
     {PDL_ENV: "0"},
-    {FWD_ENV: "r2"},
-    {FWD_ENV: "r4"},
+    {FWD_ENV: "r1"},
+    {FIN_ENV: "8"},
     {FIN_ENV: "32"},
 ]
 # The fp32-weight and RMSNorm rows: the default and the PDL switch only (they share the
 # kernels; these rows check the levers carry over).
 SHORT_VARIANTS = [{}, {PDL_ENV: "0"}]
-FWD_ONLY_VARIANTS = [{}, {PDL_ENV: "0"}, {FWD_ENV: "r2"}, {FWD_ENV: "r4"}]
+FWD_ONLY_VARIANTS = [{}, {PDL_ENV: "0"}, {FWD_ENV: "r1"}]
 # The quick round: the default (split4 at rows of <= 1024 bf16) against run 5's table.
 SPLIT_VARIANTS = [{}, {BWD_ENV: "b256"}, {BWD_ENV: "b512"}]
 SPLIT_CASES = [(16384, 1024), (65536, 768)]
@@ -66,12 +66,13 @@ BWD_ONLY_VARIANTS = [
     {BWD_ENV: "b512"},
     {BWD_ENV: "coop"},
     {PDL_ENV: "0"},
+    {FIN_ENV: "8"},
     {FIN_ENV: "32"},
 ]
 # run 7's quick round (MPT_BENCH_NORM=rows).
-ROWS_FWD_VARIANTS = [{}, {FWD_ENV: "r2"}, {FWD_ENV: "r4"}]
-ROWS_BWD_VARIANTS = [{}, {FIN_ENV: "32"}]
-ROWS_VARIANTS = [{}, {FWD_ENV: "r2"}, {FWD_ENV: "r4"}, {FIN_ENV: "32"}]
+ROWS_FWD_VARIANTS = [{}, {FWD_ENV: "r1"}]
+ROWS_BWD_VARIANTS = [{}, {FIN_ENV: "8"}, {FIN_ENV: "32"}]
+ROWS_VARIANTS = [{}, {FWD_ENV: "r1"}, {FIN_ENV: "8"}, {FIN_ENV: "32"}]
 
 
 @contextlib.contextmanager

@@ -163,7 +163,8 @@ def test_backward_variant_name_is_checked(monkeypatch):
 # "ring" (both directions), "split" and "split6" were removed after run 6: a stale setting
 # must fail rather than silently run the default.
 @pytest.mark.parametrize("name,value", [("MPT_LN_FWD", "fast"), ("MPT_LN_PDL", "yes"), ("MPT_LN_FWD", "ring"),
-                                        ("MPT_LN_BWD", "ring"), ("MPT_LN_BWD", "split6"), ("MPT_LN_FINISH", "16")])
+                                        ("MPT_LN_BWD", "ring"), ("MPT_LN_BWD", "split6"), ("MPT_LN_FINISH", "16"),
+                                        ("MPT_LN_FWD", "r4")])
 def test_launch_switch_values_are_checked(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     x = torch.randn(4, 64, device="cuda", requires_grad=True)
@@ -177,12 +178,12 @@ LAUNCH_SETTINGS = [
     {"MPT_LN_PDL": "1"},
     {"MPT_LN_PDL": "0"},  # the default is 1 since run 5: keep the plain launches covered
     {"MPT_LN_PDL": "1", "MPT_LN_BWD": "b512"},
-    # run 7: R rows per warp in the forward (warp-per-row shapes; the others run R = 1),
-    # and the previous 32-column finish kernel (the default is 8 columns since run 7).
-    {"MPT_LN_FWD": "r2"},
-    {"MPT_LN_FWD": "r4"},
+    # run 7: one row per warp in the forward (the default takes 2 at warp-per-row shapes),
+    # and both finish tiles forced (the default picks 8 or 32 columns by width).
+    {"MPT_LN_FWD": "r1"},
+    {"MPT_LN_FINISH": "8"},
     {"MPT_LN_FINISH": "32"},
-    {"MPT_LN_FINISH": "32", "MPT_LN_BWD": "b512"},
+    {"MPT_LN_FINISH": "8", "MPT_LN_BWD": "b512"},
 ]
 
 
@@ -244,7 +245,7 @@ def test_empty_input():
 
 # b256 / b512: no longer the default at 768 / 1024 since run 6, so named here.
 DETERMINISM_SETTINGS = [{}, {"MPT_LN_BWD": "coop"}, {"MPT_LN_BWD": "split4"}, {"MPT_LN_BWD": "b256"},
-                        {"MPT_LN_BWD": "b512"}, {"MPT_LN_FINISH": "32"}, {"MPT_LN_FWD": "r2"}, {"MPT_LN_FWD": "r4"}]
+                        {"MPT_LN_BWD": "b512"}, {"MPT_LN_FINISH": "32"}, {"MPT_LN_FINISH": "8"}, {"MPT_LN_FWD": "r1"}]
 
 
 @pytest.mark.parametrize("env", DETERMINISM_SETTINGS, ids=lambda e: _settings_id(e) or "default")
