@@ -1,5 +1,6 @@
 // Fused LSTM cell: all pointwise gate math of one time step in one kernel forward
-// and one kernel backward; the gate GEMMs stay in cuBLAS (at::mm / addmm_).
+// and one kernel backward; the gate GEMMs stay in cuBLAS (called directly for 16-bit
+// tensors, cublas_gemm.cuh: at::mm's cuBLAS call without its host work).
 //
 // Why fused: unfused, one LSTM step is ~15 elementwise kernels (bias adds, four
 // activations, the cell update, tanh, products) each re-reading the (B, 4H) gates.
@@ -22,6 +23,7 @@
 //
 // Gate order is torch's (i, f, g, o), so weights are nn.LSTMCell / nn.LSTM compatible.
 // Math is fp32; storage fp32/fp16/bf16 (all tensors of one call share the dtype).
+#include "cublas_gemm.cuh"
 #include "type_shim.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -394,8 +396,9 @@ std::vector<at::Tensor> lstm_cell_forward(const at::Tensor& x, const at::Tensor&
   check_weights(x, w_ih, w_hh, H, op);
   check_like(h, "h", x, {x.size(0), H}, op);
   const c10::cuda::CUDAGuard guard(x.device());
-  auto gates = at::mm(x, w_ih.t());
-  gates.addmm_(h, w_hh.t());
+  const bool direct = mpt::blas::direct_ok(x.scalar_type());
+  auto gates = mpt::blas::mm_new(x, false, w_ih, true, direct, op);  // x W_ih^T
+  mpt::blas::mm_rm(gates, h, false, w_hh, true, 1.f, direct, op);     // += h W_hh^T (beta = 1)
   return pointwise_forward(gates, std::nullopt, c, b_ih, b_hh, /*ws_in_place=*/true, op);
 }
 
@@ -405,21 +408,37 @@ std::vector<at::Tensor> lstm_cell_backward(const std::optional<at::Tensor>& dh,
                                            const at::Tensor& h, const at::Tensor& c, const at::Tensor& w_ih,
                                            const at::Tensor& w_hh, const at::Tensor& ws,
                                            const at::Tensor& c_new, const std::vector<bool>& need) {
-  TORCH_CHECK(need.size() == 6, "lstm_cell_backward: 'need' must have 6 flags (x, h, c, w_ih, w_hh, bias)");
+  const char* op = "lstm_cell_backward";
+  TORCH_CHECK(need.size() == 6, op, ": 'need' must have 6 flags (x, h, c, w_ih, w_hh, bias)");
   const at::AutoDispatchBelowADInplaceOrView no_autograd;  // internal tensors: skip autograd dispatch
   const c10::cuda::CUDAGuard guard(ws.device());
-  auto r = pointwise_backward(dh, std::nullopt, dc, c, c_new, ws, need[2], "lstm_cell_backward");
+  auto r = pointwise_backward(dh, std::nullopt, dc, c, c_new, ws, need[2], op);
   const at::Tensor& dg = r[0];
+  const bool direct = mpt::blas::direct_ok(ws.scalar_type());
   at::Tensor dx, dh_prev, dw_ih, dw_hh, db;
-  if (need[0]) dx = at::mm(dg, w_ih);
-  if (need[1]) dh_prev = at::mm(dg, w_hh);
-  if (need[3] || need[4]) {
-    const auto dg_t = dg.t();  // one view for both weight GEMMs
-    if (need[3]) dw_ih = at::mm(dg_t, x);
-    if (need[4]) dw_hh = at::mm(dg_t, h);
-  }
+  if (need[0]) dx = mpt::blas::mm_new(dg, false, w_ih, false, direct, op);     // dg W_ih
+  if (need[1]) dh_prev = mpt::blas::mm_new(dg, false, w_hh, false, direct, op);  // dg W_hh
+  if (need[3]) dw_ih = mpt::blas::mm_new(dg, true, x, false, direct, op);      // dg^T x
+  if (need[4]) dw_hh = mpt::blas::mm_new(dg, true, h, false, direct, op);      // dg^T h
   if (need[5]) db = dg.sum(0);
   return {dx, dh_prev, r[1], dw_ih, dw_hh, db};
+}
+
+// Test hook: out (M, N) = op(a) op(b) + beta * out with the helper the LSTM GEMMs use
+// (direct cuBLAS for fp16/bf16 when torch's settings allow, else ATen), on any 2-D
+// tensors with unit stride on the last dim (strided views included). Returns whether
+// cuBLAS was called directly, so a test can check which path ran.
+bool lstm_gemm_rm(at::Tensor out, const at::Tensor& a, bool trans_a, const at::Tensor& b, bool trans_b,
+                  double beta) {
+  const char* op = "lstm_gemm_rm";
+  const at::AutoDispatchBelowADInplaceOrView no_autograd;
+  MPT_CHECK_CUDA(out, op);
+  TORCH_CHECK(out.dim() == 2 && a.dim() == 2 && b.dim() == 2, op, ": out, a and b must be 2-D");
+  check_like(a, "a", out, a.sizes(), op);
+  check_like(b, "b", out, b.sizes(), op);
+  const c10::cuda::CUDAGuard guard(out.device());
+  return mpt::blas::mm_rm(out, a, trans_a, b, trans_b, static_cast<float>(beta),
+                          mpt::blas::direct_ok(out.scalar_type()), op);
 }
 
 // ---------------------------------------------------------------- a whole layer
@@ -454,15 +473,24 @@ std::vector<at::Tensor> lstm_layer_forward(const at::Tensor& x, const at::Tensor
   if (B * H == 0) return {out, c_all, at::empty({T, B, 4 * H}, opts)};
   // The input projections of all steps; step t's kernel overwrites its slice with the
   // activated gates, so this buffer is also the workspace (no second (T, B, 4H) buffer).
-  auto xg = at::mm(x.reshape({T * B, I}), w_ih.t()).view({T, B, 4 * H});
+  const bool direct = mpt::blas::direct_ok(x.scalar_type());
+  auto xg = mpt::blas::mm_new(x.reshape({T * B, I}), false, w_ih, true, direct, op).view({T, B, 4 * H});
   const auto& ws = xg;
+  // Per step xg[t] += h_{t-1} W_hh^T: straight cuBLAS on raw pointers (no Tensor per step)
+  // when it may, else ATen's addmm_ on slices.
+  const int64_t ld_h0 = mpt::blas::row_ld(h0), ld_whh = mpt::blas::row_ld(w_hh);
+  const bool direct_step = direct && ld_h0 > 0 && ld_whh > 0 && std::max({B, 4 * H, ld_h0, ld_whh}) <= INT_MAX;
   const auto w_hh_t = w_hh.t();
   auto stream = at::cuda::getCurrentCUDAStream();
   for (int64_t t = 0; t < T; ++t) {
-    at::Tensor gates = xg[t];
-    const at::Tensor h_prev = t == 0 ? h0 : out[t - 1];
-    gates.addmm_(h_prev, w_hh_t);
-    FwdPtrs p{gates.data_ptr(), nullptr, opt_ptr(b_ih), opt_ptr(b_hh),
+    void* gates = step_ptr(xg, t);
+    if (direct_step) {
+      mpt::blas::gemm_rm(false, true, B, 4 * H, H, 1.f, t == 0 ? h0.data_ptr() : step_ptr(out, t - 1),
+                         t == 0 ? ld_h0 : H, w_hh.data_ptr(), ld_whh, 1.f, gates, 4 * H, x.scalar_type(), op);
+    } else {
+      xg[t].addmm_(t == 0 ? h0 : out[t - 1], w_hh_t);
+    }
+    FwdPtrs p{gates, nullptr, opt_ptr(b_ih), opt_ptr(b_hh),
               t == 0 ? c0.data_ptr() : step_ptr(c_all, t - 1), 4 * H, 0,
               step_ptr(out, t), step_ptr(c_all, t), step_ptr(ws, t)};
     MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), op, scalar_t, launch_fwd<scalar_t>(p, B, H, stream));
@@ -505,6 +533,10 @@ std::vector<at::Tensor> lstm_layer_backward(const std::optional<at::Tensor>& d_o
   // dc is updated in place step by step; start from dc_n (copied: it is the caller's).
   at::Tensor dc_rec = has(dc_n) ? dc_n->clone() : at::empty({B, H}, opts);
   bool dc_live = has(dc_n), dh_live = false;
+  const bool direct = mpt::blas::direct_ok(x.scalar_type());
+  // Per step dh_{t-1} = dg_t W_hh: straight cuBLAS on raw pointers when it may.
+  const int64_t ld_whh = mpt::blas::row_ld(w_hh);
+  const bool direct_step = direct && ld_whh > 0 && std::max({B, 4 * H, ld_whh}) <= INT_MAX;
   auto stream = at::cuda::getCurrentCUDAStream();
   for (int64_t t = T - 1; t >= 0; --t) {
     BwdPtrs p{has(d_out) ? step_ptr(*d_out, t) : nullptr,
@@ -515,20 +547,24 @@ std::vector<at::Tensor> lstm_layer_backward(const std::optional<at::Tensor>& d_o
     if (B * H > 0)
       MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), op, scalar_t, launch_bwd<scalar_t>(p, B, H, stream));
     dc_live = true;
-    if (t > 0 || need[1]) {
-      at::mm_out(dh_rec, dg[t], w_hh);
-      dh_live = true;
+    if ((t > 0 || need[1]) && B * H > 0) {
+      if (direct_step)
+        mpt::blas::gemm_rm(false, false, B, H, 4 * H, 1.f, step_ptr(dg, t), 4 * H, w_hh.data_ptr(), ld_whh, 0.f,
+                           dh_rec.data_ptr(), H, x.scalar_type(), op);
+      else
+        at::mm_out(dh_rec, dg[t], w_hh);
     }
+    if (t > 0 || need[1]) dh_live = true;
   }
   const auto dg2 = dg.view({T * B, 4 * H});
   at::Tensor dx, dw_ih, dw_hh, db;
-  if (need[0]) dx = at::mm(dg2, w_ih).view({T, B, I});
-  if (need[3]) dw_ih = at::mm(dg2.t(), x.reshape({T * B, I}));
+  if (need[0]) dx = mpt::blas::mm_new(dg2, false, w_ih, false, direct, op).view({T, B, I});
+  if (need[3]) dw_ih = mpt::blas::mm_new(dg2, true, x.reshape({T * B, I}), false, direct, op);
   if (need[4]) {
-    dw_hh = at::mm(dg[0].t(), h0);
+    dw_hh = mpt::blas::mm_new(dg[0], true, h0, false, direct, op);  // the h0 term
     if (T > 1)
-      dw_hh.addmm_(dg.narrow(0, 1, T - 1).reshape({(T - 1) * B, 4 * H}).t(),
-                   out.narrow(0, 0, T - 1).reshape({(T - 1) * B, H}));
+      mpt::blas::mm_rm(dw_hh, dg.narrow(0, 1, T - 1).reshape({(T - 1) * B, 4 * H}), true,
+                       out.narrow(0, 0, T - 1).reshape({(T - 1) * B, H}), false, 1.f, direct, op);
   }
   if (need[5]) db = dg2.sum(0);
   return {dx, need[1] ? dh_rec : at::Tensor(), need[2] ? dc_rec : at::Tensor(), dw_ih, dw_hh, db};

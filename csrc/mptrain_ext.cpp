@@ -85,6 +85,9 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_autograd(const at::Tensor& x, const
                                                       const at::Tensor& w_hh,
                                                       const std::optional<at::Tensor>& b_ih,
                                                       const std::optional<at::Tensor>& b_hh);
+// lstm_cell.cu: test hook for the direct-cuBLAS GEMM helper (cublas_gemm.cuh).
+bool lstm_gemm_rm(at::Tensor out, const at::Tensor& a, bool trans_a, const at::Tensor& b, bool trans_b,
+                  double beta);
 // [end section: lstm]
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -126,5 +129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "LSTM layer backward -> [dx, dh0, dc0, dw_ih, dw_hh, dbias] (undefined where not needed)");
   m.def("lstm_cell_autograd", &lstm_cell_autograd,
         "LSTM step with a C++ autograd node: (x, h, c, w_ih, w_hh, b_ih?, b_hh?) -> (h', c')");
+  m.def("lstm_gemm_rm", &lstm_gemm_rm,
+        "test hook: out = op(a) op(b) + beta * out as the LSTM GEMMs do it -> True if cuBLAS was called directly");
   // [end defs: lstm]
 }

@@ -24,7 +24,7 @@ Flags: ``-O3``; the C++ standard is left to torch (C++17 before torch 2.10, C++2
 after, as its headers require). No ``--use_fast_math``: it would make division and
 sqrt approximate and flush denormals to zero in every kernel, which changes the
 optimizers' m/v for tiny gradients; kernels that want fast exp use ``__expf``
-explicitly.
+explicitly. The extension links torch's own libcublas (see :func:`cublas_ldflags`).
 
 A failed build raises :class:`ExtensionBuildError` naming the failing source file,
 the log (the full compiler output, ``build.log`` in the build directory) and the
@@ -257,6 +257,37 @@ def _flags() -> tuple[list[str], list[str]]:
     return cflags, cuda
 
 
+def _loaded_cublas() -> Optional[Path]:
+    """The libcublas.so.<major> this process has mapped (torch's CUDA library loads it), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if re.fullmatch(r"libcublas\.so\.\d+(\.\d+)*", Path(path).name):
+                    return Path(path)
+    except OSError:
+        pass
+    return None
+
+
+def cublas_ldflags(cuda_home: Optional[Path]) -> list[str]:
+    """Link flags for cuBLAS (the LSTM GEMMs call it directly on torch's handle).
+
+    Links the very libcublas.so.<major> torch has loaded, by file name, so the extension's
+    NEEDED entry is that soname and the loader reuses torch's copy (one cuBLAS in the
+    process, torch's handle valid for our calls). Else the toolkit's libcublas.so.
+    Empty when neither exists (build() then stops with the fix).
+    """
+    lib = _loaded_cublas()
+    if lib is not None:
+        return [f"-L{lib.parent}", f"-l:{lib.name}"]
+    if cuda_home is not None:
+        for sub in ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"):
+            if (cuda_home / sub / "libcublas.so").exists():
+                return [f"-L{cuda_home / sub}", "-lcublas"]
+    return []
+
+
 def build_root() -> Path:
     return Path(os.environ.get("MPTRAIN_BUILD_DIR") or Path.home() / ".cache" / "mptrain")
 
@@ -341,7 +372,8 @@ def _all_flags(cuda_home: Optional[Path]) -> tuple[list[str], list[str]]:
 def build_dir_for(csrc: Path, root: Optional[Path] = None, cuda_home: Optional[Path] = None) -> Path:
     """Where build() compiles ``csrc``: ``<root>/ext-<hash of sources, flags, versions>``."""
     cflags, cuda_flags = _all_flags(cuda_home)
-    return Path(root or build_root()) / f"ext-{build_hash(csrc, cflags + cuda_flags, cuda_home)}"
+    flags = cflags + cuda_flags + cublas_ldflags(cuda_home)
+    return Path(root or build_root()) / f"ext-{build_hash(csrc, flags, cuda_home)}"
 
 
 def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: bool = False):
@@ -361,6 +393,11 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
     if importlib.util.find_spec("ninja") is None and shutil.which("ninja") is None:
         raise ExtensionBuildError("ninja is not installed", fix="pip install ninja")
     cflags, cuda_flags = _all_flags(cuda_home)
+    ldflags = cublas_ldflags(cuda_home) if has_cuda else []
+    if has_cuda and not ldflags:
+        raise ExtensionBuildError(
+            f"libcublas not found: torch has not loaded one and {cuda_home} has no lib64/libcublas.so",
+            fix="install torch's CUDA wheels (nvidia-cublas) or a CUDA toolkit with cuBLAS, and set CUDA_HOME to it")
     if cuda_home is not None:
         # cpp_extension reads CUDA_HOME when it is imported (and trusts a stale one): set ours.
         os.environ["CUDA_HOME"] = str(cuda_home)
@@ -380,7 +417,7 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
         try:
             module = cpp_extension.load(
                 name=EXT_NAME, sources=[str(s) for s in srcs], extra_cflags=cflags, extra_cuda_cflags=cuda_flags,
-                extra_include_paths=[str(csrc)], build_directory=str(build_dir), verbose=verbose,
+                extra_ldflags=ldflags, extra_include_paths=[str(csrc)], build_directory=str(build_dir), verbose=verbose,
                 with_cuda=has_cuda)
         except ImportError as e:
             raise _load_error(e, build_dir) from None

@@ -327,3 +327,228 @@ def test_fused_lstm_bf16_weights_are_flat_for_cudnn(ext):
     out_r, (h_r, c_r) = ref(x)
     for o, r in ((out_o, out_r), (h_o, h_r), (c_o, c_r)):
         assert rel_err(o, r) < norm_tol(torch.bfloat16)
+
+
+# ---------------------------------------------------------------- direct cuBLAS (run 7)
+# For fp16/bf16 the LSTM GEMMs call cublasGemmEx directly (csrc/cublas_gemm.cuh) with the
+# arguments at::mm would pass: same handle, operands, op flags, m/n/k, leading
+# dimensions, compute type, algo and math mode. cuBLAS is deterministic for identical
+# arguments on one GPU, so the results are expected to be BITWISE equal to torch.mm /
+# addmm_ whenever every GEMM dimension is >= 2. With a size-1 dimension torch may read a
+# degenerate operand in the other orientation (a different, equally valid call): there
+# we only ask for about one rounding of the storage dtype.
+
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=[False, True], ids=["no_reduced_reduction", "reduced_reduction"])
+def reduced_reduction(request):
+    """Both settings of allow_{fp16,bf16}_reduced_precision_reduction, restored after."""
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
+    m.allow_fp16_reduced_precision_reduction = request.param
+    m.allow_bf16_reduced_precision_reduction = request.param
+    yield request.param
+    m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = saved
+
+
+def assert_same(got, want, exact, name=""):
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    if exact:
+        assert torch.equal(got, want), (name, (got.double() - want.double()).abs().max().item())
+    else:
+        rtol, atol = SAME_INPUT_TOL[got.dtype]
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=name)
+
+
+def _padded(rows, cols, pad, dtype):
+    """A (rows, cols) view with row stride cols + pad (pad 0: contiguous)."""
+    return randn(rows, cols + pad, dtype=dtype)[:, :cols]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("M,N,K", [(5, 7, 3), (64, 96, 48), (33, 40, 17), (1, 40, 24), (33, 1, 17), (13, 21, 1)])
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("pad", [0, 5])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_gemm_rm_is_torch_mm_bitwise(ext, reduced_reduction, dtype, M, N, K, trans_a, trans_b, pad, beta):
+    """The row-major helper on M != N != K, both transposes, strided operands and output:
+    == torch.mm / addmm_ on the same views, nothing written outside the output view, and
+    close to float64."""
+    torch.manual_seed(M * 100 + N * 10 + K)
+    a = _padded(K, M, pad, dtype) if trans_a else _padded(M, K, pad, dtype)
+    b = _padded(N, K, pad + 2, dtype) if trans_b else _padded(K, N, pad + 2, dtype)
+    big = randn(M, N + pad + 3, dtype=dtype)
+    big_ref = big.clone()
+    out, out_ref = big[:, :N], big_ref[:, :N]
+    c0 = out.double()
+    A, B = (a.t() if trans_a else a), (b.t() if trans_b else b)
+    assert ext.lstm_gemm_rm(out, a, trans_a, b, trans_b, beta) is True, "the direct cuBLAS path did not run"
+    if beta == 0.0:
+        torch.mm(A, B, out=out_ref)
+    else:
+        out_ref.addmm_(A, B)
+    assert_same(big[:, N:], big_ref[:, N:], True, "padding was written")
+    assert_same(out, out_ref, exact=min(M, N, K) >= 2, name="vs torch.mm")
+    want = A.double() @ B.double() + beta * c0
+    err = (out.double() - want).abs().max().item()
+    assert err <= 4 * SAME_INPUT_TOL[dtype][0] * max(1.0, want.abs().max().item()), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_gemm_rm_fp32_and_deterministic_mode_use_aten(ext, dtype):
+    """fp32 (TF32 policy is torch's) and deterministic mode keep the ATen call."""
+    a, b, out = randn(6, 5, dtype=dtype), randn(5, 7, dtype=dtype), torch.empty(6, 7, device="cuda", dtype=dtype)
+    assert ext.lstm_gemm_rm(out, a, False, b, False, 0.0) is False
+    torch.testing.assert_close(out, a @ b)
+    h = randn(6, 5, dtype=torch.bfloat16)
+    hb, hout = randn(5, 7, dtype=torch.bfloat16), torch.empty(6, 7, device="cuda", dtype=torch.bfloat16)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert ext.lstm_gemm_rm(hout, h, False, hb, False, 0.0) is False
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(hout, h @ hb)
+
+
+def _cell_with_torch_gemms(ext, x, h, c, w_ih, w_hh, b_ih, b_hh, dh, dc):
+    """The cell's math with torch.mm / addmm_ for the GEMMs and our pointwise kernels."""
+    gates = torch.mm(x, w_ih.t())
+    gates.addmm_(h, w_hh.t())
+    h1, c1, ws = ext.lstm_cell_pointwise_forward(gates, None, c, b_ih, b_hh)
+    dg, dc0 = ext.lstm_cell_pointwise_backward(dh, None, dc, c, c1, ws)
+    return [h1, c1, ws], [torch.mm(dg, w_ih), torch.mm(dg, w_hh), dc0, torch.mm(dg.t(), x), torch.mm(dg.t(), h),
+                          dg.sum(0)]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("B,I,H", [(7, 40, 24), (1, 16, 8), (33, 64, 128), (4, 24, 1023)])
+def test_cell_direct_cublas_is_torch_gemms_bitwise(ext, reduced_reduction, dtype, B, I, H):
+    exact = _cell_inputs(B, I, H, dtype)
+    x, h, c, w_ih, w_hh, b_ih, b_hh = [t.to(dtype) for t in exact]
+    dh, dc = randn(B, H, dtype=dtype), randn(B, H, dtype=dtype)
+    fwd = ext.lstm_cell_forward(x, h, c, w_ih, w_hh, b_ih, b_hh)
+    bwd = ext.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, fwd[2], fwd[1], [True] * 6)
+    fwd_t, bwd_t = _cell_with_torch_gemms(ext, x, h, c, w_ih, w_hh, b_ih, b_hh, dh, dc)
+    same = B >= 2  # see the section comment
+    for name, got, want in zip(["h'", "c'", "ws", "dx", "dh", "dc", "dw_ih", "dw_hh", "db"], fwd + bwd, fwd_t + bwd_t):
+        assert_same(got, want, same, name)
+    # Through the C++ autograd node: the same calls, so the same bits.
+    leaves = [t.clone().requires_grad_() for t in (x, h, c, w_ih, w_hh, b_ih, b_hh)]
+    out = lstm_ops.lstm_cell(*leaves, fused=True)
+    grads = torch.autograd.grad(out, leaves, (dh, dc))
+    for name, got, want in zip(["h'", "c'", "dx", "dh", "dc", "dw_ih", "dw_hh", "db_ih", "db_hh"],
+                               list(out) + list(grads), fwd[:2] + bwd + bwd[-1:]):
+        assert torch.equal(got, want), name
+    # And the math: float64 autograd of the reference.
+    f64 = [t.double().requires_grad_() for t in (x, h, c, w_ih, w_hh, b_ih, b_hh)]
+    out_x = reference.lstm_cell(*f64)
+    g_x = torch.autograd.grad(out_x, f64, (dh.double(), dc.double()))
+    for name, got, want in zip(["h'", "c'", "dx", "dh", "dc", "dw_ih", "dw_hh", "db_ih"], list(out) + list(grads),
+                               list(out_x) + list(g_x)):
+        assert rel_err(got, want) < 2 * norm_tol(dtype), (name, rel_err(got, want))
+
+
+def _layer_with_torch_gemms(ext, x, h0, c0, w_ih, w_hh, b_ih, b_hh, d_out, dc_n):
+    """lstm_layer_forward/backward's loop with torch.mm / addmm_ GEMMs, our pointwise kernels."""
+    T, B, I = x.shape
+    H = h0.shape[1]
+    xg = torch.mm(x.reshape(T * B, I), w_ih.t()).view(T, B, 4 * H)
+    outs, cs, wss = [], [], []
+    h, c = h0, c0
+    for t in range(T):
+        g = xg[t]
+        g.addmm_(h, w_hh.t())
+        h, c, ws = ext.lstm_cell_pointwise_forward(g, None, c, b_ih, b_hh)
+        outs.append(h), cs.append(c), wss.append(ws)
+    out, c_all, ws = torch.stack(outs), torch.stack(cs), torch.stack(wss)
+    dg, dh_rec, dc = torch.empty_like(ws), None, dc_n
+    for t in reversed(range(T)):
+        dg[t], dc = ext.lstm_cell_pointwise_backward(d_out[t], dh_rec, dc, c0 if t == 0 else c_all[t - 1], c_all[t],
+                                                     ws[t])
+        dh_rec = torch.mm(dg[t], w_hh)
+    dg2 = dg.view(T * B, 4 * H)
+    dw_hh = torch.mm(dg[0].t(), h0)
+    if T > 1:
+        dw_hh.addmm_(dg[1:].reshape(-1, 4 * H).t(), out[:-1].reshape(-1, H))
+    grads = [torch.mm(dg2, w_ih).view(T, B, I), dh_rec, dc, torch.mm(dg2.t(), x.reshape(T * B, I)), dw_hh,
+             dg2.sum(0)]
+    return [out, c_all, ws], grads
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("T,B,I,H", [(5, 3, 12, 16), (4, 1, 24, 8), (6, 7, 40, 64)])
+def test_layer_direct_cublas_is_torch_gemms_bitwise(ext, reduced_reduction, dtype, T, B, I, H):
+    exact = _cell_inputs(B, I, H, dtype, seed=T)
+    _, h0, c0, w_ih, w_hh, b_ih, b_hh = [t.to(dtype) for t in exact]
+    x = randn(T, B, I, dtype=dtype)
+    d_out, dc_n = randn(T, B, H, dtype=dtype), randn(B, H, dtype=dtype)
+    fwd = ext.lstm_layer_forward(x, h0, c0, w_ih, w_hh, b_ih, b_hh)
+    fwd = [t.clone() for t in fwd]  # the backward reads ws; keep the forward results apart
+    bwd = ext.lstm_layer_backward(d_out, dc_n, x, h0, c0, fwd[0], fwd[1], fwd[2], w_ih, w_hh, [True] * 6)
+    fwd_t, bwd_t = _layer_with_torch_gemms(ext, x, h0, c0, w_ih, w_hh, b_ih, b_hh, d_out, dc_n)
+    same = B >= 2
+    for name, got, want in zip(["out", "c_all", "ws", "dx", "dh0", "dc0", "dw_ih", "dw_hh", "db"], fwd + bwd,
+                               fwd_t + bwd_t):
+        assert_same(got, want, same, name)
+    # The math, through the autograd Function, against float64.
+    leaves = [t.clone().requires_grad_() for t in (x, h0, c0, w_ih, w_hh, b_ih, b_hh)]
+    out_o, _, c_o = lstm_ops.lstm_layer(*leaves, fused=True)
+    g_o = torch.autograd.grad((out_o, c_o), leaves, (d_out, dc_n))
+    f64 = [t.double().requires_grad_() for t in (x, h0, c0, w_ih, w_hh, b_ih, b_hh)]
+    out_x, _, c_x = lstm_ops.lstm_layer(*f64)
+    g_x = torch.autograd.grad((out_x, c_x), f64, (d_out.double(), dc_n.double()))
+    tol = 6 * norm_tol(dtype)
+    for name, got, want in zip(["out", "c_n", "dx", "dh0", "dc0", "dw_ih", "dw_hh", "db_ih", "db_hh"],
+                               [out_o, c_o, *g_o], [out_x, c_x, *g_x]):
+        assert rel_err(got, want) < tol, (name, rel_err(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cell_gemms_skip_aten_only_for_16bit(ext, dtype):
+    """The point of run 7: a 16-bit cell fwd + bwd makes no aten::mm / addmm_ call
+    (cuBLAS directly); fp32 still does (TF32 policy stays torch's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, h, c, w_ih, w_hh, b_ih, b_hh = [t.to(dtype).requires_grad_() for t in _cell_inputs(8, 16, 32, dtype)]
+    lstm_ops.lstm_cell(x, h, c, w_ih, w_hh, b_ih, b_hh, fused=True)  # load / warm up outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = lstm_ops.lstm_cell(x, h, c, w_ih, w_hh, b_ih, b_hh, fused=True)
+        torch.autograd.grad(out, (x, h, c, w_ih, w_hh, b_ih, b_hh), [torch.ones_like(t) for t in out])
+    names = {e.name for e in prof.events()}
+    gemm_ops = names & {"aten::mm", "aten::addmm_", "aten::addmm", "aten::matmul"}
+    if dtype == torch.float32:
+        assert gemm_ops, sorted(names)
+    else:
+        assert not gemm_ops, sorted(gemm_ops)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_cell_and_layer_fwd_bwd_cuda_graph_direct_cublas(ext, dtype):
+    """16-bit cell step (module fast path) and layer, fwd + autograd.grad captured in a
+    CUDA graph: the direct cuBLAS calls land on the capture stream with torch's workspace,
+    and replays on new inputs give the eager results."""
+    torch.manual_seed(0)
+    B, I, H, T = 6, 24, 32, 5
+    cell = FusedLSTMCell(I, H, device="cuda", dtype=dtype, fused=True)
+    params = list(cell.parameters())
+    xhc = [randn(B, n, dtype=dtype).requires_grad_() for n in (I, H, H)]
+    xs = randn(T, B, I, dtype=dtype).requires_grad_()
+    cot = [randn(B, H, dtype=dtype) for _ in range(2)]
+    cot_seq = randn(T, B, H, dtype=dtype)
+
+    def step():
+        out = cell(xhc[0], (xhc[1], xhc[2]))
+        r = list(out) + list(torch.autograd.grad(out, xhc + params, cot))
+        seq, _, c_n = lstm_ops.lstm_layer(xs, xhc[1], xhc[2], *params, fused=True)
+        return r + [seq, c_n] + list(torch.autograd.grad((seq, c_n), [xs, xhc[1]] + params, (cot_seq, cot[1])))
+
+    g, captured = capture_graph(step)
+    with torch.no_grad():
+        for t in xhc + [xs]:
+            t.copy_(torch.randn_like(t))
+    g.replay()
+    torch.cuda.synchronize()
+    for i, (got, want) in enumerate(zip(captured, step())):
+        rtol, atol = SAME_INPUT_TOL[dtype]
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=f"output {i}")
