@@ -25,12 +25,10 @@ mptrain.bench.graph_timing) and replay it: GPU work and launch gaps only, no hos
 """
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
-from mptrain.bench.common import Result, Rotating, floor_ms, median_ms, sets_for
+from mptrain.bench.common import Result, Rotating, floor_ms, host_us, median_ms, sets_for
 from mptrain.bench.graph_timing import step_ms
 from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
 
@@ -90,26 +88,15 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
 
 
 def _host_us(step, cell, rot, calls: int = 200) -> dict:
-    """Host wall time per call (perf_counter over `calls` calls, one sync at the end):
-    the forward alone (module call, graph built then dropped) and forward + autograd.grad.
-    Where the eager number is host-bound this says which half the host time is in."""
-
-    def per_call(fn):
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        return round(1e6 * (t1 - t0) / calls, 1)
+    """Host time per call (common.host_us): the forward alone (module call, graph built then
+    dropped) and forward + autograd.grad. Where the eager number is host-bound this says
+    which half the host time is in."""
 
     def fwd():
         x, h, c = rot.next()
         return cell(x, (h, c))
 
-    return {"fwd": per_call(fwd), "fwd+bwd": per_call(lambda: step(rot.next()))}
+    return {"fwd": round(host_us(fwd, calls), 1), "fwd+bwd": round(host_us(lambda: step(rot.next()), calls), 1)}
 
 
 def _graph_rows(name, steps, sets, rep_ms, floor, extra, eager, min_steps=4):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
@@ -39,6 +40,21 @@ def median_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def host_us(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> float:
+    """Host time per call in microseconds: perf_counter over ``calls`` back-to-back calls,
+    synchronized before (and after, outside the timed span).  For a host-bound call this
+    is its cost in a loop, which GPU events around each call can under-count."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e6 * (t1 - t0) / calls
 
 
 class Rotating:

@@ -3,28 +3,18 @@
 Prints host microseconds per call (perf_counter over N calls, one sync at the end) for
 building blocks, ours and nn.LSTMCell, then a torch.profiler CPU table of each."""
 import sys
-import time
+from functools import partial
 
 import torch
 from torch import nn
 
+from mptrain.bench.common import host_us as _host_us
 from mptrain.nn.lstm import FusedLSTMCell
 
 B, H = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (256, 1024)
 BF16 = torch.bfloat16
 dev = "cuda"
-
-
-def host_us(fn, n=300):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return 1e6 * (t1 - t0) / n
+host_us = partial(_host_us, calls=300, warmup=30)
 
 
 torch.manual_seed(0)
