@@ -57,6 +57,21 @@ def host_us(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> flo
     return 1e6 * (t1 - t0) / calls
 
 
+def loop_ms(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> float:
+    """Wall time per call in milliseconds over ``calls`` back-to-back calls, from a synchronized
+    start to a synchronized end: what a loop of these calls costs, whichever of host or GPU
+    is the slower side.  The measure for host-bound eager calls, where CUDA events around
+    each call (median_ms) miss the host time spent before a call's first launch."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / calls
+
+
 class Rotating:
     """Cycle through ``n`` input sets so consecutive calls do not hit in L2.
 
