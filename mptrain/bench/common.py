@@ -42,34 +42,34 @@ def median_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
     return statistics.median(times)
 
 
-def host_us(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> float:
-    """Host time per call in microseconds: perf_counter over ``calls`` back-to-back calls,
-    synchronized before (and after, outside the timed span).  For a host-bound call this
-    is its cost in a loop, which GPU events around each call can under-count."""
+def _loop_seconds(fn: Callable[[], object], calls: int, warmup: int, until_gpu_done: bool) -> float:
+    """Seconds per call over ``calls`` back-to-back calls after a synchronize; the timed span
+    ends when the host has issued the last call, or (until_gpu_done) when the GPU is done."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
+    if until_gpu_done:
+        torch.cuda.synchronize()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
-    return 1e6 * (t1 - t0) / calls
+    return (t1 - t0) / calls
+
+
+def host_us(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> float:
+    """Host time per call in microseconds: what the host spends issuing one call in a loop
+    (the GPU may still be working when the span ends)."""
+    return 1e6 * _loop_seconds(fn, calls, warmup, until_gpu_done=False)
 
 
 def loop_ms(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> float:
-    """Wall time per call in milliseconds over ``calls`` back-to-back calls, from a synchronized
-    start to a synchronized end: what a loop of these calls costs, whichever of host or GPU
-    is the slower side.  The measure for host-bound eager calls, where CUDA events around
-    each call (median_ms) miss the host time spent before a call's first launch."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - t0) / calls
+    """Wall time per call in milliseconds of a loop from a synchronized start to a
+    synchronized end: what a loop of these calls costs, whichever of host or GPU is the
+    slower side.  The measure for host-bound eager calls, where CUDA events around each
+    call (median_ms) miss the host time spent before a call's first launch."""
+    return 1e3 * _loop_seconds(fn, calls, warmup, until_gpu_done=True)
 
 
 class Rotating:
