@@ -13,6 +13,7 @@
 // Host-only code; a .cu so that the extension build (mptrain_ext.cpp + csrc/*.cu) picks it up.
 #include "type_shim.h"
 
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <optional>
@@ -81,6 +82,7 @@ struct LSTMCellFn : public torch::autograd::Function<LSTMCellFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& h,
                                const at::Tensor& c, const at::Tensor& w_ih, const at::Tensor& w_hh,
                                const std::optional<at::Tensor>& b_ih, const std::optional<at::Tensor>& b_hh) {
+    RECORD_FUNCTION("mpt::lstm_cell_node::forward", std::vector<c10::IValue>());
     const at::Tensor cc = c.contiguous();  // the kernel reads c row-major (no copy if it already is)
     const at::Tensor bi = b_ih.value_or(at::Tensor()), bh = b_hh.value_or(at::Tensor());
     auto r = x.is_cuda() ? lstm_cell_forward(x, h, cc, w_ih, w_hh, opt(bi), opt(bh))
@@ -93,6 +95,8 @@ struct LSTMCellFn : public torch::autograd::Function<LSTMCellFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // The whole node (its self time: saved-variable unpacking and checks); see lstm_cell_forward.
+    RECORD_FUNCTION("mpt::lstm_cell_node::backward", std::vector<c10::IValue>());
     const auto s = ctx->get_saved_variables();
     const bool has_b_ih = ctx->saved_data["b_ih"].toBool(), has_b_hh = ctx->saved_data["b_hh"].toBool();
     const bool need_b_ih = has_b_ih && ctx->needs_input_grad(5);

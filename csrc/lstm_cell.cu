@@ -27,6 +27,7 @@
 #include "type_shim.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/record_function.h>
 
 #include <optional>
 #include <vector>
@@ -396,10 +397,19 @@ std::vector<at::Tensor> lstm_cell_forward(const at::Tensor& x, const at::Tensor&
   check_weights(x, w_ih, w_hh, H, op);
   check_like(h, "h", x, {x.size(0), H}, op);
   const c10::cuda::CUDAGuard guard(x.device());
-  const bool direct = mpt::blas::direct_ok(x.scalar_type());
-  auto gates = mpt::blas::mm_new(x, false, w_ih, true, direct, op);  // x W_ih^T
-  mpt::blas::mm_rm(gates, h, false, w_hh, true, 1.f, direct, op);     // += h W_hh^T (beta = 1)
-  return pointwise_forward(gates, std::nullopt, c, b_ih, b_hh, /*ws_in_place=*/true, op);
+  // Profiler scopes (a thread-local flag check when no profiler runs): the cell step is
+  // host-bound, and torch.profiler shows these parts only through them.
+  at::Tensor gates;
+  {
+    RECORD_FUNCTION("mpt::lstm_cell_forward::gemms", std::vector<c10::IValue>());
+    const bool direct = mpt::blas::direct_ok(x.scalar_type());
+    gates = mpt::blas::mm_new(x, false, w_ih, true, direct, op);  // x W_ih^T
+    mpt::blas::mm_rm(gates, h, false, w_hh, true, 1.f, direct, op);     // += h W_hh^T (beta = 1)
+  }
+  {  // (RECORD_FUNCTION declares a variable named `guard`: each scope in its own block)
+    RECORD_FUNCTION("mpt::lstm_cell_forward::pointwise", std::vector<c10::IValue>());
+    return pointwise_forward(gates, std::nullopt, c, b_ih, b_hh, /*ws_in_place=*/true, op);
+  }
 }
 
 // need = which of (x, h, c, w_ih, w_hh, bias) want a gradient; the rest come back undefined.
@@ -412,14 +422,21 @@ std::vector<at::Tensor> lstm_cell_backward(const std::optional<at::Tensor>& dh,
   TORCH_CHECK(need.size() == 6, op, ": 'need' must have 6 flags (x, h, c, w_ih, w_hh, bias)");
   const at::AutoDispatchBelowADInplaceOrView no_autograd;  // internal tensors: skip autograd dispatch
   const c10::cuda::CUDAGuard guard(ws.device());
-  auto r = pointwise_backward(dh, std::nullopt, dc, c, c_new, ws, need[2], op);
+  std::vector<at::Tensor> r;
+  {
+    RECORD_FUNCTION("mpt::lstm_cell_backward::pointwise", std::vector<c10::IValue>());
+    r = pointwise_backward(dh, std::nullopt, dc, c, c_new, ws, need[2], op);
+  }
   const at::Tensor& dg = r[0];
-  const bool direct = mpt::blas::direct_ok(ws.scalar_type());
   at::Tensor dx, dh_prev, dw_ih, dw_hh, db;
-  if (need[0]) dx = mpt::blas::mm_new(dg, false, w_ih, false, direct, op);     // dg W_ih
-  if (need[1]) dh_prev = mpt::blas::mm_new(dg, false, w_hh, false, direct, op);  // dg W_hh
-  if (need[3]) dw_ih = mpt::blas::mm_new(dg, true, x, false, direct, op);      // dg^T x
-  if (need[4]) dw_hh = mpt::blas::mm_new(dg, true, h, false, direct, op);      // dg^T h
+  {
+    RECORD_FUNCTION("mpt::lstm_cell_backward::gemms", std::vector<c10::IValue>());
+    const bool direct = mpt::blas::direct_ok(ws.scalar_type());
+    if (need[0]) dx = mpt::blas::mm_new(dg, false, w_ih, false, direct, op);     // dg W_ih
+    if (need[1]) dh_prev = mpt::blas::mm_new(dg, false, w_hh, false, direct, op);  // dg W_hh
+    if (need[3]) dw_ih = mpt::blas::mm_new(dg, true, x, false, direct, op);      // dg^T x
+    if (need[4]) dw_hh = mpt::blas::mm_new(dg, true, h, false, direct, op);      // dg^T h
+  }
   if (need[5]) db = dg.sum(0);
   return {dx, dh_prev, r[1], dw_ih, dw_hh, db};
 }
