@@ -60,19 +60,12 @@ FWD_ONLY_VARIANTS = [{}, {PDL_ENV: "0"}, {FWD_ENV: "r1"}]
 # The quick round: the default (split4 at rows of <= 1024 bf16) against run 5's table.
 SPLIT_VARIANTS = [{}, {BWD_ENV: "b256"}, {BWD_ENV: "b512"}]
 SPLIT_CASES = [(16384, 1024), (65536, 768)]
-BWD_ONLY_VARIANTS = [
-    {},
-    {BWD_ENV: "b256"},
-    {BWD_ENV: "b512"},
-    {BWD_ENV: "coop"},
-    {PDL_ENV: "0"},
-    {FIN_ENV: "8"},
-    {FIN_ENV: "32"},
-]
+# The backward-only rows: every fwd+bwd variant that touches the backward.
+BWD_ONLY_VARIANTS = [v for v in FULL_VARIANTS if FWD_ENV not in v]
 # run 7's quick round (MPT_BENCH_NORM=rows).
 ROWS_FWD_VARIANTS = [{}, {FWD_ENV: "r1"}]
 ROWS_BWD_VARIANTS = [{}, {FIN_ENV: "8"}, {FIN_ENV: "32"}]
-ROWS_VARIANTS = [{}, {FWD_ENV: "r1"}, {FIN_ENV: "8"}, {FIN_ENV: "32"}]
+ROWS_VARIANTS = ROWS_FWD_VARIANTS + ROWS_BWD_VARIANTS[1:]
 
 
 @contextlib.contextmanager

@@ -75,6 +75,18 @@ def compare(x, shape, w, b, rms, eps=1e-5, what=""):
         check(g, gr, g64, f"{what} {name}")
 
 
+def compare_one_and_many_rows(combo, hidden, seed, what):
+    """LayerNorm (weight and bias) and RMSNorm (weight) on 1 row and on 3001 rows."""
+    xdt, wdt = combo
+    torch.manual_seed(seed)
+    for rows in (1, 3001):
+        x = torch.randn(rows, hidden, device="cuda").to(xdt)
+        w = torch.randn(hidden, device="cuda").to(wdt)
+        b = torch.randn(hidden, device="cuda").to(wdt)
+        compare(x, (hidden,), w, b, False, what=f"{what} rows={rows} H={hidden}")
+        compare(x.detach(), (hidden,), w.detach(), None, True, what=f"{what} rms rows={rows} H={hidden}")
+
+
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("affine", ["wb", "w", "none"])
 @pytest.mark.parametrize("hidden", HIDDEN)
@@ -110,14 +122,7 @@ def test_backward_variants(monkeypatch, variant, combo, hidden):
     # benchmark times them all, so all must be right (many rows: several per block;
     # coop: the in-kernel dgamma/dbeta finish after the grid barrier).
     monkeypatch.setenv("MPT_LN_BWD", variant)
-    xdt, wdt = combo
-    torch.manual_seed(hidden)
-    for rows in (1, 3001):
-        x = torch.randn(rows, hidden, device="cuda").to(xdt)
-        w = torch.randn(hidden, device="cuda").to(wdt)
-        b = torch.randn(hidden, device="cuda").to(wdt)
-        compare(x, (hidden,), w, b, False, what=f"{variant} rows={rows} H={hidden}")
-        compare(x.detach(), (hidden,), w.detach(), None, True, what=f"{variant} rms rows={rows} H={hidden}")
+    compare_one_and_many_rows(combo, hidden, seed=hidden, what=variant)
 
 
 SPLIT = ["split4"]
@@ -205,14 +210,7 @@ def test_launch_variants(monkeypatch, env, combo, hidden):
     # hidden 1000: misaligned-width rows take the generic kernels under every setting;
     # 4096: beyond split4's 128 vectors, the backward takes auto's b512 table (PDL kept).
     _set_env(monkeypatch, env)
-    xdt, wdt = combo
-    torch.manual_seed(hidden + 1)
-    for rows in (1, 3001):
-        x = torch.randn(rows, hidden, device="cuda").to(xdt)
-        w = torch.randn(hidden, device="cuda").to(wdt)
-        b = torch.randn(hidden, device="cuda").to(wdt)
-        compare(x, (hidden,), w, b, False, what=f"{env} rows={rows} H={hidden}")
-        compare(x.detach(), (hidden,), w.detach(), None, True, what=f"{env} rms rows={rows} H={hidden}")
+    compare_one_and_many_rows(combo, hidden, seed=hidden + 1, what=env)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
