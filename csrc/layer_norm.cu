@@ -67,6 +67,19 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// The forward zeroes the backward's finish counter (see fold_finish): the counter is a word
+// of the statistics buffer this forward returns, so every forward hands its backward a
+// private, zeroed counter without a memset launch (which would sit between the forward and
+// the backward and break their programmatic launch edge).
+__device__ __forceinline__ void zero_fold_counter(unsigned* work) {
+  if (work != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *work = 0u;
+}
+
+// Named barrier `id` (1..15) over `nthreads` threads (a multiple of 32).
+__device__ __forceinline__ void group_barrier(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+}
+
 // ============================== forward ================================================
 
 // R rows per row group (R = 2 at warp-per-row shapes, the default since run 7): all R
@@ -80,11 +93,12 @@ template <typename T, typename W, int TPR, int NV, int BLOCK, int R>
 __global__ void __launch_bounds__(BLOCK)
 ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __restrict__ beta,
               T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-              int64_t rows, int H, float eps, bool rms) {
+              unsigned* __restrict__ work, int64_t rows, int H, float eps, bool rms) {
   constexpr int VEC = Vec16<T>::n, GPB = BLOCK / TPR;
   __shared__ float red[2][BLOCK / 32 * R];
   pdl_launch_dependents();
   pdl_wait();  // before any load: the previous kernel may be the one writing x
+  zero_fold_counter(work);
   const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
   const int64_t row0 = (int64_t(blockIdx.x) * GPB + g) * R;
   const int nvec = H / VEC;
@@ -176,9 +190,10 @@ template <typename T, typename W, int TPR, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
 ln_fwd_generic(const T* __restrict__ x, const W* __restrict__ gamma, const W* __restrict__ beta,
                T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-               int64_t rows, int H, float eps, bool rms) {
+               unsigned* __restrict__ work, int64_t rows, int H, float eps, bool rms) {
   constexpr int RPB = BLOCK / TPR;
   __shared__ float red[2][BLOCK / 32];
+  zero_fold_counter(work);
   const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
   const int64_t row = int64_t(blockIdx.x) * RPB + g;
   const bool valid = row < rows;
@@ -299,10 +314,17 @@ __device__ __forceinline__ void store_block_partial(const float (&dg)[NV][VEC], 
 // 1024-wide row fills 128 SMs instead of 32, and each thread has only P / 64 partials to
 // load -- one L2 round trip at P = 256.  ncu, run 7: the COLS = 32 finish took 5.0 us of
 // the 56 us fwd+bwd at 16384x1024 (32 blocks, 420 GB/s from L2).
-template <typename W, int BLOCK, int COLS>
+// BAR: 0 syncs the whole block (__syncthreads); 1..15, a named barrier over the first
+// BLOCK threads only (fold_finish in a block wider than BLOCK).  The partials are read
+// through L2 (__ldcg): in fold_finish other blocks of the same grid wrote them.
+template <typename W, int BLOCK, int COLS, int BAR = 0>
 __device__ __forceinline__ void param_finish_tile(const float* dg_part, const float* db_part, int P, int H, int tile,
                                                   W* dgamma, W* dbeta, float* s) {
   constexpr int LANES = BLOCK / COLS, SP = COLS + 1;
+  auto sync = [] {
+    if constexpr (BAR == 0) __syncthreads();
+    else group_barrier(BAR, BLOCK);
+  };
   static_assert(BLOCK % COLS == 0 && (LANES & (LANES - 1)) == 0, "finish: LANES must be a power of two");
   const int tx = threadIdx.x % COLS, ty = threadIdx.x / COLS;
   const int c = tile * COLS + tx;
@@ -317,8 +339,8 @@ __device__ __forceinline__ void param_finish_tile(const float* dg_part, const fl
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int p = p0 + LANES * u;
-        va[u] = (dg_part && p < P) ? dg_part[int64_t(p) * H + c] : 0.f;
-        vb[u] = (db_part && p < P) ? db_part[int64_t(p) * H + c] : 0.f;
+        va[u] = (dg_part && p < P) ? __ldcg(dg_part + int64_t(p) * H + c) : 0.f;
+        vb[u] = (db_part && p < P) ? __ldcg(db_part + int64_t(p) * H + c) : 0.f;
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -328,20 +350,72 @@ __device__ __forceinline__ void param_finish_tile(const float* dg_part, const fl
     }
   s[ty * SP + tx] = a;
   s[(LANES + ty) * SP + tx] = b;
-  __syncthreads();
+  sync();
 #pragma unroll
   for (int h = LANES / 2; h > 0; h >>= 1) {
     if (ty < h) {
       s[ty * SP + tx] += s[(ty + h) * SP + tx];
       s[(LANES + ty) * SP + tx] += s[(LANES + ty + h) * SP + tx];
     }
-    __syncthreads();
+    sync();
   }
   if (ty == 0 && c < H) {
     if (dgamma) dgamma[c] = static_cast<W>(s[tx]);
     if (dbeta) dbeta[c] = static_cast<W>(s[LANES * SP + tx]);
   }
-  __syncthreads();  // `s` is reused by the next tile
+  sync();  // `s` is reused by the next tile
+}
+
+// ---- dgamma / dbeta finished inside the split backward (MPT_LN_FOLD=1, default since run 8) ----
+// Why: the separate finish kernel took 5.0 us of the ~54 us fwd+bwd at 16384x1024 (ncu,
+// run 7), mostly launch, ramp and tail, against a 39.5 us floor for the whole step.  Here
+// the last F blocks to finish their rows sum the partials themselves, one 8-column tile
+// each (F = min(grid, tiles)), while the rest of the grid exits.
+// Protocol, on one counter word `work` (zeroed by the forward, see zero_fold_counter):
+//  * every block makes its partial row visible (__threadfence) and takes a ticket with
+//    atomicInc(work, P + F - 1) -- the first P tickets are 0 .. P - 1;
+//  * tickets P - F .. P - 1 become finishers: they wait until all P blocks have arrived
+//    (counter >= P), then sum their tiles in the same fixed order as ln_param_finish
+//    (deterministic; the tree is NT = 256 lanes wide here, so the rounding differs from
+//    the 512-thread finish kernel's);
+//  * each finisher then bumps the counter once more; atomicInc wraps the last bump
+//    (old == P + F - 1) to 0, so the counter is zero again for a second backward over the
+//    same saved statistics (retain_graph) without any reset launch.
+// Waiting inside a grid is safe here: the split grid never exceeds one resident wave
+// (balanced_grid caps it at the occupancy bound), every block calls
+// pdl_launch_dependents() first, so no dependent kernel can take an SM slot before all of
+// this grid's blocks are resident, and only the last F arrivals wait.  Two backwards may
+// not run concurrently over one forward's statistics (different streams): they would
+// share the counter.  Autograd never does that; the functional op documents it.
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <typename W, int BLOCK>
+__device__ __forceinline__ void fold_finish(const float* dg_part, const float* db_part, int H, unsigned* work,
+                                            W* dgamma, W* dbeta) {
+  constexpr int NT = 256, COLS = 8;  // finisher threads per block, columns per tile
+  static_assert(BLOCK >= NT, "fold_finish: the block must have at least 256 threads");
+  __shared__ unsigned ticket;
+  __shared__ float s[2 * (NT / COLS) * (COLS + 1)];
+  const unsigned P = gridDim.x, tiles = (H + COLS - 1) / COLS;
+  const unsigned F = P < tiles ? P : tiles;
+  __threadfence();  // this thread's partial stores, before the block's arrival is counted
+  __syncthreads();
+  if (threadIdx.x == 0) ticket = atomicInc(work, P + F - 1);
+  __syncthreads();
+  const unsigned t = ticket;
+  if (t < P - F) return;
+  if (threadIdx.x == 0)
+    while (ld_acquire_gpu(work) < P) __nanosleep(32);
+  __syncthreads();
+  if (threadIdx.x >= NT) return;
+  for (unsigned tile = t - (P - F); tile < tiles; tile += F)
+    param_finish_tile<W, NT, COLS, (BLOCK == NT ? 0 : 1)>(dg_part, db_part, static_cast<int>(P), H,
+                                                           static_cast<int>(tile), dgamma, dbeta, s);
+  if (threadIdx.x == 0) atomicInc(work, P + F - 1);
 }
 
 // FUSED_FINISH (MPT_LN_BWD=coop): after writing its partial row, the grid meets at a
@@ -473,10 +547,6 @@ struct SplitRow {  // one row's x / dy vector and statistics, as loaded
   float mu, rs;
 };
 
-__device__ __forceinline__ void group_barrier(int id, int nthreads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
-}
-
 template <typename T, typename W, int TPR, int BLOCK, int DEPTH>
 struct SplitBwd {
   static constexpr int VEC = Vec16<T>::n, G = BLOCK / TPR, WPG = TPR / 32, SLOTS = DEPTH + 1;
@@ -574,7 +644,8 @@ template <typename T, typename W, int TPR, int BLOCK, int MINB, int DEPTH>
 __global__ void __launch_bounds__(BLOCK, MINB)
 ln_bwd_split_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
                     const float* __restrict__ rstd, const W* __restrict__ gamma, T* __restrict__ dx,
-                    float* dg_part, float* db_part, int64_t rows, int H, bool rms) {
+                    float* dg_part, float* db_part, int64_t rows, int H, bool rms, unsigned* work, W* dgamma,
+                    W* dbeta) {
   using K = SplitBwd<T, W, TPR, BLOCK, DEPTH>;
   constexpr int VEC = K::VEC, G = K::G;
   __shared__ float red[2][G][K::WPG][2];
@@ -636,6 +707,9 @@ ln_bwd_split_kernel(const T* __restrict__ dy, const T* __restrict__ x, const flo
   } else {
     __shared__ float acc[2 * TPR * VEC];
     store_block_partial<TPR, 1, VEC, BLOCK>(dg, db, dg_part, db_part, H, acc);
+  }
+  if constexpr (BLOCK >= 256) {
+    if (work != nullptr) fold_finish<W, BLOCK>(dg_part, db_part, H, work, dgamma, dbeta);
   }
 }
 
@@ -816,6 +890,16 @@ int finish_cols(int H) {
   return 32;
 }
 
+// $MPT_LN_FOLD: "1" (default since run 8): the split4 backward finishes dgamma / dbeta
+// itself (fold_finish) when the forward's counter is passed in; "0": the separate finish
+// kernel (ln_param_finish) as before run 8.
+bool fold_enabled() {
+  const char* v = env_value("MPT_LN_FOLD");
+  if (v == nullptr || std::strcmp(v, "1") == 0) return true;
+  TORCH_CHECK(std::strcmp(v, "0") == 0, "MPT_LN_FOLD=", v, " is not a valid setting; use 0 or 1");
+  return false;
+}
+
 // ---- forward ----
 // $MPT_LN_FWD: "auto" (default): the register-cached ln_fwd_kernel (non-persistent), R = 2
 // rows per warp where a row is one warp's (<= 128 vectors), one row per group elsewhere.
@@ -830,19 +914,19 @@ int fwd_rows_per_group() {
 }
 
 template <typename T, typename W, int TPR, int NV, int R>
-void launch_fwd_rows(const T* xp, const W* gp, const W* bp, T* yp, float* mean, float* rstd, int64_t rows, int H,
-                     float eps, bool rms, cudaStream_t stream, bool pdl) {
+void launch_fwd_rows(const T* xp, const W* gp, const W* bp, T* yp, float* mean, float* rstd, unsigned* work,
+                     int64_t rows, int H, float eps, bool rms, cudaStream_t stream, bool pdl) {
   constexpr int BLOCK = TPR < 128 ? 128 : TPR;
   constexpr int RPB = BLOCK / TPR * R;
   const int64_t grid = (rows + RPB - 1) / RPB;
   launch_kernel(ln_fwd_kernel<T, W, TPR, NV, BLOCK, R>, grid, BLOCK, 0, stream, pdl, xp, gp, bp, yp, mean, rstd,
-                rows, H, eps, rms);
+                work, rows, H, eps, rms);
   MPT_CHECK_LAUNCH(kFwd);
 }
 
 template <typename T, typename W>
 void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& y,
-                float* mean, float* rstd, int64_t rows, int H, float eps, bool rms) {
+                float* mean, float* rstd, unsigned* work, int64_t rows, int H, float eps, bool rms) {
   constexpr int VEC = Vec16<T>::n;
   auto stream = at::cuda::getCurrentCUDAStream();
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
@@ -856,18 +940,18 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
   if (shape != RowShape::Generic) {
     MPT_ROW_SHAPE_SWITCH(shape, {
       if constexpr (TPR == 32) {
-        if (R == 2) launch_fwd_rows<T, W, TPR, NV, 2>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
-        else launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
+        if (R == 2) launch_fwd_rows<T, W, TPR, NV, 2>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
+        else launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
       } else {
-        launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms, stream, pdl);
+        launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
       }
     });
   } else if (H <= 1024) {
     const int64_t grid = (rows + 3) / 4;
-    ln_fwd_generic<T, W, 32, 128><<<grid, 128, 0, stream>>>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms);
+    ln_fwd_generic<T, W, 32, 128><<<grid, 128, 0, stream>>>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms);
     MPT_CHECK_LAUNCH(kFwd);
   } else {
-    ln_fwd_generic<T, W, 512, 512><<<rows, 512, 0, stream>>>(xp, gp, bp, yp, mean, rstd, rows, H, eps, rms);
+    ln_fwd_generic<T, W, 512, 512><<<rows, 512, 0, stream>>>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms);
     MPT_CHECK_LAUNCH(kFwd);
   }
 }
@@ -940,10 +1024,11 @@ struct BwdArgs {
   at::TensorOptions fopts;
   at::Tensor* dg_part;  // [grid, H] fp32 partials, allocated by the launch
   at::Tensor* db_part;
-  W* dgamma;  // filled by the kernel itself only under FUSED (coop)
+  W* dgamma;  // filled by the kernel itself only under FUSED (coop) or with `work` (split4)
   W* dbeta;
   cudaStream_t stream;
   bool pdl;
+  unsigned* work;  // the forward's zeroed finish counter: split4 finishes dgamma / dbeta itself
 
   void alloc_partials(int64_t grid) const {
     if (want_dg) *dg_part = at::empty({grid, H}, fopts);
@@ -1001,7 +1086,7 @@ void launch_bwd_split(const BwdArgs<T, W>& a) {
   const int64_t grid = balanced_grid((a.rows + G - 1) / G, int64_t(num_sms()) * per_sm);
   a.alloc_partials(grid);
   launch_kernel(kernel, grid, BLOCK, 0, a.stream, a.pdl, a.dy, a.x, a.mean, a.rstd, a.gamma, a.dx, a.dgq(),
-                a.dbq(), a.rows, a.H, a.rms);
+                a.dbq(), a.rows, a.H, a.rms, a.work, a.dgamma, a.dbeta);
   MPT_CHECK_LAUNCH(kBwd);
 }
 
@@ -1033,7 +1118,7 @@ void launch_bwd_narrow(bool fused, const BwdArgs<T, W>& a) {
 template <typename T, typename W>
 void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, const float* rstd,
                 const at::Tensor& w, at::Tensor& dx, at::Tensor& dgamma, at::Tensor& dbeta,
-                int64_t rows, int H, bool rms) {
+                int64_t rows, int H, bool rms, unsigned* work) {
   constexpr int VEC = Vec16<T>::n;
   auto stream = at::cuda::getCurrentCUDAStream();
   const T* dyp = reinterpret_cast<const T*>(dy.data_ptr());
@@ -1049,11 +1134,12 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
   const BwdShape shape = aligned ? pick_bwd_shape(H / VEC, family) : BwdShape::Generic;
   const bool fused = family == BwdFamily::Coop && shape != BwdShape::Generic && (want_dg || want_db);
   const bool split = family == BwdFamily::Split4 && shape != BwdShape::Generic && H / VEC <= 128;
+  const bool fold = split && work != nullptr && (want_dg || want_db) && fold_enabled();
   const bool pdl = use_pdl();
   W* dgp = want_dg ? reinterpret_cast<W*>(dgamma.data_ptr()) : nullptr;
   W* dbp = want_db ? reinterpret_cast<W*>(dbeta.data_ptr()) : nullptr;
   const BwdArgs<T, W> a{dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts,
-                        &dg_part, &db_part, dgp, dbp, stream, pdl};
+                        &dg_part, &db_part, dgp, dbp, stream, pdl, fold ? work : nullptr};
   if (split) launch_bwd_split4<T, W>(H / VEC, a);
   else switch (shape) {
     case BwdShape::W32x2: launch_bwd_cached<T, W, 32, 2, true>(fused, a); break;
@@ -1088,7 +1174,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
       MPT_CHECK_LAUNCH(kBwd);
     }
   }
-  if ((!want_dg && !want_db) || fused) return;
+  if ((!want_dg && !want_db) || fused || fold) return;
   const at::Tensor& any = want_dg ? dg_part : db_part;
   const int P = static_cast<int>(any.size(0));
   // PDL here too: the finish kernel's blocks launch while the backward drains (only after
@@ -1132,8 +1218,11 @@ at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
 
 }  // namespace
 
-// Returns {y, mean, rstd}; mean is empty for RMSNorm.  x: contiguous [rows, H] (any
-// leading shape), weight/bias: H elements in x's dtype or fp32.
+// Returns {y, mean, rstd, work}; mean is empty for RMSNorm.  x: contiguous [rows, H] (any
+// leading shape), weight/bias: H elements in x's dtype or fp32.  work: one int32 word,
+// zeroed by the forward kernel, for the backward's in-kernel dgamma / dbeta finish (pass
+// it to layer_norm_backward with this forward's mean / rstd).  The three are views of
+// one fp32 allocation: one allocator call per forward instead of two.
 std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                            const std::optional<at::Tensor>& bias, int64_t hidden,
                                            double eps, bool rms) {
@@ -1141,24 +1230,33 @@ std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const std::optio
   const int64_t rows = check_inputs(kFwd, x, w, b, hidden, rms);
   const at::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty_like(x);
-  const auto fopts = x.options().dtype(at::kFloat);
-  at::Tensor mean = rms ? at::empty({0}, fopts) : at::empty({rows}, fopts);
-  at::Tensor rstd = at::empty({rows}, fopts);
-  if (rows == 0) return {y, mean, rstd};
+  const int64_t nmean = rms ? 0 : rows;
+  at::Tensor stats = at::empty({nmean + rows + 1}, x.options().dtype(at::kFloat));
+  at::Tensor mean = stats.narrow(0, 0, nmean);
+  at::Tensor rstd = stats.narrow(0, nmean, rows);
+  at::Tensor work = stats.narrow(0, nmean + rows, 1).view(at::kInt);
+  if (rows == 0) {
+    work.zero_();
+    return {y, mean, rstd, work};
+  }
   const bool w32 = (w.defined() ? w : b).defined() && (w.defined() ? w : b).scalar_type() == at::kFloat;
   const int H = static_cast<int>(hidden);
   float* mp = rms ? nullptr : mean.data_ptr<float>();
+  unsigned* wp = reinterpret_cast<unsigned*>(work.data_ptr<int32_t>());
   MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), kFwd, scalar_t,
-    if (w32) launch_fwd<scalar_t, float>(x, w, b, y, mp, rstd.data_ptr<float>(), rows, H, float(eps), rms);
-    else launch_fwd<scalar_t, scalar_t>(x, w, b, y, mp, rstd.data_ptr<float>(), rows, H, float(eps), rms));
-  return {y, mean, rstd};
+    if (w32) launch_fwd<scalar_t, float>(x, w, b, y, mp, rstd.data_ptr<float>(), wp, rows, H, float(eps), rms);
+    else launch_fwd<scalar_t, scalar_t>(x, w, b, y, mp, rstd.data_ptr<float>(), wp, rows, H, float(eps), rms));
+  return {y, mean, rstd, work};
 }
 
 // Returns {dx, dweight, dbias}; dweight / dbias are undefined (None) when the
-// parameter was absent.  mean may be empty for RMSNorm.
+// parameter was absent.  mean may be empty for RMSNorm.  work: the forward's counter
+// word, or None (then a separate kernel finishes dweight / dbias).  Two backwards over
+// one forward's `work` must not run concurrently on different streams.
 std::vector<at::Tensor> layer_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
                                             const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-                                            const std::optional<at::Tensor>& bias, int64_t hidden, bool rms) {
+                                            const std::optional<at::Tensor>& bias, int64_t hidden, bool rms,
+                                            const std::optional<at::Tensor>& work) {
   const at::Tensor w = value_or_undefined(weight), b = value_or_undefined(bias);
   const int64_t rows = check_inputs(kBwd, x, w, b, hidden, rms);
   MPT_CHECK_CUDA(dy, kBwd);
@@ -1170,6 +1268,14 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& dy, const at::Tens
               ": rstd must be the contiguous fp32 [rows] tensor saved by forward");
   TORCH_CHECK(rms || (mean.scalar_type() == at::kFloat && mean.numel() == rows && mean.is_contiguous()), kBwd,
               ": mean must be the contiguous fp32 [rows] tensor saved by forward");
+  unsigned* wp = nullptr;
+  if (work.has_value() && work->defined()) {
+    TORCH_CHECK(work->scalar_type() == at::kInt && work->numel() == 1 && work->device() == x.device(), kBwd,
+                ": work must be the one-element int32 tensor returned by layer_norm_forward on ", x.device(),
+                ", got ", work->scalar_type(), " with ", work->numel(), " elements on ", work->device(),
+                "; pass None to finish dweight / dbias in a separate kernel");
+    wp = reinterpret_cast<unsigned*>(work->data_ptr<int32_t>());
+  }
   const at::cuda::CUDAGuard guard(x.device());
   at::Tensor dx = at::empty_like(x);
   at::Tensor dw = w.defined() ? at::empty_like(w) : at::Tensor();
@@ -1183,7 +1289,7 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& dy, const at::Tens
   const int H = static_cast<int>(hidden);
   const float* mp = rms ? nullptr : mean.data_ptr<float>();
   MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), kBwd, scalar_t,
-    if (w32) launch_bwd<scalar_t, float>(dy, x, mp, rstd.data_ptr<float>(), w, dx, dw, dbias, rows, H, rms);
-    else launch_bwd<scalar_t, scalar_t>(dy, x, mp, rstd.data_ptr<float>(), w, dx, dw, dbias, rows, H, rms));
+    if (w32) launch_bwd<scalar_t, float>(dy, x, mp, rstd.data_ptr<float>(), w, dx, dw, dbias, rows, H, rms, wp);
+    else launch_bwd<scalar_t, scalar_t>(dy, x, mp, rstd.data_ptr<float>(), w, dx, dw, dbias, rows, H, rms, wp));
   return {dx, dw, dbias};
 }

@@ -38,7 +38,8 @@ std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const std::optio
                                            bool rms);
 std::vector<at::Tensor> layer_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
                                             const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-                                            const std::optional<at::Tensor>& bias, int64_t hidden, bool rms);
+                                            const std::optional<at::Tensor>& bias, int64_t hidden, bool rms,
+                                            const std::optional<at::Tensor>& work);
 // [end section: layer_norm]
 
 // ---- softmax (softmax.cu) ----
@@ -106,9 +107,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // [defs: layer_norm]
   m.def("layer_norm_forward", &layer_norm_forward,
         "LayerNorm (rms=False) / RMSNorm (rms=True) forward over the last `hidden` elements: "
-        "(x, weight?, bias?, hidden, eps, rms) -> [y, mean (fp32, empty for RMS), rstd (fp32)]");
+        "(x, weight?, bias?, hidden, eps, rms) -> [y, mean (fp32, empty for RMS), rstd (fp32), "
+        "work (int32 counter for the backward's dweight/dbias finish)]");
   m.def("layer_norm_backward", &layer_norm_backward,
-        "LayerNorm / RMSNorm backward: (dy, x, mean, rstd, weight?, bias?, hidden, rms) -> [dx, dweight?, dbias?]");
+        "LayerNorm / RMSNorm backward: (dy, x, mean, rstd, weight?, bias?, hidden, rms, work?) -> "
+        "[dx, dweight?, dbias?]; work: the forward's, or None for a separate finish kernel");
   // [end defs: layer_norm]
   // [defs: softmax]
   m.def("scaled_masked_softmax_forward", &scaled_masked_softmax_forward,

@@ -14,14 +14,15 @@ Rows, per shape:
 Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto | r1:
 rows per warp), $MPT_LN_BWD (auto | b256 | b512 | coop | split4), $MPT_LN_PDL (0 | 1,
 programmatic dependent launch), $MPT_LN_FINISH (auto | 8 | 32: column tile of the
-dgamma / dbeta finish kernel).  The default (auto / auto / 1 / auto; auto's forward takes 2
-rows per warp and its backward is split4 at rows <= 1024 bf16) keeps the plain row name; other rows name the settings that differ.
+dgamma / dbeta finish kernel), $MPT_LN_FOLD (1 | 0: split4 finishes dgamma / dbeta itself,
+or leaves it to the finish kernel).  The default (auto / auto / 1 / auto / 1; auto's
+forward takes 2 rows per warp and its backward is split4 at rows <= 1024 bf16) keeps the
+plain row name; other rows name the settings that differ.
 
 ``MPT_BENCH_NORM=split`` (quick round): the default backward (split4 at these shapes)
 against run 5's table (b256, b512), as bwd-only and fwd+bwd rows at 16384x1024 and
-65536x768 (~15 s).  ``MPT_BENCH_NORM=rows`` (run 7's quick round): one row per warp in the
-forward (r1) and both finish tiles (8, 32) against the default, fwd / bwd / fwd+bwd rows
-at the three target shapes.
+65536x768 (~15 s).  ``MPT_BENCH_NORM=fold`` (run 8's quick round): the in-kernel finish
+against the finish kernel (MPT_LN_FOLD=0), bwd and fwd+bwd rows at the three target shapes.
 """
 from __future__ import annotations
 
@@ -40,8 +41,10 @@ from mptrain.bench.graph_timing import env_var, step_ms
 CASES = [(16384, 1024), (16384, 4096), (65536, 768)]
 QUICK_CASES = [(16384, 1024)]
 FWD_ENV, BWD_ENV, PDL_ENV, FIN_ENV = "MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL", "MPT_LN_FINISH"
-# PDL on by default since run 5; 2 rows per warp (fwd) and the finish tile by width since run 7.
-DEFAULTS = {FWD_ENV: "auto", BWD_ENV: "auto", PDL_ENV: "1", FIN_ENV: "auto"}
+FOLD_ENV = "MPT_LN_FOLD"
+# PDL on by default since run 5; 2 rows per warp (fwd) and the finish tile by width since run 7;
+# dgamma / dbeta finished inside the split4 backward since run 8.
+DEFAULTS = {FWD_ENV: "auto", BWD_ENV: "auto", PDL_ENV: "1", FIN_ENV: "auto", FOLD_ENV: "1"}
 # fwd+bwd variants for the bf16-weight LayerNorm rows (the issue's table), default first.
 FULL_VARIANTS = [
     {},
@@ -52,6 +55,7 @@ FULL_VARIANTS = [
     {FWD_ENV: "r1"},
     {FIN_ENV: "8"},
     {FIN_ENV: "32"},
+    {FOLD_ENV: "0"},
 ]
 # The fp32-weight and RMSNorm rows: the default and the PDL switch only (they share the
 # kernels; these rows check the levers carry over).
@@ -62,15 +66,13 @@ SPLIT_VARIANTS = [{}, {BWD_ENV: "b256"}, {BWD_ENV: "b512"}]
 SPLIT_CASES = [(16384, 1024), (65536, 768)]
 # The backward-only rows: every fwd+bwd variant that touches the backward.
 BWD_ONLY_VARIANTS = [v for v in FULL_VARIANTS if FWD_ENV not in v]
-# run 7's quick round (MPT_BENCH_NORM=rows).
-ROWS_FWD_VARIANTS = [{}, {FWD_ENV: "r1"}]
-ROWS_BWD_VARIANTS = [{}, {FIN_ENV: "8"}, {FIN_ENV: "32"}]
-ROWS_VARIANTS = ROWS_FWD_VARIANTS + ROWS_BWD_VARIANTS[1:]
+# run 8's quick round (MPT_BENCH_NORM=fold): the in-kernel finish against the separate kernel.
+FOLD_VARIANTS = [{}, {FOLD_ENV: "0"}]
 
 
 @contextlib.contextmanager
 def variant_env(variant: dict):
-    """All three switches set (defaults filled in), so an outer setting never leaks in."""
+    """All switches set (defaults filled in), so an outer setting never leaks in."""
     with contextlib.ExitStack() as stack:
         for k, v in {**DEFAULTS, **variant}.items():
             stack.enter_context(env_var(k, v))
@@ -210,16 +212,16 @@ def _bwd_only_rows(rows, hidden, rep, variants=None) -> list[Result]:
     ours_in, theirs_in = [], []
     with torch.no_grad():
         for x, w, b, dy in sets.sets:
-            _, mean, rstd = ext.layer_norm_forward(x, w, b, hidden, eps, False)
-            ours_in.append((dy, x, mean, rstd, w, b))
+            _, mean, rstd, work = ext.layer_norm_forward(x, w, b, hidden, eps, False)
+            ours_in.append((dy, x, mean, rstd, w, b, work))
             wt, bt = w.to(x.dtype), b.to(x.dtype)
             _, tmean, trstd = torch.ops.aten.native_layer_norm(x, shape, wt, bt, eps)
             theirs_in.append((dy, x, tmean, trstd, wt, bt))
 
     @torch.no_grad()
     def ours(a):
-        dy, x, mean, rstd, w, b = a
-        return ext.layer_norm_backward(dy, x, mean, rstd, w, b, hidden, False)
+        dy, x, mean, rstd, w, b, work = a
+        return ext.layer_norm_backward(dy, x, mean, rstd, w, b, hidden, False, work)
 
     @torch.no_grad()
     def theirs(a):
@@ -247,13 +249,13 @@ def run_split() -> list[Result]:
     return results
 
 
-def run_rows() -> list[Result]:
-    """Run 7's quick round: rows per warp in the forward, and the finish tile width."""
+def run_fold() -> list[Result]:
+    """Run 8's quick round: dgamma / dbeta finished in the backward against the separate
+    finish kernel, bwd-only and fwd+bwd rows at the three target shapes."""
     results = []
     for rows, hidden in CASES:
-        results += _fwd_only_rows(rows, hidden, 100.0, ROWS_FWD_VARIANTS)
-        results += _bwd_only_rows(rows, hidden, 100.0, ROWS_BWD_VARIANTS)
-        results += _fwd_bwd_rows(rows, hidden, "layer", torch.bfloat16, ROWS_VARIANTS, 100.0)
+        results += _bwd_only_rows(rows, hidden, 100.0, FOLD_VARIANTS)
+        results += _fwd_bwd_rows(rows, hidden, "layer", torch.bfloat16, FOLD_VARIANTS, 100.0)
     return results
 
 
@@ -261,10 +263,10 @@ def run(args) -> list[Result]:
     only = os.environ.get("MPT_BENCH_NORM", "")
     if only == "split":
         return run_split()
-    if only == "rows":
-        return run_rows()
+    if only == "fold":
+        return run_fold()
     if only:
-        raise ValueError(f"MPT_BENCH_NORM={only!r}: unknown subset; use 'split', 'rows' or leave it unset")
+        raise ValueError(f"MPT_BENCH_NORM={only!r}: unknown subset; use 'split', 'fold' or leave it unset")
     results = []
     cases = QUICK_CASES if args.quick else CASES
     rep = 50.0 if args.quick else 200.0

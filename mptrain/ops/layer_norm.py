@@ -72,16 +72,18 @@ class _NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, hidden, eps, rms, ext):
         x = x.contiguous()
-        y, mean, rstd = ext.layer_norm_forward(x, weight, bias, hidden, eps, rms)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        # work: the forward's zeroed counter word for the backward's dweight/dbias finish.
+        y, mean, rstd, work = ext.layer_norm_forward(x, weight, bias, hidden, eps, rms)
+        ctx.save_for_backward(x, weight, bias, mean, rstd, work)
         ctx.hidden, ctx.rms, ctx.ext = hidden, rms, ext
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = ctx.ext.layer_norm_backward(dy.contiguous(), x, mean, rstd, weight, bias, ctx.hidden, ctx.rms)
+        x, weight, bias, mean, rstd, work = ctx.saved_tensors
+        dx, dw, db = ctx.ext.layer_norm_backward(dy.contiguous(), x, mean, rstd, weight, bias, ctx.hidden, ctx.rms,
+                                                 work)
         need = ctx.needs_input_grad
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None, None, None, None, None)
 

@@ -23,7 +23,7 @@ w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
 b = torch.zeros(hidden, device="cuda", dtype=torch.bfloat16)
 for i in range(iters):
     x, dy = sets[i % len(sets)]
-    y, mean, rstd = ext.layer_norm_forward(x, w, b, hidden, 1e-5, False)
-    ext.layer_norm_backward(dy, x, mean, rstd, w, b, hidden, False)
+    y, mean, rstd, work = ext.layer_norm_forward(x, w, b, hidden, 1e-5, False)
+    ext.layer_norm_backward(dy, x, mean, rstd, w, b, hidden, False, work)
 torch.cuda.synchronize()
 print("done", rows, hidden, iters)

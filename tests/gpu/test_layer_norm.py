@@ -169,7 +169,7 @@ def test_backward_variant_name_is_checked(monkeypatch):
 # must fail rather than silently run the default.
 @pytest.mark.parametrize("name,value", [("MPT_LN_FWD", "fast"), ("MPT_LN_PDL", "yes"), ("MPT_LN_FWD", "ring"),
                                         ("MPT_LN_BWD", "ring"), ("MPT_LN_BWD", "split6"), ("MPT_LN_FINISH", "16"),
-                                        ("MPT_LN_FWD", "r4")])
+                                        ("MPT_LN_FWD", "r4"), ("MPT_LN_FOLD", "yes")])
 def test_launch_switch_values_are_checked(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     x = torch.randn(4, 64, device="cuda", requires_grad=True)
@@ -189,6 +189,9 @@ LAUNCH_SETTINGS = [
     {"MPT_LN_FINISH": "8"},
     {"MPT_LN_FINISH": "32"},
     {"MPT_LN_FINISH": "8", "MPT_LN_BWD": "b512"},
+    # run 8: the split4 backward finishes dgamma / dbeta itself by default; keep the
+    # separate finish kernel covered.
+    {"MPT_LN_FOLD": "0"},
 ]
 
 
@@ -197,7 +200,7 @@ def _settings_id(env):
 
 
 def _set_env(monkeypatch, env):
-    for k in ("MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL", "MPT_LN_FINISH"):
+    for k in ("MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL", "MPT_LN_FINISH", "MPT_LN_FOLD"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -243,7 +246,8 @@ def test_empty_input():
 
 # b256 / b512: no longer the default at 768 / 1024 since run 6, so named here.
 DETERMINISM_SETTINGS = [{}, {"MPT_LN_BWD": "coop"}, {"MPT_LN_BWD": "split4"}, {"MPT_LN_BWD": "b256"},
-                        {"MPT_LN_BWD": "b512"}, {"MPT_LN_FINISH": "32"}, {"MPT_LN_FINISH": "8"}, {"MPT_LN_FWD": "r1"}]
+                        {"MPT_LN_BWD": "b512"}, {"MPT_LN_FINISH": "32"}, {"MPT_LN_FINISH": "8"}, {"MPT_LN_FWD": "r1"},
+                        {"MPT_LN_FOLD": "0"}]
 
 
 @pytest.mark.parametrize("env", DETERMINISM_SETTINGS, ids=lambda e: _settings_id(e) or "default")
@@ -278,6 +282,48 @@ def test_cuda_graph_capture(monkeypatch, env):
     graph.replay()
     for a, c in zip(out, step()):
         assert torch.equal(a, c)
+
+
+# The in-kernel finish (fold_finish) keeps its counter in the forward's statistics buffer
+# and resets it itself: a second backward over the same saved forward (retain_graph, or
+# the functional op called again) must see a zeroed counter and give the same gradients.
+@pytest.mark.parametrize("hidden,rows", [(768, 65536), (1024, 16384), (1024, 5), (64, 3001), (512, 1)])
+def test_repeated_backward_over_one_forward(monkeypatch, hidden, rows):
+    _set_env(monkeypatch, {})
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    y = ops.layer_norm(x, hidden, w, b, fused=True)
+    runs = [torch.autograd.grad(y, (x, w, b), dy, retain_graph=True) for _ in range(3)]
+    _set_env(monkeypatch, {"MPT_LN_FOLD": "0"})
+    unfolded = torch.autograd.grad(y, (x, w, b), dy)
+    for got in runs[1:]:
+        for a, c in zip(runs[0], got):
+            assert torch.equal(a, c)
+    # The fold sums the same partials in another fixed-order tree: equal up to fp32 rounding.
+    for name, a, c in zip(("dx", "dweight", "dbias"), runs[0], unfolded):
+        torch.testing.assert_close(a.float(), c.float(), rtol=1e-2, atol=1e-2 * max(1.0, c.abs().max().item()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    # The functional op without the counter (None) takes the finish kernel: same check.
+    ext = ops.get_extension(required=True)
+    with torch.no_grad():
+        _, mean, rstd, work = ext.layer_norm_forward(x, w, b, hidden, 1e-5, False)
+        folded = ext.layer_norm_backward(dy, x, mean, rstd, w, b, hidden, False, work)
+        again = ext.layer_norm_backward(dy, x, mean, rstd, w, b, hidden, False, work)
+        plain = ext.layer_norm_backward(dy, x, mean, rstd, w, b, hidden, False, None)
+    for a, c, p in zip(folded, again, plain):
+        assert torch.equal(a, c)
+        torch.testing.assert_close(a.float(), p.float(), rtol=1e-2, atol=1e-2 * max(1.0, p.abs().max().item()))
+
+
+def test_backward_work_argument_is_checked():
+    ext = ops.get_extension(required=True)
+    x = torch.randn(8, 64, device="cuda")
+    _, mean, rstd, _ = ext.layer_norm_forward(x, None, None, 64, 1e-5, False)
+    bad = torch.zeros(2, device="cuda", dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="work must be the one-element int32 tensor"):
+        ext.layer_norm_backward(torch.ones_like(x), x, mean, rstd, None, None, 64, False, bad)
 
 
 def test_module_under_half_master_weights():
