@@ -186,6 +186,7 @@ LAUNCH_SETTINGS = [
     # run 7: one row per warp in the forward (the default takes 2 at warp-per-row shapes),
     # and both finish tiles forced (the default picks 8 or 32 columns by width).
     {"MPT_LN_FWD": "r1"},
+    {"MPT_LN_FWD": "o8"},  # run 8: auto's forward held to 64 registers
     {"MPT_LN_FINISH": "8"},
     {"MPT_LN_FINISH": "32"},
     {"MPT_LN_FINISH": "8", "MPT_LN_BWD": "b512"},
