@@ -89,8 +89,8 @@ __device__ __forceinline__ void group_barrier(int id, int nthreads) {
 // (one row's loads per warp, then reductions and stores with nothing in flight).  H200,
 // run 7, fwd alone: R = 2 73.2% / 86.9% of floor at 16384x1024 / 65536x768 against R = 1's
 // 72.3% / 85.1%; R = 4 (113 registers, half the warps) lost at both (67.7% / 82.7%).
-template <typename T, typename W, int TPR, int NV, int BLOCK, int R, int MINB = 1>
-__global__ void __launch_bounds__(BLOCK, MINB)
+template <typename T, typename W, int TPR, int NV, int BLOCK, int R>
+__global__ void __launch_bounds__(BLOCK)
 ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __restrict__ beta,
               T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
               unsigned* __restrict__ work, int64_t rows, int H, float eps, bool rms) {
@@ -903,27 +903,25 @@ bool fold_enabled() {
 // ---- forward ----
 // $MPT_LN_FWD: "auto" (default): the register-cached ln_fwd_kernel (non-persistent), R = 2
 // rows per warp where a row is one warp's (<= 128 vectors), one row per group elsewhere.
-// "r1": one row per warp everywhere (the kernel before run 7, kept to compare).  "o8" (run 8):
-// auto's R = 2 kernel held to 64 registers (__launch_bounds__(128, 8)): at 72 registers 7
-// blocks of 128 fit an SM, so 16384x1024 (2048 blocks) runs 2.2 waves of 924 and the last
-// 0.2 wave is a tail; at 8 per SM it is 1.94 waves.  ("ring", a persistent cp.async variant,
-// lost in run 5 and "r4" in run 7; both removed.)  A stale or misspelt setting fails
-// instead of silently running auto.  Returns R, or 3 for o8.
-int fwd_variant() {
+// "r1": one row per warp everywhere (the kernel before run 7, kept to compare).  ("ring", a
+// persistent cp.async variant, lost in run 5, "r4" in run 7, and "o8" -- R = 2 held to 64
+// registers so 8 blocks fit an SM (1.94 waves at 16384x1024 instead of 2.2) -- in run 8:
+// 71.1% vs 72.5% of the fwd floor; all removed.)  A stale or misspelt setting fails
+// instead of silently running auto.
+int fwd_rows_per_group() {
   const char* v = env_value("MPT_LN_FWD");
   if (v == nullptr || std::strcmp(v, "auto") == 0) return 2;
-  if (std::strcmp(v, "o8") == 0) return 3;
-  TORCH_CHECK(std::strcmp(v, "r1") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto, o8 or r1");
+  TORCH_CHECK(std::strcmp(v, "r1") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto or r1");
   return 1;
 }
 
-template <typename T, typename W, int TPR, int NV, int R, int MINB = 1>
+template <typename T, typename W, int TPR, int NV, int R>
 void launch_fwd_rows(const T* xp, const W* gp, const W* bp, T* yp, float* mean, float* rstd, unsigned* work,
                      int64_t rows, int H, float eps, bool rms, cudaStream_t stream, bool pdl) {
   constexpr int BLOCK = TPR < 128 ? 128 : TPR;
   constexpr int RPB = BLOCK / TPR * R;
   const int64_t grid = (rows + RPB - 1) / RPB;
-  launch_kernel(ln_fwd_kernel<T, W, TPR, NV, BLOCK, R, MINB>, grid, BLOCK, 0, stream, pdl, xp, gp, bp, yp, mean,
+  launch_kernel(ln_fwd_kernel<T, W, TPR, NV, BLOCK, R>, grid, BLOCK, 0, stream, pdl, xp, gp, bp, yp, mean,
                 rstd, work, rows, H, eps, rms);
   MPT_CHECK_LAUNCH(kFwd);
 }
@@ -940,13 +938,11 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
   const bool aligned = H % VEC == 0 && aligned16(xp) && aligned16(yp) && aligned16(gp) && aligned16(bp);
   const RowShape shape = aligned ? pick_row_shape(H / VEC) : RowShape::Generic;
   const bool pdl = use_pdl();
-  const int R = fwd_variant();
+  const int R = fwd_rows_per_group();
   if (shape != RowShape::Generic) {
     MPT_ROW_SHAPE_SWITCH(shape, {
       if constexpr (TPR == 32) {
         if (R == 2) launch_fwd_rows<T, W, TPR, NV, 2>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
-        else if (R == 3)
-          launch_fwd_rows<T, W, TPR, NV, 2, 8>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
         else launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
       } else {
         launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);

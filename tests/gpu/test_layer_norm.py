@@ -169,7 +169,7 @@ def test_backward_variant_name_is_checked(monkeypatch):
 # must fail rather than silently run the default.
 @pytest.mark.parametrize("name,value", [("MPT_LN_FWD", "fast"), ("MPT_LN_PDL", "yes"), ("MPT_LN_FWD", "ring"),
                                         ("MPT_LN_BWD", "ring"), ("MPT_LN_BWD", "split6"), ("MPT_LN_FINISH", "16"),
-                                        ("MPT_LN_FWD", "r4"), ("MPT_LN_FOLD", "yes")])
+                                        ("MPT_LN_FWD", "r4"), ("MPT_LN_FWD", "o8"), ("MPT_LN_FOLD", "yes")])
 def test_launch_switch_values_are_checked(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     x = torch.randn(4, 64, device="cuda", requires_grad=True)
@@ -186,7 +186,6 @@ LAUNCH_SETTINGS = [
     # run 7: one row per warp in the forward (the default takes 2 at warp-per-row shapes),
     # and both finish tiles forced (the default picks 8 or 32 columns by width).
     {"MPT_LN_FWD": "r1"},
-    {"MPT_LN_FWD": "o8"},  # run 8: auto's forward held to 64 registers
     {"MPT_LN_FINISH": "8"},
     {"MPT_LN_FINISH": "32"},
     {"MPT_LN_FINISH": "8", "MPT_LN_BWD": "b512"},
