@@ -825,7 +825,7 @@ bool pdl_requested() {
   const char* v = env_value("MPT_LN_PDL");
   if (v == nullptr) return true;
   if (std::strcmp(v, "0") == 0) return false;
-  TORCH_CHECK(std::strcmp(v, "1") == 0, "MPT_LN_PDL=", v, " is not a valid setting; use 0 or 1");
+  MPT_CHECK(std::strcmp(v, "1") == 0, "MPT_LN_PDL=", v, " is not a valid setting; use 0 or 1");
   return true;
 }
 bool pdl_supported() {
@@ -886,7 +886,7 @@ int finish_cols(int H) {
   const char* v = env_value("MPT_LN_FINISH");
   if (v == nullptr || std::strcmp(v, "auto") == 0) return H < 2048 ? 8 : 32;
   if (std::strcmp(v, "8") == 0) return 8;
-  TORCH_CHECK(std::strcmp(v, "32") == 0, "MPT_LN_FINISH=", v, " is not a finish tile width; use auto, 8 or 32");
+  MPT_CHECK(std::strcmp(v, "32") == 0, "MPT_LN_FINISH=", v, " is not a finish tile width; use auto, 8 or 32");
   return 32;
 }
 
@@ -896,7 +896,7 @@ int finish_cols(int H) {
 bool fold_enabled() {
   const char* v = env_value("MPT_LN_FOLD");
   if (v == nullptr || std::strcmp(v, "1") == 0) return true;
-  TORCH_CHECK(std::strcmp(v, "0") == 0, "MPT_LN_FOLD=", v, " is not a valid setting; use 0 or 1");
+  MPT_CHECK(std::strcmp(v, "0") == 0, "MPT_LN_FOLD=", v, " is not a valid setting; use 0 or 1");
   return false;
 }
 
@@ -911,7 +911,7 @@ bool fold_enabled() {
 int fwd_rows_per_group() {
   const char* v = env_value("MPT_LN_FWD");
   if (v == nullptr || std::strcmp(v, "auto") == 0) return 2;
-  TORCH_CHECK(std::strcmp(v, "r1") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto or r1");
+  MPT_CHECK(std::strcmp(v, "r1") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto or r1");
   return 1;
 }
 
@@ -989,7 +989,7 @@ BwdFamily bwd_family() {
   if (std::strcmp(v, "b256") == 0) return BwdFamily::B256;
   if (std::strcmp(v, "b512") == 0) return BwdFamily::B512;
   if (std::strcmp(v, "split4") == 0) return BwdFamily::Split4;
-  TORCH_CHECK(std::strcmp(v, "coop") == 0, "MPT_LN_BWD=", v,
+  MPT_CHECK(std::strcmp(v, "coop") == 0, "MPT_LN_BWD=", v,
               " is not a backward variant; use auto, b256, b512, coop or split4");
   return BwdFamily::Coop;
 }
@@ -1197,19 +1197,19 @@ int64_t check_inputs(const char* name, const at::Tensor& x, const at::Tensor& w,
                      int64_t H, bool rms) {
   MPT_CHECK_CUDA(x, name);
   MPT_CHECK_CONTIGUOUS(x, name);
-  TORCH_CHECK(H >= 1 && H <= (int64_t(1) << 30), name, ": normalized size must be in [1, 2^30], got ", H);
-  TORCH_CHECK(x.numel() % H == 0, name, ": input with ", x.numel(),
+  MPT_CHECK(H >= 1 && H <= (int64_t(1) << 30), name, ": normalized size must be in [1, 2^30], got ", H);
+  MPT_CHECK(x.numel() % H == 0, name, ": input with ", x.numel(),
               " elements is not a whole number of rows of the normalized size ", H);
-  TORCH_CHECK(!(rms && b.defined()), name, ": RMSNorm has no bias; pass bias=None");
+  MPT_CHECK(!(rms && b.defined()), name, ": RMSNorm has no bias; pass bias=None");
   const auto wdt = w.defined() ? w.scalar_type() : (b.defined() ? b.scalar_type() : x.scalar_type());
-  TORCH_CHECK(wdt == x.scalar_type() || wdt == at::kFloat, name, ": weight/bias dtype ", wdt,
+  MPT_CHECK(wdt == x.scalar_type() || wdt == at::kFloat, name, ": weight/bias dtype ", wdt,
               " must be float32 or the input's dtype ", x.scalar_type(), "; cast the parameters");
   for (const at::Tensor* t : {&w, &b}) {
     if (!t->defined()) continue;
-    TORCH_CHECK(t->device() == x.device(), name, ": weight/bias on ", t->device(), " but input on ", x.device());
-    TORCH_CHECK(t->is_contiguous(), name, ": weight/bias must be contiguous");
-    TORCH_CHECK(t->numel() == H, name, ": weight/bias has ", t->numel(), " elements, expected the normalized size ", H);
-    TORCH_CHECK(t->scalar_type() == wdt, name, ": weight dtype ", w.scalar_type(), " and bias dtype ",
+    MPT_CHECK(t->device() == x.device(), name, ": weight/bias on ", t->device(), " but input on ", x.device());
+    MPT_CHECK(t->is_contiguous(), name, ": weight/bias must be contiguous");
+    MPT_CHECK(t->numel() == H, name, ": weight/bias has ", t->numel(), " elements, expected the normalized size ", H);
+    MPT_CHECK(t->scalar_type() == wdt, name, ": weight dtype ", w.scalar_type(), " and bias dtype ",
                 b.scalar_type(), " differ; cast them to one dtype");
   }
   return x.numel() / H;
@@ -1264,16 +1264,16 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& dy, const at::Tens
   const int64_t rows = check_inputs(kBwd, x, w, b, hidden, rms);
   MPT_CHECK_CUDA(dy, kBwd);
   MPT_CHECK_CONTIGUOUS(dy, kBwd);
-  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(), kBwd,
+  MPT_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(), kBwd,
               ": grad_output must match the input's shape and dtype, got ", dy.sizes(), " ", dy.scalar_type(),
               " vs ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == rows && rstd.is_contiguous(), kBwd,
+  MPT_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == rows && rstd.is_contiguous(), kBwd,
               ": rstd must be the contiguous fp32 [rows] tensor saved by forward");
-  TORCH_CHECK(rms || (mean.scalar_type() == at::kFloat && mean.numel() == rows && mean.is_contiguous()), kBwd,
+  MPT_CHECK(rms || (mean.scalar_type() == at::kFloat && mean.numel() == rows && mean.is_contiguous()), kBwd,
               ": mean must be the contiguous fp32 [rows] tensor saved by forward");
   unsigned* wp = nullptr;
   if (work.has_value() && work->defined()) {
-    TORCH_CHECK(work->scalar_type() == at::kInt && work->numel() == 1 && work->device() == x.device(), kBwd,
+    MPT_CHECK(work->scalar_type() == at::kInt && work->numel() == 1 && work->device() == x.device(), kBwd,
                 ": work must be the one-element int32 tensor returned by layer_norm_forward on ", x.device(),
                 ", got ", work->scalar_type(), " with ", work->numel(), " elements on ", work->device(),
                 "; pass None to finish dweight / dbias in a separate kernel");

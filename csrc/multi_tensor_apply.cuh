@@ -288,33 +288,33 @@ void check_large_kernel_args_supported();
 template <int DEPTH, typename Launch>
 void for_each_launch(const std::vector<std::vector<at::Tensor>>& lists, unsigned scalar_lists, int chunk,
                      const char* name, Launch&& launch) {
-  TORCH_CHECK(lists.size() == DEPTH, name, ": expected ", DEPTH, " tensor lists, got ", lists.size());
+  MPT_CHECK(lists.size() == DEPTH, name, ": expected ", DEPTH, " tensor lists, got ", lists.size());
   const size_t n = lists[0].size();
   for (int d = 1; d < DEPTH; ++d)
-    TORCH_CHECK(lists[d].size() == n, name, ": tensor list ", d, " has ", lists[d].size(),
+    MPT_CHECK(lists[d].size() == n, name, ": tensor list ", d, " has ", lists[d].size(),
                 " tensors but list 0 has ", n, "; every list must have one tensor per parameter");
   if (n == 0) return;
   check_large_kernel_args_supported();
   const at::Device device = lists[0][0].device();
-  TORCH_CHECK(device.is_cuda(), name, ": tensors must be on a CUDA device, got ", device);
+  MPT_CHECK(device.is_cuda(), name, ": tensors must be on a CUDA device, got ", device);
   for (int d = 0; d < DEPTH; ++d) {
     const at::ScalarType dtype = lists[d][0].scalar_type();
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& x = lists[d][i];
       const at::Tensor& ref = lists[0][i];
-      TORCH_CHECK(x.device() == device, name, ": list ", d, " tensor ", i, " is on ", x.device(),
+      MPT_CHECK(x.device() == device, name, ": list ", d, " tensor ", i, " is on ", x.device(),
                   " but list 0 tensor 0 is on ", device, "; all tensors of one call must share a device");
-      TORCH_CHECK(x.scalar_type() == dtype, name, ": list ", d, " mixes dtypes (", dtype, " and ",
+      MPT_CHECK(x.scalar_type() == dtype, name, ": list ", d, " mixes dtypes (", dtype, " and ",
                   x.scalar_type(), " at tensor ", i, "); split the list by dtype");
       if (scalar_lists & (1u << d)) {
-        TORCH_CHECK(x.numel() == 1, name, ": list ", d, " tensor ", i, " must hold one value, has ", x.numel());
+        MPT_CHECK(x.numel() == 1, name, ": list ", d, " tensor ", i, " must hold one value, has ", x.numel());
         continue;
       }
-      TORCH_CHECK(x.numel() == ref.numel(), name, ": list ", d, " tensor ", i, " has ", x.numel(),
+      MPT_CHECK(x.numel() == ref.numel(), name, ": list ", d, " tensor ", i, " has ", x.numel(),
                   " elements but list 0 tensor ", i, " has ", ref.numel());
-      TORCH_CHECK(x.is_non_overlapping_and_dense(), name, ": list ", d, " tensor ", i,
+      MPT_CHECK(x.is_non_overlapping_and_dense(), name, ": list ", d, " tensor ", i,
                   " is not dense (call .contiguous() on it)");
-      TORCH_CHECK(x.strides() == ref.strides(), name, ": list ", d, " tensor ", i, " has strides ", x.strides(),
+      MPT_CHECK(x.strides() == ref.strides(), name, ": list ", d, " tensor ", i, " has strides ", x.strides(),
                   " but list 0 tensor ", i, " has ", ref.strides(), "; give them the same memory format");
     }
   }
@@ -329,7 +329,7 @@ void for_each_launch(const std::vector<std::vector<at::Tensor>>& lists, unsigned
     // the caller's index; the kernel's forward walk steps over them.
     const int64_t numel = lists[0][i].numel();
     const int64_t c = (numel + chunk - 1) / chunk;
-    TORCH_CHECK(meta.chunk_base + chunks + c < (int64_t{1} << 31), name, ": the lists hold more than 2^31 chunks");
+    MPT_CHECK(meta.chunk_base + chunks + c < (int64_t{1} << 31), name, ": the lists hold more than 2^31 chunks");
     const int k = meta.ntensors;
     for (int d = 0; d < DEPTH; ++d) meta.addr[d][k] = lists[d][i].data_ptr();
     meta.numel[k] = numel;
@@ -422,10 +422,10 @@ void multi_tensor_apply_queue(const std::vector<std::vector<at::Tensor>>& lists,
 inline const float* scalar_ptr(const std::optional<at::Tensor>& t, const at::Device& device, const char* name,
                                const char* what) {
   if (!t.has_value() || !t->defined()) return nullptr;
-  TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1, name, ": '", what,
+  MPT_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1, name, ": '", what,
               "' must be a float32 tensor with one element, got ", t->scalar_type(), " with ", t->numel(),
               " elements");
-  TORCH_CHECK(t->device() == device, name, ": '", what, "' is on ", t->device(), " but the tensors are on ",
+  MPT_CHECK(t->device() == device, name, ": '", what, "' is on ", t->device(), " but the tensors are on ",
               device);
   return t->data_ptr<float>();
 }
@@ -434,7 +434,7 @@ inline const float* scalar_ptr(const std::optional<at::Tensor>& t, const at::Dev
 inline void check_dtype(const std::vector<at::Tensor>& list, at::ScalarType dtype, const char* name,
                         const char* what) {
   for (size_t i = 0; i < list.size(); ++i)
-    TORCH_CHECK(list[i].scalar_type() == dtype, name, ": ", what, "[", i, "] has dtype ", list[i].scalar_type(),
+    MPT_CHECK(list[i].scalar_type() == dtype, name, ": ", what, "[", i, "] has dtype ", list[i].scalar_type(),
                 ", expected ", dtype);
 }
 
@@ -445,7 +445,7 @@ void fill_moment_args(Args& a, const char* name, const at::Device& device, doubl
                       const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2, double eps,
                       double weight_decay, bool maximize, const std::optional<at::Tensor>& grad_scale,
                       const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, name, ": betas must lie in [0, 1), got (",
+  MPT_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, name, ": betas must lie in [0, 1), got (",
               beta1, ", ", beta2, ")");  // log(0) = -inf gives a bias correction of exactly 1
   a.lr = static_cast<float>(lr);
   a.lr_ptr = scalar_ptr(lr_tensor, device, name, "lr");
@@ -475,7 +475,7 @@ inline bool check_moment_lists(const std::vector<at::Tensor>& grads, const std::
     check_dtype(exp_avg_sqs, pt, name, "exp_avg_sqs");
     return false;
   }
-  TORCH_CHECK(pt == at::kHalf || pt == at::kBFloat16, name, ": master weights are for float16/bfloat16 params, got ",
+  MPT_CHECK(pt == at::kHalf || pt == at::kBFloat16, name, ": master weights are for float16/bfloat16 params, got ",
               pt, "; pass an empty master list for float32 params");
   check_dtype(masters, at::kFloat, name, "masters");
   check_dtype(exp_avgs, at::kFloat, name, "exp_avgs");

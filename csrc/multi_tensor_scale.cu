@@ -34,7 +34,7 @@ void check_large_kernel_args_supported() {
     C10_CUDA_CHECK(cudaDriverGetVersion(&v));
     return v;
   }();
-  TORCH_CHECK(driver >= 12010,
+  MPT_CHECK(driver >= 12010,
               "mptrain multi-tensor kernels were built with CUDA >= 12.1 and pass up to 30 KB of kernel "
               "arguments, which needs a driver for CUDA 12.1 or newer; this driver supports CUDA ",
               driver / 1000, ".", (driver % 1000) / 10,
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kBlock) l2norm_final_kernel(const double* sq, 
 
 std::vector<at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors, bool per_tensor) {
   static const char* name = "multi_tensor_l2norm";
-  TORCH_CHECK(!tensors.empty(), name, ": got an empty list; pass at least one tensor");
+  MPT_CHECK(!tensors.empty(), name, ": got an empty list; pass at least one tensor");
   const auto fopts = tensors[0].options().dtype(at::kFloat);
   at::Tensor total = at::empty({}, fopts);
   at::Tensor norms = per_tensor ? at::empty({static_cast<int64_t>(tensors.size())}, fopts) : at::Tensor();
@@ -230,7 +230,7 @@ struct StepIncrementOp {
 void step_increment(const std::vector<at::Tensor>& steps, const float* found_inf, const char* name) {
   if (steps.empty()) return;
   for (size_t i = 0; i < steps.size(); ++i)
-    TORCH_CHECK(steps[i].scalar_type() == at::kFloat, name, ": step ", i, " must be float32, got ",
+    MPT_CHECK(steps[i].scalar_type() == at::kFloat, name, ": step ", i, " must be float32, got ",
                 steps[i].scalar_type());
   multi_tensor_apply<1>({steps}, 1u, StepIncrementOp{found_inf}, name);
 }
@@ -249,13 +249,13 @@ std::vector<at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tenso
 }
 
 void multi_tensor_set_variant(int64_t variant) {
-  TORCH_CHECK(variant >= 0 && variant <= 7,
+  MPT_CHECK(variant >= 0 && variant <= 7,
               "multi_tensor_set_variant: variant must be 0 (default) to 7 (see multi_tensor_adam.cu), got ", variant);
   mpt_mt::variant_override() = static_cast<int>(variant);
 }
 
 void multi_tensor_set_blocks_per_sm(int64_t blocks) {
-  TORCH_CHECK(blocks >= 0 && blocks <= 64, "multi_tensor_set_blocks_per_sm: blocks must be in [0, 64] (0 = automatic), got ",
+  MPT_CHECK(blocks >= 0 && blocks <= 64, "multi_tensor_set_blocks_per_sm: blocks must be in [0, 64] (0 = automatic), got ",
               blocks);
   mpt_mt::blocks_per_sm_override() = static_cast<int>(blocks);
 }

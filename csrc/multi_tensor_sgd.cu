@@ -117,7 +117,7 @@ void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at
   if (a.has_momentum) {
     check_dtype(momentum_buffers, master ? at::kFloat : pt, name, "momentum_buffers");
   } else {
-    TORCH_CHECK(momentum_buffers.empty(), name, ": momentum is 0, pass an empty momentum_buffers list");
+    MPT_CHECK(momentum_buffers.empty(), name, ": momentum is 0, pass an empty momentum_buffers list");
   }
   if (!master) {
     // Without momentum the buffer list is the params again; the op never touches it.
@@ -125,7 +125,7 @@ void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at
     MPT_DISPATCH_FLOAT_HALF_BF16(pt, name, T,
       multi_tensor_apply<4>({grads, params, bufs, steps}, 1u << 3, SgdOp<T, T, T, false>{a}, name));
   } else {
-    TORCH_CHECK(pt == at::kHalf || pt == at::kBFloat16, name,
+    MPT_CHECK(pt == at::kHalf || pt == at::kBFloat16, name,
                 ": master weights are for float16/bfloat16 params, got ", pt,
                 "; pass an empty master list for float32 params");
     check_dtype(masters, at::kFloat, name, "masters");

@@ -810,7 +810,7 @@ WideShape pick_wide_shape(int64_t nvec, bool forward, bool masked) {
   }
   if (std::strcmp(v, "rows") == 0) return WideShape::None;
   if (std::strcmp(v, "persist") == 0) return persist_shape(nvec);
-  TORCH_CHECK(std::strcmp(v, "wide") == 0, var, "=", v,
+  MPT_CHECK(std::strcmp(v, "wide") == 0, var, "=", v,
               " is not a softmax variant; use auto, rows, persist, wide, pair or lean1");
   if (nvec > 32 && nvec <= 64) return WideShape::W16x4;
   if (long_row) return WideShape::W32x8;
@@ -975,8 +975,8 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& y, at::Tensor& dx, int64
 void check_x(const char* name, const at::Tensor& x) {
   MPT_CHECK_CUDA(x, name);
   MPT_CHECK_CONTIGUOUS(x, name);
-  TORCH_CHECK(x.dim() >= 1, name, ": input must have at least one dimension");
-  TORCH_CHECK(x.size(-1) <= (int64_t(1) << 30), name, ": last dimension ", x.size(-1), " is too long (max 2^30)");
+  MPT_CHECK(x.dim() >= 1, name, ": input must have at least one dimension");
+  MPT_CHECK(x.size(-1) <= (int64_t(1) << 30), name, ": last dimension ", x.size(-1), " is too long (max 2^30)");
 }
 
 }  // namespace
@@ -988,7 +988,7 @@ void check_x(const char* name, const at::Tensor& x) {
 at::Tensor scaled_masked_softmax_forward(const at::Tensor& x, const std::optional<at::Tensor>& mask,
                                          double scale, bool causal) {
   check_x(kFwd, x);
-  TORCH_CHECK(!causal || x.dim() >= 2, kFwd, ": causal=True needs an input with at least 2 dims (..., queries, keys), got ",
+  MPT_CHECK(!causal || x.dim() >= 2, kFwd, ": causal=True needs an input with at least 2 dims (..., queries, keys), got ",
               x.sizes());
   const at::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty_like(x);
@@ -999,15 +999,15 @@ at::Tensor scaled_masked_softmax_forward(const at::Tensor& x, const std::optiona
   at::Tensor m;  // keeps a materialized mask alive during the launch
   if (mask.has_value() && mask->defined()) {
     m = *mask;
-    TORCH_CHECK(m.scalar_type() == at::kBool, kFwd, ": mask must be a bool tensor (True = masked out), got ",
+    MPT_CHECK(m.scalar_type() == at::kBool, kFwd, ": mask must be a bool tensor (True = masked out), got ",
                 m.scalar_type());
-    TORCH_CHECK(m.device() == x.device(), kFwd, ": mask on ", m.device(), " but input on ", x.device());
-    TORCH_CHECK(m.dim() <= x.dim() && at::infer_size(m.sizes(), x.sizes()) == x.sizes(), kFwd, ": mask of shape ",
+    MPT_CHECK(m.device() == x.device(), kFwd, ": mask on ", m.device(), " but input on ", x.device());
+    MPT_CHECK(m.dim() <= x.dim() && at::infer_size(m.sizes(), x.sizes()) == x.sizes(), kFwd, ": mask of shape ",
                 m.sizes(), " does not broadcast to the input's shape ", x.sizes());
     m = m.expand(x.sizes());
     if (!describe_mask(m, ml)) {
       m = m.contiguous();
-      TORCH_CHECK(describe_mask(m, ml), kFwd, ": internal error: contiguous mask not describable");
+      MPT_CHECK(describe_mask(m, ml), kFwd, ": internal error: contiguous mask not describable");
     }
   }
   MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), kFwd, scalar_t,
@@ -1020,7 +1020,7 @@ at::Tensor scaled_masked_softmax_backward(const at::Tensor& dy, const at::Tensor
   check_x(kBwd, y);
   MPT_CHECK_CUDA(dy, kBwd);
   MPT_CHECK_CONTIGUOUS(dy, kBwd);
-  TORCH_CHECK(dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(), kBwd,
+  MPT_CHECK(dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(), kBwd,
               ": grad_output must match the output's shape and dtype, got ", dy.sizes(), " ", dy.scalar_type(),
               " vs ", y.sizes(), " ", y.scalar_type());
   const at::cuda::CUDAGuard guard(y.device());

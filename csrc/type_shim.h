@@ -8,6 +8,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "check.h"
+
 // at::Half / at::BFloat16 are layout-compatible with __half / __nv_bfloat16 and
 // convert to float on the device, which is all the kernels need (math is fp32).
 #define MPT_DISPATCH_FLOAT_HALF_BF16(TYPE, NAME, SCALAR_T, ...)                   \
@@ -28,14 +30,14 @@
       break;                                                                     \
     }                                                                            \
     default:                                                                     \
-      TORCH_CHECK(false, NAME, ": unsupported dtype ", TYPE,                     \
-                  " (expected float32, float16 or bfloat16)");                   \
+      MPT_CHECK(false, NAME, ": unsupported dtype ", TYPE,                       \
+                " (expected float32, float16 or bfloat16)");                     \
   }
 
 #define MPT_CHECK_CUDA(x, NAME) \
-  TORCH_CHECK((x).is_cuda(), NAME, ": tensor '" #x "' must be a CUDA tensor, got ", (x).device())
+  MPT_CHECK((x).is_cuda(), NAME, ": tensor '" #x "' must be a CUDA tensor, got ", (x).device())
 #define MPT_CHECK_CONTIGUOUS(x, NAME) \
-  TORCH_CHECK((x).is_contiguous(), NAME, ": tensor '" #x "' must be contiguous")
+  MPT_CHECK((x).is_contiguous(), NAME, ": tensor '" #x "' must be contiguous")
 
 // Every launch is followed by this: a bad launch configuration surfaces at the
 // call site with the op's name instead of at some later unrelated sync.

@@ -66,10 +66,16 @@ class FusedLSTMCell(nn.LSTMCell):
             and not torch.is_autocast_enabled("cuda")
         ):
             h, c = hx
+            # Parameters straight from _parameters: each self.weight_ih goes through
+            # Module.__getattr__ (a Python call; four per step). Weights that are not plain
+            # registered parameters (parametrized, replaced by tensors) take the attributes.
+            p = self._parameters
+            try:
+                w_ih, w_hh, b_ih, b_hh = p["weight_ih"], p["weight_hh"], p["bias_ih"], p["bias_hh"]
+            except KeyError:
+                w_ih, w_hh, b_ih, b_hh = self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
             if h.dim() == 2 and c.dim() == 2:
-                return ext.lstm_cell_autograd(
-                    input, h, c, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
-                )
+                return ext.lstm_cell_autograd(input, h, c, w_ih, w_hh, b_ih, b_hh)
         if hx is not None and input.dim() == 2 and hx[0].dim() == 2 and hx[1].dim() == 2:
             return ops.lstm_cell(
                 input, hx[0], hx[1], self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh, fused=self.fused

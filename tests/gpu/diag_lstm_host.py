@@ -1,7 +1,9 @@
 """Where the host time of one LSTM cell fwd + autograd.grad goes (not a test).
 
 Prints host microseconds per call (perf_counter over N calls, one sync at the end) for
-building blocks, ours and nn.LSTMCell, then a torch.profiler CPU table of each."""
+building blocks, ours and nn.LSTMCell; the GPU time of the pointwise backward with the
+fused bias gradient against the plain kernel + dg.sum(0) (run 8); then a torch.profiler
+CPU table of each cell."""
 import sys
 from functools import partial
 
@@ -10,6 +12,7 @@ from torch import nn
 
 from mptrain.bench.common import host_us as _host_us
 from mptrain.nn.lstm import FusedLSTMCell
+from mptrain.ops import lstm as lstm_ops
 
 B, H = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (256, 1024)
 BF16 = torch.bfloat16
@@ -74,6 +77,49 @@ for name, fn in rows.items():
     else:
         us = host_us(fn)
     print(f"{name:45s} {us:8.1f} us/call")
+
+
+def gpu_us(fns, n=40, rounds=5, sleep_cycles=int(2e7)):
+    """GPU microseconds per call, host excluded: a long sleep kernel keeps the GPU busy
+    while the host queues n calls, which then run back to back between two events
+    (inter-kernel gaps included, as in a busy stream). fns: calls cycled through (inputs
+    rotated so that they do not sit in L2)."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda._sleep(sleep_cycles)
+        s.record()
+        for i in range(n):
+            fns[i % len(fns)]()
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e) * 1e3 / n)
+    return best
+
+
+# Run 8: the bias gradient summed inside the backward kernel vs the plain kernel + at::sum.
+ext = lstm_ops._extension()
+print("\nGPU time of the pointwise backward (us per call, bf16, inputs rotated over 4 sets)")
+for b in (256, 1024):
+    sets = []
+    for _ in range(4):
+        ig, cc = torch.randn(b, 4 * H, device=dev, dtype=BF16) * 2, torch.randn(b, H, device=dev, dtype=BF16)
+        _, c1, ws = ext.lstm_cell_pointwise_forward(ig, None, cc, None, None)
+        sets.append((torch.randn(b, H, device=dev, dtype=BF16), torch.randn(b, H, device=dev, dtype=BF16), cc, c1, ws,
+                     torch.randn(b, H, device=dev, dtype=BF16)))
+    wih, whh = torch.randn(4 * H, H, device=dev, dtype=BF16), torch.randn(4 * H, H, device=dev, dtype=BF16)
+    plain = [lambda s=s: ext.lstm_cell_pointwise_backward(s[0], None, s[1], s[2], s[3], s[4]) for s in sets]
+    plain_sum = [lambda s=s: ext.lstm_cell_pointwise_backward(s[0], None, s[1], s[2], s[3], s[4])[0].sum(0)
+                 for s in sets]
+    need = [False, False, True, False, False, True]  # dc + db: the plain kernel's dc, plus the bias sum
+    fused = [lambda s=s: ext.lstm_cell_backward(s[0], s[1], s[5], s[5], s[2], wih, whh, s[4], s[3], need)
+             for s in sets]
+    print(f"B={b:5d}: plain kernel {gpu_us(plain):7.2f}   plain + dg.sum(0) (before) {gpu_us(plain_sum):7.2f}   "
+          f"fused db (run 8) {gpu_us(fused):7.2f}")
+    print(f"         host: plain + dg.sum(0) {host_us(plain_sum[0]):7.2f}   fused db {host_us(fused[0]):7.2f}")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 

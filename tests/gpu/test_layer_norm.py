@@ -326,6 +326,21 @@ def test_backward_work_argument_is_checked():
         ext.layer_norm_backward(torch.ones_like(x), x, mean, rstd, None, None, 64, False, bad)
 
 
+def test_error_messages_with_numbers_raise():
+    # Run 8b: on the GPU machine a TORCH_CHECK message streaming a number segfaulted the
+    # process; csrc/check.h's MPT_CHECK formats the parts itself.  Sizes, a dtype and a
+    # device in one message each.
+    ext = ops.get_extension(required=True)
+    x = torch.randn(8, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="input with 512 elements is not a whole number of rows .* size 63"):
+        ext.layer_norm_forward(x, None, None, 63, 1e-5, False)
+    _, mean, rstd, _ = ext.layer_norm_forward(x, None, None, 64, 1e-5, False)
+    with pytest.raises(RuntimeError, match=r"grad_output must match .* got \[8, 32\] Float vs \[8, 64\] Float"):
+        ext.layer_norm_backward(torch.ones(8, 32, device="cuda"), x, mean, rstd, None, None, 64, False, None)
+    with pytest.raises(RuntimeError, match="must be a CUDA tensor, got cpu"):
+        ext.layer_norm_forward(x.cpu(), None, None, 64, 1e-5, False)
+
+
 def test_module_under_half_master_weights():
     from mptrain.nn import FusedLayerNorm
 

@@ -417,8 +417,7 @@ def _cell_with_torch_gemms(ext, x, h, c, w_ih, w_hh, b_ih, b_hh, dh, dc):
     gates.addmm_(h, w_hh.t())
     h1, c1, ws = ext.lstm_cell_pointwise_forward(gates, None, c, b_ih, b_hh)
     dg, dc0 = ext.lstm_cell_pointwise_backward(dh, None, dc, c, c1, ws)
-    return [h1, c1, ws], [torch.mm(dg, w_ih), torch.mm(dg, w_hh), dc0, torch.mm(dg.t(), x), torch.mm(dg.t(), h),
-                          dg.sum(0)]
+    return [h1, c1, ws], [torch.mm(dg, w_ih), torch.mm(dg, w_hh), dc0, torch.mm(dg.t(), x), torch.mm(dg.t(), h)]
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
@@ -431,8 +430,11 @@ def test_cell_direct_cublas_is_torch_gemms_bitwise(ext, reduced_reduction, dtype
     bwd = ext.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, fwd[2], fwd[1], [True] * 6)
     fwd_t, bwd_t = _cell_with_torch_gemms(ext, x, h, c, w_ih, w_hh, b_ih, b_hh, dh, dc)
     same = B >= 2  # see the section comment
-    for name, got, want in zip(["h'", "c'", "ws", "dx", "dh", "dc", "dw_ih", "dw_hh", "db"], fwd + bwd, fwd_t + bwd_t):
+    for name, got, want in zip(["h'", "c'", "ws", "dx", "dh", "dc", "dw_ih", "dw_hh"], fwd + bwd[:5], fwd_t + bwd_t):
         assert_same(got, want, same, name)
+    # db is summed by the backward kernel (fp32, fixed order), not by torch's sum: checked
+    # against float64 in test_cell_bias_grad_fused_sum; here only that it is the bias's.
+    assert bwd[5].dtype == dtype and bwd[5].shape == (4 * H,)
     # Through the C++ autograd node: the same calls, so the same bits.
     leaves = [t.clone().requires_grad_() for t in (x, h, c, w_ih, w_hh, b_ih, b_hh)]
     out = lstm_ops.lstm_cell(*leaves, fused=True)
@@ -517,6 +519,7 @@ def test_cell_gemms_skip_aten_only_for_16bit(ext, dtype):
         torch.autograd.grad(out, (x, h, c, w_ih, w_hh, b_ih, b_hh), [torch.ones_like(t) for t in out])
     names = {e.name for e in prof.events()}
     gemm_ops = names & {"aten::mm", "aten::addmm_", "aten::addmm", "aten::matmul"}
+    assert "aten::sum" not in names  # the bias gradient is summed inside the backward kernel (run 8)
     if dtype == torch.float32:
         assert gemm_ops, sorted(names)
     else:
@@ -552,3 +555,246 @@ def test_cell_and_layer_fwd_bwd_cuda_graph_direct_cublas(ext, dtype):
     for i, (got, want) in enumerate(zip(captured, step())):
         rtol, atol = SAME_INPUT_TOL[dtype]
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=f"output {i}")
+
+
+# ---------------------------------------------------------------- fused bias gradient (run 8)
+# The cell backward kernel sums db over the batch rows itself: fp32 gate gradients before
+# rounding, per block in a fixed tree, then (several row chunks) the last block of each
+# column strip adds the chunks' fp32 partials in chunk order (an atomic ticket finds it).
+
+# Row counts around the kernel's chunking: a 16-bit vector launch has 64 row lanes and at
+# most 16 chunks (B=1024: 16 chunks of 64 rows, B=2049: 11 chunks of 192 rows); the scalar
+# path (odd H) has 8 lanes; fp32 vectors 32.
+DB_SIZES = [(1, 1), (1, 1024), (2, 33), (63, 8), (64, 1024), (65, 24), (256, 1024), (257, 1023), (1000, 40),
+            (1024, 1024), (2049, 64), (130, 1)]
+
+
+def _db_inputs(B, H, dtype, seed):
+    torch.manual_seed(seed)
+    ig, c = randn(B, 4 * H, dtype=dtype, scale=2), randn(B, H, dtype=dtype)
+    _, c1, ws = lstm_ops._extension().lstm_cell_pointwise_forward(ig, None, c, None, None)
+    return c, c1, ws, randn(B, H, dtype=dtype), randn(B, H, dtype=dtype)
+
+
+def _db_reference_and_tol(c, c1, ws, dh, dc, dtype):
+    """float64 db from the same (rounded) saved tensors, and a per-column bound: half an ulp
+    of the storage dtype (the final rounding, subnormals included) + fp32 error (the
+    kernel's gate math, a few ulps of the terms it combines; summation depth well below 64)."""
+    d = [t.double() for t in (dh, dc, c, c1, ws)]
+    dg, _ = reference.lstm_cell_pointwise_backward(d[0], None, d[1], d[2], d[3], d[4])
+    want = dg.sum(0)
+    scale = ((d[0].abs() + d[1].abs()) * (1 + d[2].abs())).sum(0).repeat(4)  # bounds |gate grad terms|
+    u32 = 2.0**-24
+    fi = torch.finfo(dtype)
+    tol = 0.5 * fi.eps * (want.abs() + fi.smallest_normal) + u32 * (64 * dg.abs().sum(0) + 16 * scale)
+    return want, tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H", DB_SIZES)
+def test_cell_bias_grad_fused_sum(ext, dtype, B, H):
+    """db from the cell backward vs float64, tight per column (a dropped or doubled row, a
+    chunk or a strip summed wrong, or rounding the gate gradients before the sum at large B
+    gives errors well above the bound); deterministic run to run; the same with db alone."""
+    c, c1, ws, dh, dc = _db_inputs(B, H, dtype, seed=B * 31 + H)
+    x, h = randn(B, 5, dtype=dtype), randn(B, H, dtype=dtype)
+    w_ih, w_hh = randn(4 * H, 5, dtype=dtype), randn(4 * H, H, dtype=dtype)
+    poison([4 * H, B * 4 * H], dtype)
+    r = ext.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c1, [True] * 6)
+    db = r[5]
+    assert db.dtype == dtype and db.shape == (4 * H,) and torch.isfinite(db).all()
+    want, tol = _db_reference_and_tol(c, c1, ws, dh, dc, dtype)
+    err = (db.double() - want).abs()
+    assert (err <= tol).all(), (err - tol).max().item()
+    # the gate gradients (seen through dx = dg W_ih) and dc, written by the same launch
+    dg64, dc64 = reference.lstm_cell_pointwise_backward(dh.double(), None, dc.double(), c.double(), c1.double(),
+                                                        ws.double())
+    assert rel_err(r[0], dg64 @ w_ih.double()) < 2 * norm_tol(dtype)
+    rtol, atol = SAME_INPUT_TOL[dtype]
+    torch.testing.assert_close(r[2].double(), dc64, rtol=rtol, atol=atol)
+    for need in ([True] * 6, [False] * 5 + [True], [False, True, False, False, False, True]):
+        again = ext.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c1, need)
+        assert torch.equal(again[5], db), need
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,H", [(256, 1024), (1000, 40)])
+def test_cell_bias_grad_fused_sum_scalar_path(ext, dtype, B, H):
+    """A misaligned c (an offset view) sends the launch down the unvectorised path, which
+    has 8 row lanes: more rows per lane and other chunk counts at the same sizes."""
+    c, c1, ws, dh, dc = _db_inputs(B, H, dtype, seed=B + 7 * H)
+    c_mis = randn(B * H + 1, dtype=dtype)[1:].view(B, H)
+    c_mis.copy_(c)
+    x, h = randn(B, 5, dtype=dtype), randn(B, H, dtype=dtype)
+    w_ih, w_hh = randn(4 * H, 5, dtype=dtype), randn(4 * H, H, dtype=dtype)
+    db = ext.lstm_cell_backward(dh, dc, x, h, c_mis, w_ih, w_hh, ws, c1, [False] * 5 + [True])[5]
+    want, tol = _db_reference_and_tol(c, c1, ws, dh, dc, dtype)
+    err = (db.double() - want).abs()
+    assert (err <= tol).all(), (err - tol).max().item()
+
+
+def test_cell_bias_grad_without_upstream_grads_and_empty_batch(ext):
+    """dh and dc both absent (outputs unused): db is zero; B = 0: db is zero."""
+    c, c1, ws, _, _ = _db_inputs(70, 16, torch.bfloat16, seed=3)
+    x, w_ih, w_hh = randn(70, 5, dtype=torch.bfloat16), randn(64, 5, dtype=torch.bfloat16), randn(64, 16, dtype=torch.bfloat16)
+    r = ext.lstm_cell_backward(None, None, x, c, c, w_ih, w_hh, ws, c1, [False] * 5 + [True])
+    assert torch.equal(r[5], torch.zeros_like(r[5]))
+    e = torch.empty(0, 16, device="cuda", dtype=torch.bfloat16)
+    r = ext.lstm_cell_backward(None, None, e[:, :5], e, e, w_ih, w_hh, torch.empty(0, 64, device="cuda",
+                                                                                  dtype=torch.bfloat16), e,
+                               [False] * 5 + [True])
+    assert r[5].shape == (64,) and (r[5] == 0).all()
+
+
+@pytest.mark.parametrize("B,H", [(256, 1024), (1000, 40), (65, 1023)])
+def test_cell_bias_grad_streams_and_cuda_graph_are_bitwise_eager(ext, B, H):
+    """The tickets: per stream when eager (side stream, then default stream, alternating
+    sizes so a strip's ticket is reused with other chunk counts), per launch inside a
+    captured graph (own tickets + memset node). Same bits everywhere, on every replay."""
+    dtype = torch.bfloat16
+    c, c1, ws, dh, dc = _db_inputs(B, H, dtype, seed=B + H)
+    x, h = randn(B, 5, dtype=dtype), randn(B, H, dtype=dtype)
+    w_ih, w_hh = randn(4 * H, 5, dtype=dtype), randn(4 * H, H, dtype=dtype)
+    need = [False] * 5 + [True]
+    eager = ext.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c1, need)[5]
+    small = _db_inputs(3, 8, dtype, seed=1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            on_side = ext.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c1, need)[5]
+            ext.lstm_cell_backward(small[3], small[4], small[0], small[0], small[0], randn(32, 8, dtype=dtype),
+                                   randn(32, 8, dtype=dtype), small[2], small[1], need)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(on_side, eager)
+    g, captured = capture_graph(lambda: ext.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c1, need)[5])
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+    # and the eager launch after the graph (its tickets untouched by the replays)
+    assert torch.equal(ext.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c1, need)[5], eager)
+
+
+# ---------------------------------------------------------------- the hand-written autograd node (run 8)
+# csrc/lstm_autograd.cu's node replaced a torch::autograd::Function: the same contract is
+# checked here on the real extension (CPU tensors take the node's ATen path, which allows
+# float64 gradcheck; CUDA tensors its kernels). On torch < 2.14 the node is a shared_ptr
+# with torch's deleteNode, on newer torch an intrusive_ptr: the long chain checks that.
+
+
+def _node_inputs(device, dtype, bias=(True, True), B=3, I=4, H=5, seed=0):
+    torch.manual_seed(seed)
+    r = lambda *s: torch.randn(*s, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
+    t = [r(B, I), r(B, H), r(B, H), r(4 * H, I) * 0.5, r(4 * H, H) * 0.5, r(4 * H), r(4 * H)]
+    return t[:5] + [t[5] if bias[0] else None, t[6] if bias[1] else None]
+
+
+@pytest.mark.parametrize("bias", [(True, True), (False, False), (True, False), (False, True)])
+def test_node_gradcheck_cpu_path(ext, bias):
+    t = [None if v is None else v.requires_grad_() for v in _node_inputs("cpu", torch.float64, bias)]
+    torch.autograd.gradcheck(lambda *a: ext.lstm_cell_autograd(*a), t)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("bias", [(True, False), (False, True)])
+def test_node_one_bias_gets_its_gradient(ext, device, bias):
+    """With one bias absent, the present one's gradient sits at edge 5 either way."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    t = [None if v is None else v.requires_grad_() for v in _node_inputs(device, dtype, bias)]
+    r = [None if v is None else v.detach().double().requires_grad_() for v in t]
+    out, out_r = ext.lstm_cell_autograd(*t), reference.lstm_cell(*r)
+    cot = [torch.randn_like(o) for o in out_r]
+    leaves = [v for v in t if v is not None]
+    g = torch.autograd.grad(out, leaves, [c.to(dtype) for c in cot])
+    g_r = torch.autograd.grad(out_r, [v for v in r if v is not None], cot)
+    for a, b in zip(g, g_r):
+        assert rel_err(a, b) < 10 * norm_tol(torch.float32)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_node_retain_graph_and_second_backward(ext, device):
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    t = [v.requires_grad_() for v in _node_inputs(device, dtype)]
+    out = ext.lstm_cell_autograd(*t)
+    assert out[0].grad_fn.name() == "LSTMCellBackward" and out[1].grad_fn is out[0].grad_fn
+    cot = [torch.randn_like(o) for o in out]
+    g1 = torch.autograd.grad(out, t, cot, retain_graph=True)
+    g2 = torch.autograd.grad(out, t, cot)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(out, t, cot)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("victim", ["x", "h", "c", "w_ih", "c_new"])
+def test_node_in_place_change_of_a_saved_tensor_raises(ext, device, victim):
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    t = _node_inputs(device, dtype)
+    t[3].requires_grad_()
+    k = {"x": 0, "h": 1, "c": 2}.get(victim)
+    if k is not None:
+        t[k] = t[k].clone().requires_grad_() * 1.0  # a non-leaf input that may be changed in place
+    out = ext.lstm_cell_autograd(*t)
+    target = out[1] if victim == "c_new" else t[3] if victim == "w_ih" else t[k]
+    with torch.no_grad():
+        target.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out[0].sum().backward()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_node_grad_mode_off_saved_tensor_hooks_and_forward_ad(ext, device):
+    import torch.autograd.forward_ad as fwAD
+
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    t = [v.requires_grad_() for v in _node_inputs(device, dtype)]
+    with torch.no_grad():
+        h, c = ext.lstm_cell_autograd(*t)
+    assert h.grad_fn is None and not h.requires_grad and not c.requires_grad
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda v: packed.append(1) or v, lambda v: v):
+        out = ext.lstm_cell_autograd(*t)
+    assert len(packed) == 7  # x, h, c, w_ih, w_hh, the activated gates, c'
+    out[0].sum().backward()
+    with fwAD.dual_level():
+        x = fwAD.make_dual(t[0].detach(), torch.ones_like(t[0]))
+        with pytest.raises(RuntimeError, match="forward-mode AD"):
+            ext.lstm_cell_autograd(x, *t[1:])
+
+
+def test_node_long_chain_is_freed_without_deep_recursion(ext):
+    H = 2
+    w = [torch.randn(4 * H, H, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    h = c = torch.zeros(1, H, dtype=torch.float64, requires_grad=True)
+    for _ in range(100_000):
+        h, c = ext.lstm_cell_autograd(h, h, c, w[0], w[1], None, None)
+    del h, c  # recursive destruction of 100k nodes would overflow the stack
+
+
+def test_module_fast_path_reads_parameters_and_honours_parametrizations(ext):
+    """FusedLSTMCell's step path takes its weights from _parameters (run 8); a parametrized
+    weight is not there and must still be used as the attribute computes it."""
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    cell = FusedLSTMCell(6, 8, device="cuda", dtype=torch.bfloat16, fused=True)
+    x, h, c = (randn(4, n, dtype=torch.bfloat16) for n in (6, 8, 8))
+    plain = cell(x, (h, c))
+    want = reference.lstm_cell(x, h, c, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+    for o, w in zip(plain, want):
+        assert rel_err(o, w) < norm_tol(torch.bfloat16)
+    parametrize.register_parametrization(cell, "weight_hh", Double())
+    doubled = cell(x, (h, c))
+    want = reference.lstm_cell(x, h, c, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+    for o, w in zip(doubled, want):
+        assert rel_err(o, w) < norm_tol(torch.bfloat16)
+    assert not torch.equal(doubled[0], plain[0])
+    doubled[0].float().sum().backward()
+    assert cell.parametrizations.weight_hh.original.grad is not None
