@@ -69,6 +69,22 @@ rows = {
 with torch.no_grad():
     rows["ours fwd no_grad"] = fwd(ours)
     rows["nn.LSTMCell fwd no_grad"] = fwd(ref)
+# Run 8e: the pieces of our step called directly (no autograd, no module), so that
+# fwd+grad minus these is the autograd engine's share.
+_ext = lstm_ops._extension()
+_w = [t.detach() for t in ours.parameters()]
+_hd, _cd = h.detach(), c.detach()
+_h1, _c1, _ws = _ext.lstm_cell_forward(xd, _hd, _cd, *_w)
+_gates = torch.empty(B, 4 * H, device=dev, dtype=BF16)
+_dw = torch.empty(4 * H, H, device=dev, dtype=BF16)
+rows.update({
+    "ext.lstm_cell_forward direct": lambda: _ext.lstm_cell_forward(xd, _hd, _cd, *_w),
+    "ext.lstm_cell_backward direct (all 6 grads)": lambda: _ext.lstm_cell_backward(
+        cot[0], cot[1], xd, _hd, _cd, _w[0], _w[1], _ws, _c1, [True] * 6),
+    "ext.lstm_gemm_rm (B,H)x(H,4H) direct cuBLAS": lambda: _ext.lstm_gemm_rm(_gates, xd, False, _w[0], True, 0.0),
+    "ext.lstm_gemm_rm dW (4H,B)x(B,H) direct cuBLAS": lambda: _ext.lstm_gemm_rm(_dw, _gates, True, xd, False, 0.0),
+    "ext.lstm_cell_pointwise_forward direct": lambda: _ext.lstm_cell_pointwise_forward(_gates, None, _cd, None, None),
+})
 print(f"B={B} H={H}")
 for name, fn in rows.items():
     if "no_grad" in name:
