@@ -9,11 +9,13 @@
 //    dgamma / dbeta partial sums: each thread always owns the same columns, so it sums
 //    dy*xhat and dy over every row it visits in fp32 registers; a persistent grid of
 //    one or two blocks per SM (see BwdShape) keeps the [blocks, H] partial buffer small,
-//    and a second tiny kernel reduces it in a fixed order (deterministic, no atomics); or,
-//    with MPT_LN_BWD=coop, the same kernel does that reduction after a grid-wide barrier
-//    (cooperative launch), saving a launch and its tail at small shapes.  The next
-//    row's x / dy are loaded before the current row is reduced (software pipelining)
-//    where registers allow, to keep enough bytes in flight with one block per SM.
+//    and a second tiny kernel reduces it in a fixed order (deterministic, no float
+//    atomics); the split4 backward (the default at rows <= 1024 bf16) instead has its
+//    last blocks do that reduction themselves (fold_finish, since run 8); with
+//    MPT_LN_BWD=coop, the same kernel does it after a grid-wide barrier (cooperative
+//    launch).  The next row's x / dy are loaded before the current row is reduced
+//    (software pipelining) where registers allow, to keep enough bytes in flight with
+//    one block per SM.
 //  * backward of rows <= 128 vectors (<= 1024 bf16), the default since run 6 (split4):
 //    one 16-byte vector per thread and ceil(nvec/32) warps per row, so the per-thread
 //    accumulators are small and the registers go to 4 rows of x and dy loaded ahead
