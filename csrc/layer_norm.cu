@@ -187,149 +187,6 @@ ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __r
   }
 }
 
-// ---- split rows, persistent (MPT_LN_FWD=split, run 8) -----------------------------------
-// The backward's split4 layout for the forward: one 16-byte vector per thread, a row on
-// TPR = 32 * ceil(nvec / 32) threads, a resident grid that walks the rows, and DEPTH rows
-// of x loaded ahead in registers.  Why: the default forward is one wave of short blocks
-// that each load their rows, reduce, store and exit (fit over run 8d's shapes: ~5.2 us of
-// fixed cost per call at ~3.8 TB/s), so reads stop while a block reduces and stores; here
-// every warp keeps DEPTH rows of loads in flight while it reduces the current one.  Still
-// two passes over the registers for the variance (exact); two group barriers per row.
-template <typename T, typename W, int TPR, int BLOCK, int DEPTH>
-struct SplitFwd {
-  static constexpr int VEC = Vec16<T>::n, G = BLOCK / TPR, WPG = TPR / 32, SLOTS = DEPTH + 1;
-  static_assert(BLOCK % TPR == 0 && TPR % 32 == 0, "split fwd: BLOCK must be whole row groups of whole warps");
-  static_assert(G <= 15, "split fwd: at most 15 row groups per block (named barriers 1..15)");
-  static_assert(SLOTS >= 2 && SLOTS <= 8, "split fwd: DEPTH 1..7");
-
-  const T* x;
-  T* y;
-  float* mean_out;
-  float* rstd_out;
-  int64_t rows, stride;
-  int H, lane, g;
-  bool rms, has_col;
-  float eps, inv_h;
-  float gw[VEC], bw[VEC];
-  bool has_gamma, has_beta;
-  uint4 buf[SLOTS];
-  float (*red)[2][G][WPG];  // [2 parity][2 phase][G][WPG] shared
-
-  __device__ __forceinline__ void load(uint4& v, int64_t row) const {
-    v = (row < rows && has_col) ? load16(x + row * H + lane * VEC) : make_uint4(0, 0, 0, 0);
-  }
-
-  // Sum of `v` over the row group, the same value in every thread (fixed order).
-  __device__ __forceinline__ float group_sum(float v, int par, int phase) const {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if constexpr (WPG > 1) {
-      if (lane % 32 == 0) red[par][phase][g][lane / 32] = v;
-      group_barrier(1 + g, TPR);
-      v = red[par][phase][g][0];
-#pragma unroll
-      for (int k = 1; k < WPG; ++k) v += red[par][phase][g][k];
-    }
-    return v;
-  }
-
-  template <int S>
-  __device__ __forceinline__ void step(int64_t row, int par) {
-    load(buf[(S + DEPTH) % SLOTS], row + DEPTH * stride);
-    float f[VEC];
-    unpack<T>(buf[S], f);
-    float mu = 0.f;
-    if (!rms) {
-      float a = 0.f;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) a += f[k];
-      mu = group_sum(a, par, 0) * inv_h;
-    }
-    float q = 0.f;
-    if (has_col) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float d = f[k] - mu;
-        q += d * d;
-      }
-    }
-    const float rs = rsqrtf(group_sum(q, par, 1) * inv_h + eps);
-    if (lane == 0) {
-      if (mean_out) mean_out[row] = mu;
-      rstd_out[row] = rs;
-    }
-    if (has_col) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        float o = (f[k] - mu) * rs;
-        if (has_gamma) o *= gw[k];
-        if (has_beta) o += bw[k];
-        f[k] = o;
-      }
-      store16(y + row * H + lane * VEC, pack<T>(f));
-    }
-  }
-};
-
-template <typename T, typename W, int TPR, int BLOCK, int DEPTH>
-__global__ void __launch_bounds__(BLOCK)
-ln_fwd_split_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __restrict__ beta,
-                    T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                    unsigned* __restrict__ work, int64_t rows, int H, float eps, bool rms) {
-  using K = SplitFwd<T, W, TPR, BLOCK, DEPTH>;
-  constexpr int VEC = K::VEC, G = K::G;
-  __shared__ float red[2][2][G][K::WPG];
-  pdl_launch_dependents();
-  pdl_wait();
-  zero_fold_counter(work);
-  K k;
-  k.x = x;
-  k.y = y;
-  k.mean_out = mean_out;
-  k.rstd_out = rstd_out;
-  k.rows = rows;
-  k.stride = int64_t(gridDim.x) * G;
-  k.H = H;
-  k.g = threadIdx.x / TPR;
-  k.lane = threadIdx.x % TPR;
-  k.rms = rms;
-  k.has_col = k.lane < H / VEC;
-  k.eps = eps;
-  k.inv_h = 1.f / H;
-  k.red = red;
-  k.has_gamma = gamma != nullptr;
-  k.has_beta = beta != nullptr;
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) k.gw[i] = k.bw[i] = 0.f;
-  if (k.has_col) {
-    if (gamma) load_floats<W, VEC>(gamma + k.lane * VEC, k.gw);
-    if (beta) load_floats<W, VEC>(beta + k.lane * VEC, k.bw);
-  }
-  int64_t row = int64_t(blockIdx.x) * G + k.g;
-#pragma unroll
-  for (int s = 0; s < DEPTH; ++s) k.load(k.buf[s], row + s * k.stride);
-  // Every thread of a group sees the same rows, so the group's barriers match up.
-  int par = 0;
-  while (row < rows) {
-#define MPT_SPLIT_FWD_STEP(S)                               \
-  if constexpr (S < K::SLOTS) {                             \
-    if (row >= rows) break;                                 \
-    k.template step<S>(row, par);                           \
-    row += k.stride;                                        \
-    par ^= 1;                                               \
-  }
-    MPT_SPLIT_FWD_STEP(0)
-    MPT_SPLIT_FWD_STEP(1)
-    MPT_SPLIT_FWD_STEP(2)
-    MPT_SPLIT_FWD_STEP(3)
-    MPT_SPLIT_FWD_STEP(4)
-    MPT_SPLIT_FWD_STEP(5)
-    MPT_SPLIT_FWD_STEP(6)
-    MPT_SPLIT_FWD_STEP(7)
-#undef MPT_SPLIT_FWD_STEP
-  }
-}
-
 // Any H, any alignment: scalar loads, three passes over the row (the re-reads hit L1/L2).
 template <typename T, typename W, int TPR, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
@@ -1048,41 +905,16 @@ bool fold_enabled() {
 // ---- forward ----
 // $MPT_LN_FWD: "auto" (default): the register-cached ln_fwd_kernel (non-persistent), R = 2
 // rows per warp where a row is one warp's (<= 128 vectors), one row per group elsewhere.
-// "r1": one row per warp everywhere (the kernel before run 7, kept to compare).  "split"
-// (run 8): ln_fwd_split_kernel at rows of <= 128 vectors (auto's kernels elsewhere).
-// ("ring", a persistent cp.async variant, lost in run 5, "r4" in run 7, and "o8" -- R = 2
-// held to 64 registers so 8 blocks fit an SM (1.94 waves at 16384x1024 instead of 2.2) --
-// in run 8: 71.1% vs 72.5% of the fwd floor; all removed.)  A stale or misspelt setting
-// fails instead of silently running auto.  Returns rows per warp, or kFwdSplit.
-constexpr int kFwdSplit = 0;
+// "r1": one row per warp everywhere (the kernel before run 7, kept to compare).  ("ring", a
+// persistent cp.async variant, lost in run 5, "r4" in run 7, and "o8" -- R = 2 held to 64
+// registers so 8 blocks fit an SM (1.94 waves at 16384x1024 instead of 2.2) -- in run 8:
+// 71.1% vs 72.5% of the fwd floor; all removed.)  A stale or misspelt setting fails
+// instead of silently running auto.
 int fwd_rows_per_group() {
   const char* v = env_value("MPT_LN_FWD");
   if (v == nullptr || std::strcmp(v, "auto") == 0) return 2;
-  if (std::strcmp(v, "split") == 0) return kFwdSplit;
-  MPT_CHECK(std::strcmp(v, "r1") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto, split or r1");
+  MPT_CHECK(std::strcmp(v, "r1") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto or r1");
   return 1;
-}
-
-// The split forward for rows of TPR / 32 warps: blocks of 256 threads (8 / 4 / 2 row groups
-// of 1 / 2 / 4 warps), 3-warp rows in blocks of 480 (5 groups); DEPTH 4 rows ahead.
-template <typename T, typename W, int WPG>
-void launch_fwd_split_wpg(const T* xp, const W* gp, const W* bp, T* yp, float* mean, float* rstd, unsigned* work,
-                          int64_t rows, int H, float eps, bool rms, cudaStream_t stream, bool pdl) {
-  constexpr int TPR = 32 * WPG, BLOCK = WPG == 3 ? 480 : 256, G = BLOCK / TPR;
-  auto kernel = ln_fwd_split_kernel<T, W, TPR, BLOCK, 4>;
-  static const int per_sm = blocks_per_sm(kernel, BLOCK, 0);
-  const int64_t grid = balanced_grid((rows + G - 1) / G, int64_t(num_sms()) * per_sm);
-  launch_kernel(kernel, grid, BLOCK, 0, stream, pdl, xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms);
-  MPT_CHECK_LAUNCH(kFwd);
-}
-
-template <typename T, typename W>
-void launch_fwd_split(int64_t nvec, const T* xp, const W* gp, const W* bp, T* yp, float* mean, float* rstd,
-                      unsigned* work, int64_t rows, int H, float eps, bool rms, cudaStream_t stream, bool pdl) {
-  if (nvec <= 32) launch_fwd_split_wpg<T, W, 1>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
-  else if (nvec <= 64) launch_fwd_split_wpg<T, W, 2>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
-  else if (nvec <= 96) launch_fwd_split_wpg<T, W, 3>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
-  else launch_fwd_split_wpg<T, W, 4>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
 }
 
 template <typename T, typename W, int TPR, int NV, int R>
@@ -1109,13 +941,10 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
   const RowShape shape = aligned ? pick_row_shape(H / VEC) : RowShape::Generic;
   const bool pdl = use_pdl();
   const int R = fwd_rows_per_group();
-  if (R == kFwdSplit && shape != RowShape::Generic && H / VEC <= 128) {
-    launch_fwd_split<T, W>(H / VEC, xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
-  } else if (shape != RowShape::Generic) {
+  if (shape != RowShape::Generic) {
     MPT_ROW_SHAPE_SWITCH(shape, {
       if constexpr (TPR == 32) {
-        if (R == 2 || R == kFwdSplit)  // split only takes rows of <= 128 vectors
-          launch_fwd_rows<T, W, TPR, NV, 2>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
+        if (R == 2) launch_fwd_rows<T, W, TPR, NV, 2>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
         else launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
       } else {
         launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);

@@ -11,8 +11,8 @@ Rows, per shape:
 * ``fwd`` alone and ``bwd`` alone (bf16-weight LayerNorm): each kernel against its own
   floor, so the fwd+bwd time can be split; ``bwd`` calls the backward ops directly
   (ours and aten's) on the saved statistics of one forward per input set.
-Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto | r1 |
-split: rows per warp, or the persistent split-row forward), $MPT_LN_BWD (auto | b256 | b512 | coop | split4), $MPT_LN_PDL (0 | 1,
+Launch variants (csrc/layer_norm.cu reads them on every call): $MPT_LN_FWD (auto | r1:
+rows per warp), $MPT_LN_BWD (auto | b256 | b512 | coop | split4), $MPT_LN_PDL (0 | 1,
 programmatic dependent launch), $MPT_LN_FINISH (auto | 8 | 32: column tile of the
 dgamma / dbeta finish kernel), $MPT_LN_FOLD (1 | 0: split4 finishes dgamma / dbeta itself,
 or leaves it to the finish kernel).  The default (auto / auto / 1 / auto / 1; auto's
@@ -53,7 +53,6 @@ FULL_VARIANTS = [
     {BWD_ENV: "coop"},
     {PDL_ENV: "0"},
     {FWD_ENV: "r1"},
-    {FWD_ENV: "split"},
     {FIN_ENV: "8"},
     {FIN_ENV: "32"},
     {FOLD_ENV: "0"},
@@ -61,15 +60,14 @@ FULL_VARIANTS = [
 # The fp32-weight and RMSNorm rows: the default and the PDL switch only (they share the
 # kernels; these rows check the levers carry over).
 SHORT_VARIANTS = [{}, {PDL_ENV: "0"}]
-FWD_ONLY_VARIANTS = [{}, {PDL_ENV: "0"}, {FWD_ENV: "r1"}, {FWD_ENV: "split"}]
+FWD_ONLY_VARIANTS = [{}, {PDL_ENV: "0"}, {FWD_ENV: "r1"}]
 # The quick round: the default (split4 at rows of <= 1024 bf16) against run 5's table.
 SPLIT_VARIANTS = [{}, {BWD_ENV: "b256"}, {BWD_ENV: "b512"}]
 SPLIT_CASES = [(16384, 1024), (65536, 768)]
 # The backward-only rows: every fwd+bwd variant that touches the backward.
 BWD_ONLY_VARIANTS = [v for v in FULL_VARIANTS if FWD_ENV not in v]
-# run 8's quick round (MPT_BENCH_NORM=fold): the in-kernel finish against the separate kernel,
-# and the persistent split forward.
-FOLD_VARIANTS = [{}, {FOLD_ENV: "0"}, {FWD_ENV: "split"}]
+# run 8's quick round (MPT_BENCH_NORM=fold): the in-kernel finish against the separate kernel.
+FOLD_VARIANTS = [{}, {FOLD_ENV: "0"}]
 
 
 @contextlib.contextmanager
@@ -253,12 +251,10 @@ def run_split() -> list[Result]:
 
 def run_fold() -> list[Result]:
     """Run 8's quick round: dgamma / dbeta finished in the backward against the separate
-    finish kernel and the split forward against auto's, as fwd, bwd and fwd+bwd rows at the
-    three target shapes."""
+    finish kernel, as bwd and fwd+bwd rows at the three target shapes."""
     results = []
     for rows, hidden in CASES:
-        results += _fwd_only_rows(rows, hidden, 100.0, [v for v in FOLD_VARIANTS if FOLD_ENV not in v])
-        results += _bwd_only_rows(rows, hidden, 100.0, [v for v in FOLD_VARIANTS if FWD_ENV not in v])
+        results += _bwd_only_rows(rows, hidden, 100.0, FOLD_VARIANTS)
         results += _fwd_bwd_rows(rows, hidden, "layer", torch.bfloat16, FOLD_VARIANTS, 100.0)
     return results
 

@@ -125,22 +125,10 @@ def test_backward_variants(monkeypatch, variant, combo, hidden):
     compare_one_and_many_rows(combo, hidden, seed=hidden, what=variant)
 
 
-def _settings_id(env):
-    return "+".join(f"{k[7:].lower()}={v}" for k, v in env.items())
+SPLIT = ["split4"]
 
 
-def _set_env(monkeypatch, env):
-    for k in ("MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL", "MPT_LN_FINISH", "MPT_LN_FOLD"):
-        monkeypatch.delenv(k, raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-
-
-# The split-row kernels: the backward (split4) and, since run 8, the persistent forward.
-SPLIT = [{"MPT_LN_BWD": "split4"}, {"MPT_LN_FWD": "split"}]
-
-
-@pytest.mark.parametrize("variant", SPLIT, ids=_settings_id)
+@pytest.mark.parametrize("variant", SPLIT)
 @pytest.mark.parametrize("combo,hidden,rows", [(COMBOS[2], 1024, 70_000), (COMBOS[4], 768, 90_001),
                                                (COMBOS[0], 512, 50_000), (COMBOS[3], 256, 40_003),
                                                (COMBOS[1], 96, 20_000)],
@@ -148,7 +136,7 @@ SPLIT = [{"MPT_LN_BWD": "split4"}, {"MPT_LN_FWD": "split"}]
 def test_split_many_rows_per_group(monkeypatch, variant, combo, hidden, rows):
     # Dozens of rows per row group: the DEPTH + 1 register slots rotate many times, rows
     # end at every slot position, and 1-4 warps per row (named barrier per group).
-    _set_env(monkeypatch, variant)
+    _set_env(monkeypatch, {"MPT_LN_BWD": variant})
     xdt, wdt = combo
     torch.manual_seed(rows)
     x = torch.randn(rows, hidden, device="cuda").to(xdt)
@@ -158,11 +146,11 @@ def test_split_many_rows_per_group(monkeypatch, variant, combo, hidden, rows):
     compare(x.detach(), (hidden,), None, None, True, what=f"{variant} rms no-weight rows={rows} H={hidden}")
 
 
-@pytest.mark.parametrize("variant", SPLIT, ids=_settings_id)
+@pytest.mark.parametrize("variant", SPLIT)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 600, 1031])
 def test_split_row_counts(monkeypatch, variant, rows):
     # Fewer rows than row groups, and counts that end mid-round of the slot rotation.
-    _set_env(monkeypatch, variant)
+    _set_env(monkeypatch, {"MPT_LN_BWD": variant})
     torch.manual_seed(rows)
     x = torch.randn(rows, 1024, device="cuda").to(torch.bfloat16)
     w = torch.randn(1024, device="cuda").to(torch.bfloat16)
@@ -198,7 +186,6 @@ LAUNCH_SETTINGS = [
     # run 7: one row per warp in the forward (the default takes 2 at warp-per-row shapes),
     # and both finish tiles forced (the default picks 8 or 32 columns by width).
     {"MPT_LN_FWD": "r1"},
-    {"MPT_LN_FWD": "split"},  # run 8: persistent split-row forward, rows of <= 128 vectors
     {"MPT_LN_FINISH": "8"},
     {"MPT_LN_FINISH": "32"},
     {"MPT_LN_FINISH": "8", "MPT_LN_BWD": "b512"},
@@ -206,6 +193,17 @@ LAUNCH_SETTINGS = [
     # separate finish kernel covered.
     {"MPT_LN_FOLD": "0"},
 ]
+
+
+def _settings_id(env):
+    return "+".join(f"{k[7:].lower()}={v}" for k, v in env.items())
+
+
+def _set_env(monkeypatch, env):
+    for k in ("MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL", "MPT_LN_FINISH", "MPT_LN_FOLD"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
 
 
 @pytest.mark.parametrize("env", LAUNCH_SETTINGS, ids=_settings_id)
