@@ -906,9 +906,11 @@ bool fold_enabled() {
 // $MPT_LN_FWD: "auto" (default): the register-cached ln_fwd_kernel (non-persistent), R = 2
 // rows per warp where a row is one warp's (<= 128 vectors), one row per group elsewhere.
 // "r1": one row per warp everywhere (the kernel before run 7, kept to compare).  ("ring", a
-// persistent cp.async variant, lost in run 5, "r4" in run 7, and "o8" -- R = 2 held to 64
-// registers so 8 blocks fit an SM (1.94 waves at 16384x1024 instead of 2.2) -- in run 8:
-// 71.1% vs 72.5% of the fwd floor; all removed.)  A stale or misspelt setting fails
+// persistent cp.async variant, lost in run 5, "r4" in run 7; in run 8 "o8" -- R = 2 held
+// to 64 registers so 8 blocks fit an SM (1.94 waves at 16384x1024 instead of 2.2): 71.1%
+// vs 72.5% of the fwd floor -- and "split" -- the backward's split4 layout as a persistent
+// forward, DEPTH 4 rows of x ahead, two group barriers per row: 71.3% vs 73.8% at
+// 16384x1024, 82.6% vs 86.2% at 65536x768; all removed.)  A stale or misspelt setting fails
 // instead of silently running auto.
 int fwd_rows_per_group() {
   const char* v = env_value("MPT_LN_FWD");

@@ -169,7 +169,8 @@ def test_backward_variant_name_is_checked(monkeypatch):
 # must fail rather than silently run the default.
 @pytest.mark.parametrize("name,value", [("MPT_LN_FWD", "fast"), ("MPT_LN_PDL", "yes"), ("MPT_LN_FWD", "ring"),
                                         ("MPT_LN_BWD", "ring"), ("MPT_LN_BWD", "split6"), ("MPT_LN_FINISH", "16"),
-                                        ("MPT_LN_FWD", "r4"), ("MPT_LN_FWD", "o8"), ("MPT_LN_FOLD", "yes")])
+                                        ("MPT_LN_FWD", "r4"), ("MPT_LN_FWD", "o8"), ("MPT_LN_FWD", "split"),
+                                        ("MPT_LN_FOLD", "yes")])
 def test_launch_switch_values_are_checked(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     x = torch.randn(4, 64, device="cuda", requires_grad=True)
