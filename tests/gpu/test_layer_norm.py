@@ -9,6 +9,7 @@ import torch
 
 from mptrain import ops
 from mptrain.ops import reference
+from mptrain.bench.cases_norm import DEFAULTS as LAUNCH_SWITCHES
 from mptrain.bench.graph_timing import capture_graph
 
 COMBOS = [  # (input dtype, weight/bias dtype)
@@ -201,7 +202,7 @@ def _settings_id(env):
 
 
 def _set_env(monkeypatch, env):
-    for k in ("MPT_LN_FWD", "MPT_LN_BWD", "MPT_LN_PDL", "MPT_LN_FINISH", "MPT_LN_FOLD"):
+    for k in LAUNCH_SWITCHES:  # every $MPT_LN_* switch the extension reads (one list, in the bench)
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
