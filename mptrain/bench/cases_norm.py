@@ -105,7 +105,10 @@ def _fwd(norm, inputs):
 
 
 def _check(got, expected):
-    """Never time a broken kernel: ours against torch on the first input set."""
+    """Never time a broken kernel: ours against torch on the first input set (a tensor or
+    a sequence of them)."""
+    if isinstance(got, torch.Tensor):
+        got, expected = [got], [expected]
     for a, t in zip(got, expected):
         torch.testing.assert_close(a.float(), t.float(), rtol=3e-2, atol=3e-2 * max(1.0, t.abs().max().item()))
 
@@ -162,32 +165,33 @@ def _fwd_bwd_rows(rows, hidden, kind, wdtype, variants, rep) -> list[Result]:
     expected = _fwd_bwd(theirs, sets.sets[0])
     # torch's LayerNorm needs the weights in x's dtype: the fp32-weight case times its casts
     # too, which is what a *-master model would have to do without the fused kernel.
-    t_torch, how_torch = step_ms(lambda s: _fwd_bwd(theirs, s), sets.sets, rep)
+    torch_timed = step_ms(lambda s: _fwd_bwd(theirs, s), sets.sets, rep)
     name = _case_name(kind, wdtype, "fwd+bwd", rows, hidden)
+    return _variant_rows(name, variants, lambda s: _fwd_bwd(ours, s), sets.sets, expected, torch_timed,
+                         rows, hidden, 10, "fwd+bwd", rep)
+
+
+def _variant_rows(name, variants, step, inputs, expected, torch_timed, rows, hidden, elem_bytes, what, rep):
+    """One row per launch variant: ``step`` checked against ``expected`` on the first input
+    set, then graph-timed over ``inputs`` with the variant's switches set."""
     out = []
     for variant in variants:
         with variant_env(variant):
-            timed = _guarded(name, variant, lambda: (_check(_fwd_bwd(ours, sets.sets[0]), expected),
-                                                     step_ms(lambda s: _fwd_bwd(ours, s), sets.sets, rep))[1])
+            timed = _guarded(name, variant, lambda: (_check(step(inputs[0]), expected),
+                                                     step_ms(step, inputs, rep))[1])
         if timed:
-            out.append(_result(name, variant, *timed, t_torch, how_torch, rows, hidden, 10, "fwd+bwd"))
+            out.append(_result(name, variant, *timed, *torch_timed, rows, hidden, elem_bytes, what))
     return out
 
 
 def _fwd_only_rows(rows, hidden, rep, variants=None) -> list[Result]:
     sets = _make_sets(rows, hidden, "layer", torch.bfloat16)
     ours, theirs = _norms("layer", hidden)
-    expected = [_fwd(theirs, sets.sets[0])]
-    t_torch, how_torch = step_ms(lambda s: _fwd(theirs, s), sets.sets, rep)
+    expected = _fwd(theirs, sets.sets[0])
+    torch_timed = step_ms(lambda s: _fwd(theirs, s), sets.sets, rep)
     name = _case_name("layer", torch.bfloat16, "fwd", rows, hidden) + " [4 B/elem]"
-    out = []
-    for variant in FWD_ONLY_VARIANTS if variants is None else variants:
-        with variant_env(variant):
-            timed = _guarded(name, variant, lambda: (_check([_fwd(ours, sets.sets[0])], expected),
-                                                     step_ms(lambda s: _fwd(ours, s), sets.sets, rep))[1])
-        if timed:
-            out.append(_result(name, variant, *timed, t_torch, how_torch, rows, hidden, 4, "fwd"))
-    return out
+    return _variant_rows(name, FWD_ONLY_VARIANTS if variants is None else variants, lambda s: _fwd(ours, s),
+                         sets.sets, expected, torch_timed, rows, hidden, 4, "fwd", rep)
 
 
 def _guarded(name, variant, timed):
@@ -229,15 +233,10 @@ def _bwd_only_rows(rows, hidden, rep, variants=None) -> list[Result]:
         return torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, rstd, w, b, [True, True, True])
 
     expected = theirs(theirs_in[0])
-    t_torch, how_torch = step_ms(theirs, theirs_in, rep)
+    torch_timed = step_ms(theirs, theirs_in, rep)
     name = _case_name("layer", torch.bfloat16, "bwd", rows, hidden) + " [6 B/elem]"
-    out = []
-    for variant in BWD_ONLY_VARIANTS if variants is None else variants:
-        with variant_env(variant):
-            timed = _guarded(name, variant, lambda: (_check(ours(ours_in[0]), expected), step_ms(ours, ours_in, rep))[1])
-        if timed:
-            out.append(_result(name, variant, *timed, t_torch, how_torch, rows, hidden, 6, "bwd"))
-    return out
+    return _variant_rows(name, BWD_ONLY_VARIANTS if variants is None else variants, ours, ours_in, expected,
+                         torch_timed, rows, hidden, 6, "bwd", rep)
 
 
 def run_split() -> list[Result]:
