@@ -1,9 +1,14 @@
-"""Checkpoints: atomic writes, ``weights_only`` loads, clear errors.
+"""AtomicCheckpointIO: Lightning's checkpoint format, written atomically, read safely.
 
-A checkpoint is written to a temp file in the same folder, flushed, fsync'd and
-``os.replace``d over the target, so ``last.ckpt`` is always either the previous
-complete file or the new complete file.  Loading uses ``torch.load(weights_only=True)``
-only: a file carrying a pickled object is refused and its payload never runs.
+Save: ``torch.save`` into a temp file in the target's folder, flush, fsync, ``os.replace``
+over the target, fsync the folder; a process killed mid-save leaves the previous file intact
+and an orphan temp file that the next save removes.  Weights that are not finite are never
+written (the previous checkpoint stays the last good one).
+
+Load: ``torch.load(weights_only=True)`` only, so a file whose pickle would build arbitrary
+objects is refused before any of it runs.  The zip records' CRC32 (computed by ``torch.save``)
+are verified first, so a flipped bit is an error rather than a silently wrong weight.  Every
+failure is a :class:`CheckpointError` naming the file and what is wrong.
 """
 from __future__ import annotations
 
@@ -12,121 +17,130 @@ import pickle
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-FORMAT_VERSION = 1
-REQUIRED_KEYS = ("format", "state_dict", "optimizer", "epoch", "global_step", "batch_idx", "precision")
+_TMP_SUFFIX = ".mptrain-tmp"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, truncated, unsafe or not an mptrain checkpoint."""
+    """A checkpoint file is missing, damaged, unsafe to unpickle or not a Lightning checkpoint."""
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """A Lightning ``CheckpointIO`` plugin: atomic local writes, ``weights_only`` verified reads.
 
+    ``Trainer(plugins=[AtomicCheckpointIO()])`` under plain Lightning; ``mptrain.Trainer`` adds
+    it unless another ``CheckpointIO`` is given.  Remote (``scheme://``) paths go through
+    Lightning's own ``TorchCheckpointIO`` unchanged.
+    """
 
-def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
-    """Write ``state`` to ``path`` atomically (temp file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        if _is_remote(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r})")
+        path = Path(path)
+        _check_finite(checkpoint, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_orphans(path.parent)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Optional[Callable] = lambda storage, loc: storage,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        if _is_remote(path):
+            return super().load_checkpoint(path, map_location, weights_only=True)
+        if weights_only is False:
+            raise CheckpointError(
+                f"refused to load {str(path)!r} with weights_only=False: AtomicCheckpointIO only unpickles tensors "
+                "and plain containers (register extra types with torch.serialization.add_safe_globals)"
+            )
+        return load_checkpoint(path, map_location)
 
 
-def link_or_copy_atomic(src: Path, dst: Path) -> None:
-    """Make ``dst`` a complete copy of ``src`` atomically (hard link when possible)."""
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
-    os.close(fd)
-    os.unlink(tmp)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        import shutil
-
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-    try:
-        os.replace(tmp, dst)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(dst.parent)
-
-
-def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
-    """Load an mptrain checkpoint safely; every failure names the file and the fix."""
+def load_checkpoint(path: _PATH, map_location: Any = "cpu") -> dict[str, Any]:
+    """Verify and load a Lightning checkpoint file with ``weights_only=True``."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a file); check ckpt_path")
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file; check ckpt_path")
+    _verify_zip(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
-            f"refused to load checkpoint {str(path)!r}: it holds Python objects that are not tensors or plain "
-            f"containers, so loading it could run code (weights_only=True). Only load checkpoints written by "
-            f"mptrain from sources you trust. Detail: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            f"refused to load checkpoint {str(path)!r}: it holds Python objects other than tensors and plain "
+            f"containers, so unpickling it could run code. Load only checkpoints you trust; a type you trust can be "
+            f"allowed with torch.serialization.add_safe_globals. Detail: {_first_line(e)}"
         ) from None
-    except (EOFError, zipfile.BadZipFile, RuntimeError, ValueError, OSError) as e:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is truncated or not a torch checkpoint ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); use another checkpoint, e.g. an earlier step-N.ckpt"
-        ) from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not an mptrain checkpoint dict")
-    missing = [k for k in REQUIRED_KEYS if k not in state]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is not an mptrain checkpoint: missing key(s) {missing} "
-            f"(a Lightning checkpoint's weights are under 'state_dict'; load them with model.load_state_dict)"
-        )
-    if state["format"] > FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} has format {state['format']}, newer than this mptrain ({FORMAT_VERSION}); upgrade mptrain"
-        )
+    except Exception as e:  # noqa: BLE001 - any other failure to read is a damaged file
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
+        what = type(state).__name__ if not isinstance(state, dict) else f"a dict without 'state_dict' (keys {sorted(state)[:8]})"
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint: it holds {what}")
     return state
 
 
-def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, checkpoint_dir: Path) -> Path | None:
-    """``"last"`` means ``<checkpoint_dir>/last.ckpt``, ``"auto"`` that file if it exists (else
-    no resume); a path is used as given."""
-    if ckpt_path is None:
-        return None
-    if str(ckpt_path) == "auto":  # resume if a run left last.ckpt here, else start fresh
-        last = checkpoint_dir / "last.ckpt"
-        return last if last.is_file() else None
-    if str(ckpt_path) == "last":
-        last = checkpoint_dir / "last.ckpt"
-        if not last.is_file():
-            raise CheckpointError(
-                f"ckpt_path='last' but {str(last)!r} does not exist: no checkpoint has been written under "
-                f"default_root_dir yet (pass checkpoint_every_n_steps, or a path)"
-            )
-        return last
-    return Path(ckpt_path)
+def remove_orphans(folder: Path) -> None:
+    """Delete temp files left by a save that was killed before its rename."""
+    for orphan in folder.glob(f".*{_TMP_SUFFIX}"):
+        orphan.unlink(missing_ok=True)
+
+
+def _verify_zip(path: Path) -> None:
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a torch.save zip archive (truncated, or not a checkpoint)")
+    try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()  # reads every record and checks its CRC32
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {_first_line(e)}") from None
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: record {bad!r} fails its CRC32 check")
+
+
+def _check_finite(checkpoint: dict[str, Any], path: Path) -> None:
+    bad = [
+        name
+        for name, t in checkpoint.get("state_dict", {}).items()
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    if bad:
+        raise CheckpointError(
+            f"refused to write checkpoint {str(path)!r}: non-finite values in {bad[:5]}"
+            f"{' and more' if len(bad) > 5 else ''}; the previous checkpoint there is kept"
+        )
+
+
+def _is_remote(path: _PATH) -> bool:
+    return "://" in str(path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+

@@ -1,0 +1,36 @@
+"""ChannelsLast: the module and every 4-D floating input batch in ``torch.channels_last``."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch import Callback
+
+
+def to_channels_last(batch: Any) -> Any:
+    """Every 4-D floating tensor in ``batch`` as channels-last; everything else unchanged."""
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
+
+    return apply_to_collection(batch, torch.Tensor, convert)
+
+
+class ChannelsLast(Callback):
+    """Converts the module at ``setup`` and each batch after it reaches the device.
+
+    The batch conversion wraps the module's own ``on_after_batch_transfer`` (so a user's
+    override still runs first) for the duration of the run; ``teardown`` restores it.
+    """
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        pl_module.to(memory_format=torch.channels_last)
+        own = pl_module.on_after_batch_transfer
+
+        def on_after_batch_transfer(batch: Any, dataloader_idx: int) -> Any:
+            return to_channels_last(own(batch, dataloader_idx))
+
+        pl_module.on_after_batch_transfer = on_after_batch_transfer
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        pl_module.__dict__.pop("on_after_batch_transfer", None)

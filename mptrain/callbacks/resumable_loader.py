@@ -1,0 +1,118 @@
+"""Mid-epoch resume for a plain ``DataLoader``: it becomes a torchdata ``StatefulDataLoader``.
+
+Lightning saves and restores a ``StatefulDataLoader``'s position by itself; a plain
+``torch.utils.data.DataLoader`` (what most users pass) would restart the epoch.  mptrain's
+Trainer converts the train loader after Lightning has prepared it (distributed sampler
+included).  A shuffled loader keeps torch's exact order: ``ResumableRandomSampler`` runs
+torch's own ``RandomSampler`` code on a generator whose state it records at the start of
+each epoch, so a run gives the same batches as under ``lightning.Trainer`` and a resume
+replays the rest of the epoch bitwise, a seeded ``generator=`` included.  Other samplers
+are fast-forwarded by torchdata (their order must depend only on the epoch, as
+``DistributedSampler``'s does).  Loaders of other classes and iterable datasets are left as
+they are: Lightning warns when it resumes such a loader mid-epoch.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+class ResumableRandomSampler(RandomSampler):
+    """``torch.utils.data.RandomSampler`` whose iterator can save and restore its position."""
+
+    def __iter__(self) -> Iterator[int]:
+        return _ResumableOrder(self)
+
+
+class _ResumableOrder(Iterator[int]):
+    """One epoch of a ``RandomSampler``: the generator state it started from and how far it got."""
+
+    def __init__(self, sampler: RandomSampler):
+        self.sampler = sampler
+        self.yielded = 0
+        self._start_state: Optional[torch.Tensor] = None
+        self._order: Optional[Iterator[int]] = None
+
+    def _begin(self, start_state: Optional[torch.Tensor]) -> None:
+        generator = self.sampler.generator
+        if generator is None:  # what RandomSampler.__iter__ does without a generator, at the same moment
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            generator = torch.Generator().manual_seed(seed)
+        if start_state is not None:
+            generator.set_state(start_state)
+        self._start_state = generator.get_state()
+        view = copy.copy(self.sampler)
+        view.generator = generator
+        self._order = RandomSampler.__iter__(view)  # torch's own draws, from the recorded state
+
+    def __next__(self) -> int:
+        if self._order is None:
+            self._begin(None)
+        index = next(self._order)
+        self.yielded += 1
+        return index
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._order is None:
+            return {"yielded": 0, "generator": None}
+        return {"yielded": self.yielded, "generator": self._start_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["generator"] is None:
+            self._order, self.yielded = None, 0
+            return
+        self._begin(state["generator"])
+        self._order = itertools.islice(self._order, state["yielded"], None)
+        self.yielded = state["yielded"]
+
+
+def to_resumable(loader: Any) -> Any:
+    """A ``StatefulDataLoader`` equivalent to a plain ``DataLoader``; anything else is returned as is."""
+    if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
+        return loader
+    sampler = loader.sampler
+    if type(sampler) is RandomSampler:
+        sampler = ResumableRandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples, sampler.generator)
+    common = dict(
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
+    batches = loader.batch_sampler
+    if batches is None:  # automatic batching off
+        return StatefulDataLoader(loader.dataset, batch_size=None, sampler=sampler, **common)
+    if type(batches) is BatchSampler and batches.sampler is loader.sampler:  # the loader's own batching
+        return StatefulDataLoader(
+            loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, sampler=sampler, **common
+        )
+    return StatefulDataLoader(loader.dataset, batch_sampler=batches, **common)
+
+
+def make_train_loader_resumable(trainer: Any) -> None:
+    """Convert the train loader right after Lightning prepares it (sampler injection included).
+
+    Lightning has no public hook between preparing a loader and iterating it, so this wraps the
+    trainer's data connector method that does the preparing; other stages are left alone.
+    """
+    from lightning.pytorch.trainer.states import RunningStage
+
+    connector = trainer._data_connector
+    prepare = connector._prepare_dataloader
+
+    def prepare_resumable(dataloader: Any, shuffle: bool, mode: RunningStage) -> Any:
+        prepared = prepare(dataloader, shuffle=shuffle, mode=mode)
+        return to_resumable(prepared) if mode == RunningStage.TRAINING else prepared
+
+    connector._prepare_dataloader = prepare_resumable

@@ -1,0 +1,105 @@
+"""ResumeState: every rank's RNG state in the checkpoint, restored where training resumes.
+
+Lightning's checkpoint holds the loops' progress and (through ``StatefulDataLoader``) the
+position in the epoch; what it lacks for a bitwise resume is the random state that dropout,
+augmentation and the next epoch's shuffle draw from.  This callback saves torch's (CPU and
+CUDA), NumPy's and Python's generators of every rank, and restores this rank's at
+``on_train_start``: after Lightning has rebuilt the data iterator (which draws from the global
+generator) and before the first resumed step, the moment the uninterrupted run was at when
+it saved.  It also refuses a mid-epoch resume whose epoch is laid out differently (world size,
+batches per epoch, accumulation), which would otherwise replay the wrong batches silently.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+
+
+class ResumeState(Callback):
+    """Saves the RNG state of every rank and the epoch's layout; restores them on resume."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, Any] | None = None
+        self._trainer = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._trainer is None:
+            return {}
+        return {"rng": _gather(_rng_state()), "layout": _layout(self._trainer)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = state_dict
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not self._loaded:
+            return
+        saved, self._loaded = self._loaded, None
+        _check_layout(saved["layout"], _layout(trainer))
+        rngs = saved["rng"]
+        _set_rng_state(rngs[trainer.global_rank % len(rngs)])
+
+
+def _layout(trainer) -> dict[str, int]:
+    batches = trainer.num_training_batches
+    return {
+        "world_size": trainer.world_size,
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "num_training_batches": -1 if batches == float("inf") else int(batches),
+        "batch_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.ready,
+    }
+
+
+def _check_layout(saved: dict[str, int], now: dict[str, int]) -> None:
+    position = saved["batch_in_epoch"]
+    if position == 0 or position >= saved["num_training_batches"] > 0:
+        return  # an epoch boundary: any new layout starts a fresh epoch
+    changed = {k: (saved[k], now[k]) for k in ("world_size", "accumulate_grad_batches", "num_training_batches") if saved[k] != now[k]}
+    if changed:
+        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+        raise ValueError(
+            f"cannot resume mid-epoch (batch {position} of {saved['num_training_batches']}) with a different epoch "
+            f"layout: {what}. Resume with the saved world size, batch size and accumulate_grad_batches, or from a "
+            f"checkpoint written at the end of an epoch."
+        )
+
+
+def _rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    random.setstate(_as_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuples(value: Any) -> Any:
+    """Python's RNG state is nested tuples; a checkpoint round trip may return lists."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [state]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
