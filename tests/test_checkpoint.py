@@ -1,137 +1,129 @@
-"""Checkpoints: exact mid-epoch resume, atomic writes, safe loads."""
+"""AtomicCheckpointIO: atomic saves (SIGKILL mid-save), safe loads, clear errors for damaged files."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from _models import Classifier, classification_data, mlp, quiet_trainer
-from mptrain import CheckpointError
-from mptrain import checkpoint as ckpt_mod
+from mptrain import AtomicCheckpointIO, CheckpointError
+
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
-class Crash(Exception):
-    pass
+def _state(value: float = 1.0) -> dict:
+    return {"state_dict": {"w": torch.full((4, 4), value), "b": torch.zeros(4)}, "epoch": 0, "global_step": 3}
 
 
-class CrashAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
-            raise Crash(f"simulated crash at step {self.step}")
-
-
-class LossLog:
-    def __init__(self):
-        self.losses = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses[(trainer.current_epoch, batch_idx)] = outputs["loss"].clone()
+def test_round_trip_and_no_temp_files_left(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "sub" / "a.ckpt"
+    io.save_checkpoint(_state(2.0), path)
+    loaded = io.load_checkpoint(path)
+    assert torch.equal(loaded["state_dict"]["w"], torch.full((4, 4), 2.0)) and loaded["global_step"] == 3
+    assert sorted(p.name for p in path.parent.iterdir()) == ["a.ckpt"]
 
 
-def _run(precision, root, crash_at=None, ckpt_path=None, every=None):
-    torch.manual_seed(1234)
-    model = Classifier(mlp(dropout=0.3), lr=3e-3)
-    loader = torch.utils.data.DataLoader(classification_data(n=200), batch_size=16, shuffle=True)
-    rec = LossLog()
-    cbs = [rec] + ([CrashAt(crash_at)] if crash_at is not None else [])
-    trainer = quiet_trainer(precision=precision, max_epochs=3, accumulate_grad_batches=2, seed=7,
-                            default_root_dir=str(root), enable_checkpointing=True,
-                            checkpoint_every_n_steps=every, callbacks=cbs)
-    try:
-        trainer.fit(model, loader, ckpt_path=ckpt_path)
-    except Crash:
-        pass
-    return model, rec.losses, trainer
+class _Payload:
+    def __init__(self, flag: Path):
+        self.flag = flag
 
-
-@pytest.mark.parametrize("precision", ["32-true", "bf16-master"])
-def test_resume_mid_epoch_is_bitwise_identical(precision, tmp_path):
-    full_model, full_losses, full = _run(precision, tmp_path / "full")
-    # 13 batches an epoch -> 7 steps an epoch; crash in the middle of epoch 1 after a checkpoint at step 10
-    _, part_losses, part = _run(precision, tmp_path / "part", crash_at=11, every=5)
-    assert part.global_step == 11
-    assert (tmp_path / "part" / "checkpoints" / "step-10.ckpt").is_file()
-    state = torch.load(tmp_path / "part" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert state["global_step"] == 10 and state["epoch"] == 1 and 0 < state["batch_idx"] < 13
-    res_model, res_losses, res = _run(precision, tmp_path / "part", ckpt_path="last")
-    assert res.global_step == full.global_step
-    assert len(res_losses) > 10
-    for key, loss in res_losses.items():
-        assert torch.equal(loss, full_losses[key]), f"loss differs at (epoch, batch) {key}"
-    for (n, a), b in zip(full_model.state_dict().items(), res_model.state_dict().values()):
-        assert torch.equal(a, b), n
-
-
-def test_failure_inside_save_leaves_previous_last_loadable(tmp_path, monkeypatch):
-    model = Classifier(mlp())
-    loader = torch.utils.data.DataLoader(classification_data(n=64), batch_size=16)
-    trainer = quiet_trainer(max_steps=4, default_root_dir=str(tmp_path), enable_checkpointing=True)
-    trainer.fit(model, loader)
-    last = tmp_path / "checkpoints" / "last.ckpt"
-    before = last.read_bytes()
-    real_save = torch.save
-
-    def broken_save(obj, f, *a, **k):
-        real_save({"partial": torch.zeros(1000)}, f)  # some bytes reach the temp file ...
-        raise OSError("disk full (simulated)")  # ... then the write fails
-
-    monkeypatch.setattr(ckpt_mod.torch, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
-        trainer.save_checkpoint(last)
-    monkeypatch.setattr(ckpt_mod.torch, "save", real_save)
-    assert last.read_bytes() == before
-    assert ckpt_mod.load_checkpoint(last)["global_step"] == 4
-    assert [p.name for p in last.parent.iterdir() if p.name.endswith(".tmp")] == []
-
-
-class Payload:
     def __reduce__(self):
-        return (os.system, (f"touch {os.environ.get('MPT_PWNED', '/tmp/mpt_pwned')}",))
+        return (Path.touch, (self.flag,))
 
 
-def test_pickle_payload_is_refused_and_never_runs(tmp_path, monkeypatch):
-    flag = tmp_path / "pwned"
-    monkeypatch.setenv("MPT_PWNED", str(flag))
-    bad = tmp_path / "evil.ckpt"
-    torch.save({"format": 1, "state_dict": {}, "optimizer": {}, "epoch": 0, "global_step": 0, "batch_idx": 0,
-                "precision": "32-true", "x": Payload()}, bad)
-    model = Classifier(mlp())
-    loader = torch.utils.data.DataLoader(classification_data(n=32), batch_size=16)
-    with pytest.raises(CheckpointError, match="evil.ckpt.*refused|refused.*evil.ckpt"):
-        quiet_trainer(max_steps=1).fit(model, loader, ckpt_path=str(bad))
+def test_pickle_payload_is_refused_and_never_runs(tmp_path):
+    path, flag = tmp_path / "evil.ckpt", tmp_path / "FLAG"
+    torch.save({"state_dict": {}, "x": _Payload(flag)}, path)
+    with pytest.raises(CheckpointError, match="evil.ckpt.*could run code"):
+        AtomicCheckpointIO().load_checkpoint(path)
     assert not flag.exists()
+    torch.load(path, weights_only=False)  # the payload is real: an unsafe load runs it
+    assert flag.exists()
 
 
-def test_missing_and_truncated_checkpoints_name_the_file(tmp_path):
-    with pytest.raises(CheckpointError, match="nope.ckpt.*does not exist"):
-        ckpt_mod.load_checkpoint(tmp_path / "nope.ckpt")
-    model = Classifier(mlp())
-    loader = torch.utils.data.DataLoader(classification_data(n=64), batch_size=16)
-    quiet_trainer(max_steps=2, default_root_dir=str(tmp_path), enable_checkpointing=True).fit(model, loader)
-    data = (tmp_path / "checkpoints" / "last.ckpt").read_bytes()
-    cut = tmp_path / "cut.ckpt"
-    cut.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="cut.ckpt.*truncated"):
-        ckpt_mod.load_checkpoint(cut)
-    with pytest.raises(CheckpointError, match="last.ckpt"):
-        quiet_trainer(max_steps=1, default_root_dir=str(tmp_path / "empty")).fit(model, loader, ckpt_path="last")
+def test_weights_only_false_is_refused(tmp_path):
+    AtomicCheckpointIO().save_checkpoint(_state(), tmp_path / "a.ckpt")
+    with pytest.raises(CheckpointError, match="weights_only=False"):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "a.ckpt", weights_only=False)
 
 
-def test_last_ckpt_after_max_steps_mid_epoch_resumes_there(tmp_path):
-    """fit stopped by max_steps in the middle of an epoch: last.ckpt records that position."""
-    loader = torch.utils.data.DataLoader(classification_data(n=160), batch_size=16)  # 10 batches an epoch
-    model = Classifier(mlp())
-    quiet_trainer(max_steps=13, default_root_dir=str(tmp_path), enable_checkpointing=True).fit(model, loader)
-    state = ckpt_mod.load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
-    assert (state["epoch"], state["batch_idx"], state["global_step"]) == (1, 3, 13)
-    t = quiet_trainer(max_steps=20, default_root_dir=str(tmp_path), enable_checkpointing=True)
-    t.fit(Classifier(mlp()), loader, ckpt_path="last")
-    assert t.global_step == 20 and t.current_epoch == 2
-    full = quiet_trainer(max_epochs=2, default_root_dir=str(tmp_path / "b"), enable_checkpointing=True)
-    full.fit(Classifier(mlp()), loader)
-    state = ckpt_mod.load_checkpoint(tmp_path / "b" / "checkpoints" / "last.ckpt")
-    assert (state["epoch"], state["batch_idx"], state["global_step"]) == (2, 0, 20)
+def _flip_first_byte_of(path: Path, record_suffix: str) -> None:
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith(record_suffix))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        offset = info.header_offset + 30 + name_len + extra_len
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x40]))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("text", "not a torch.save zip archive"),
+        ("truncated", "not a torch.save zip archive|damaged"),
+        ("flipped_bit", "fails its CRC32 check"),
+        ("not_lightning", "not a Lightning checkpoint"),
+        ("missing", "does not exist"),
+    ],
+)
+def test_damaged_files_raise_checkpoint_error_naming_the_file(tmp_path, damage, message):
+    path = tmp_path / "bad.ckpt"
+    if damage == "text":
+        path.write_text("epoch: 3\n")
+    elif damage == "not_lightning":
+        torch.save([torch.zeros(2)], path)
+    elif damage != "missing":
+        AtomicCheckpointIO().save_checkpoint(_state(), path)
+        if damage == "truncated":
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2])
+        else:
+            _flip_first_byte_of(path, "data/0")
+            assert torch.load(path, weights_only=True)["state_dict"]  # torch alone loads it silently
+    with pytest.raises(CheckpointError, match=message) as e:
+        AtomicCheckpointIO().load_checkpoint(path)
+    assert "bad.ckpt" in str(e.value)
+
+
+def test_non_finite_weights_are_never_written(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint(_state(1.0), path)
+    with pytest.raises(CheckpointError, match=r"non-finite values in \['w'\]"):
+        io.save_checkpoint(_state(float("nan")), path)
+    assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], torch.ones(4, 4))
+
+
+def test_sigkill_mid_save_keeps_previous_checkpoint_and_next_save_removes_orphan(tmp_path):
+    path = tmp_path / "big.ckpt"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "save_loop.py"), str(path)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout.readline().startswith("saved 0")
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".big.ckpt.*")):  # wait until a new save is under way
+            assert time.monotonic() < deadline and proc.poll() is None, "the saving process stopped"
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    orphans = list(tmp_path.glob(".big.ckpt.*"))
+    assert orphans, "the kill did not land mid-save"
+    state = AtomicCheckpointIO().load_checkpoint(path)
+    i = state["i"]
+    assert torch.equal(state["state_dict"]["w"], torch.full((16, 1024, 1024), float(i)))
+    AtomicCheckpointIO().save_checkpoint(_state(), tmp_path / "other.ckpt")
+    assert not list(tmp_path.glob(".*.ckpt.*")), "the next save left the orphan temp file"
