@@ -9,12 +9,17 @@ Three mechanisms, one file:
   through ``torch.*`` and Tensor methods, and it is scoped to the forward context.
 * **module policy** — in ``*-master`` the normalization layers keep fp32 parameters;
   a pre/post hook pair makes them take half input and give half output.
+* **CPU RNN policy** — torch's oneDNN bf16 LSTM crashes on CPUs without native bf16
+  (no avx512_bf16 / amx_bf16): there ``torch.lstm`` / ``torch.lstm_cell`` (what
+  ``nn.LSTM`` / ``nn.LSTMCell`` and the functional forms call) run in fp32 on CPU
+  tensors, whatever the op list says; GPU tensors are untouched.
 * **automatic promotion** — with ``auto_fp32_fallback`` every leaf module's output is
   checked for inf/NaN *on the device*; the Trainer reads the flags only where it
   syncs anyway, and promotes a flagged module to fp32 for the rest of the run.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Iterable, Optional
 
@@ -91,6 +96,36 @@ def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+#: ops that run in fp32 on CPU tensors when the CPU has no native bf16 (see cpu_lacks_native_bf16).
+CPU_RNN_OPS: tuple[str, ...] = ("lstm", "lstm_cell")
+_NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_lacks_native_bf16() -> bool:
+    """True when the CPU has no native bf16 instructions (Linux /proc/cpuinfo flags; unknown: True)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return True
+    return not any(flag in flags for flag in _NATIVE_BF16_FLAGS)
+
+
+@functools.lru_cache(maxsize=None)
+def _say_cpu_rnn_policy() -> None:
+    log.warning("this CPU has no native bf16 (no %s): nn.LSTM / nn.LSTMCell run in fp32 on the CPU "
+                "(torch's oneDNN bf16 LSTM crashes there); GPU runs are unaffected", " / ".join(_NATIVE_BF16_FLAGS))
+
+
+def _has_cpu_half(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.dtype in _HALF and obj.device.type == "cpu"
+    if isinstance(obj, (list, tuple)):
+        return any(_has_cpu_half(o) for o in obj)
+    return False
+
+
 def _upcast(obj, dtype_seen: list):
     if isinstance(obj, torch.Tensor) and obj.dtype in _HALF:
         dtype_seen.append(obj.dtype)
@@ -144,7 +179,7 @@ class _Fp32OpsMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = self.funcs.get(func)
-        if name is None:
+        if name is None or (name in CPU_RNN_OPS and not _has_cpu_half(args)):
             return func(*args, **kwargs)
         # The handler runs with this mode popped, so the inner call is not re-intercepted.
         with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
@@ -163,11 +198,19 @@ class _Fp32OpsMode(TorchFunctionMode):
 class Fp32Fallback:
     """The op list of a run: ``context()`` is entered around every forward."""
 
-    def __init__(self, ops: "str | Iterable[str] | None" = "default"):
+    def __init__(self, ops: "str | Iterable[str] | None" = "default", cpu_rnn: Optional[bool] = None):
         self.ops = resolve_op_list(ops)
         self._funcs = {fn: name for name in self.ops for fn in _callables_for(name)}
+        self.cpu_rnn = cpu_lacks_native_bf16() if cpu_rnn is None else cpu_rnn
+        if self.cpu_rnn:
+            self._funcs.update({getattr(torch, name): name for name in CPU_RNN_OPS})
 
     def context(self):
+        if self.cpu_rnn:
+            _say_cpu_rnn_policy()
+        return self._context()
+
+    def _context(self):
         if not self._funcs:
             import contextlib
 

@@ -1,252 +1,259 @@
 """``16-master`` and ``bf16-master``: half parameters, fp32 master weights in the optimizer step.
 
 apex's O2 done right.  The module holds fp16/bf16 weights (half the memory and
-bandwidth of fp32), normalization layers keep fp32 weights and compute in fp32,
-and the optimizer updates fp32 masters:
+bandwidth of fp32); normalization layers keep fp32 weights and compute in fp32; the
+optimizer updates fp32 masters that start from the fp32 init (not from its half copy):
 
 * with one of mptrain's fused optimizers the whole step is one kernel: it reads the
   half grad and the master, writes master, moments and the half param, honouring the
-  loss scale and ``found_inf`` on the device;
+  loss scale, the clipping coefficient and ``found_inf`` on the device;
 * with any other ``torch.optim.Optimizer`` the param groups are swapped to fp32
-  masters; grads are copied up and params down with multi-tensor (``_foreach``) ops.
+  masters (LR schedulers keep working: the group dicts are the same); grads are copied
+  up and params down with multi-tensor ops.
+
+``module.state_dict()`` reports the masters' fp32 values (so checkpoints, also
+weights-only ones, hold fp32 weights) and ``module.load_state_dict()`` writes loaded
+fp32 values into the masters bitwise.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
-from mptrain.precision._cast import cast_floating
-from mptrain.precision.base import Precision, is_mptrain_fused
+from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module, run_module_in_fp32
-
-_DTYPES = {"16-master": torch.float16, "bf16-master": torch.bfloat16}
-_HALF = (torch.float16, torch.bfloat16)
+from mptrain.precision.plugin import HALF, MptrainPrecision
 
 
-class MasterPrecision(Precision):
+class MasterPrecision(MptrainPrecision):
+    """fp32 master weights for any optimizer; see the module docstring. Arguments as :class:`MptrainPrecision`."""
+
+    MODES = {"16-master": torch.float16, "bf16-master": torch.bfloat16}
+    SCALER_BY_DEFAULT = ("16-master",)
     has_master_weights = True
 
-    def __init__(self, name: str = "bf16-master", device="cpu", fp32_fallback: Any = "default"):
-        if name not in _DTYPES:
-            raise ValueError(f"MasterPrecision: precision={name!r} is not a master mode; valid: {sorted(_DTYPES)}")
-        self.name = name
-        self.param_dtype = self.compute_dtype = _DTYPES[name]
-        self.default_scaler = name == "16-master"
-        super().__init__(device, fp32_fallback)
-        self.halfs: list[torch.Tensor] = []  # module params held in half
-        self.masters: list[torch.Tensor] = []  # their fp32 masters (generic path)
-        self.master_of: dict[int, torch.Tensor] = {}
-        self.fused = False
-        self._names: dict[int, str] = {}
-        self._fp32_init: dict[int, torch.Tensor] = {}
+    def __init__(self, precision: str = "bf16-master", **kwargs: Any):
+        super().__init__(precision, **kwargs)
+        self._fp32_init: dict[int, torch.Tensor] = {}  # id(half param) -> its fp32 value before the cast
+        self._pairs: dict[int, tuple[list, list]] = {}  # optimizer id -> (half params, masters)
+        self._master_of: dict[int, torch.Tensor] = {}  # id(half param) -> master (generic path)
+        self._fused_of: dict[int, torch.optim.Optimizer] = {}  # id(half param) -> mptrain fused optimizer
+        self._fused_norm: dict[int, torch.Tensor] = {}  # optimizer id -> norm of the unscaled grads
+        self._fused_clip: dict[int, float] = {}  # optimizer id -> max_norm folded into grad_scale
+        self._fused_unscaled: set[int] = set()  # optimizer ids whose half grads Fabric had unscaled
 
-    # -- module ----------------------------------------------------------
-    def convert_module(self, module: nn.Module) -> nn.Module:
+    # -- module ------------------------------------------------------------------
+    def _convert(self, module: nn.Module) -> nn.Module:
         for m in module.modules():
             if is_norm_module(m):
                 m.float()
                 self._hooks += run_module_in_fp32(m)
                 continue
-            for name, p in m.named_parameters(recurse=False):
-                if p.is_floating_point():
-                    if p.dtype == torch.float32:
-                        # The masters start from the full fp32 weights, not from their half copy
-                        # (apex O2 builds them from the halved model and loses the init's low bits).
-                        self._fp32_init[id(p)] = p.data
+            for p in m.parameters(recurse=False):
+                if p.is_floating_point() and p.dtype not in HALF:
+                    # The masters start from the full fp32 weights (apex O2 lost the init's low bits).
+                    self._fp32_init[id(p)] = p.data
                     p.data = p.data.to(self.param_dtype)
             for name, b in m.named_buffers(recurse=False):
                 if b.is_floating_point():
                     setattr(m, name, b.to(self.param_dtype))
-        self._names = {id(p): n for n, p in module.named_parameters()}
+        # torch tags hooks with attributes: plain functions, not bound methods.
+        self._hooks.append(module.register_state_dict_post_hook(lambda *a: self._state_dict_hook(*a)))
+        self._hooks.append(module.register_load_state_dict_pre_hook(lambda *a: self._load_state_dict_hook(*a)))
         return module
 
-    def convert_input(self, data: Any) -> Any:
-        return cast_floating(data, self.param_dtype)
+    def master_for(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The fp32 master of a half param (None if it has none)."""
+        m = self._master_of.get(id(p))
+        if m is not None:
+            return m
+        opt = self._fused_of.get(id(p))
+        return opt.master_param(p) if opt is not None and opt.uses_master(p) else None
 
-    # -- optimizer -------------------------------------------------------
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
-        self._names = {id(p): n for n, p in module.named_parameters()}
-        if is_mptrain_fused(optimizer):
-            # The fused kernel keeps the fp32 master in its own state and writes the half param back.
-            if hasattr(optimizer, "enable_master_weights"):
-                optimizer.enable_master_weights()
-            else:
-                optimizer.master_weights = True
-            self.fused = True
+    def _state_dict_hook(self, module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+        if self.phase != "low":
+            return
+        for name, p in module.named_parameters():
+            key = prefix + name
+            if key in state and p.dtype in HALF:
+                m = self.master_for(p)
+                init = self._fp32_init.get(id(p))
+                state[key] = m.detach() if m is not None else (init if init is not None else p.detach().float())
+        for name, b in module.named_buffers():
+            if prefix + name in state and b.dtype in HALF:
+                state[prefix + name] = b.detach().float()
+
+    def _load_state_dict_hook(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+        """Loaded fp32 values go into the masters as they are (the half params get their cast)."""
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                v = state.get(prefix + name)
+                if not isinstance(v, torch.Tensor) or not v.is_floating_point() or p.dtype not in HALF:
+                    continue
+                m = self.master_for(p)
+                if m is not None:
+                    m.copy_(v)
+                else:
+                    self._fp32_init[id(p)] = v.detach().to(p.device, torch.float32, copy=True)
+
+    # -- optimizer ---------------------------------------------------------------
+    def _init_for(self, p: torch.Tensor) -> torch.Tensor:
+        init = self._fp32_init.pop(id(p), None)
+        return (init if init is not None else p.detach()).to(p.device, torch.float32, copy=True)
+
+    def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if G.is_mptrain_fused(optimizer):
+            # The fused kernel keeps the fp32 master in its state and writes the half param back.
+            optimizer.enable_master_weights()
             with torch.no_grad():
-                for g in optimizer.param_groups:
-                    for p in g["params"]:
-                        init = self._fp32_init.pop(id(p), None)
-                        if init is not None and optimizer.uses_master(p):
-                            optimizer.master_param(p).copy_(init)
-            self._fp32_init.clear()
-            return optimizer
-        self.halfs, self.masters, self.master_of = [], [], {}
+                for p in (p for g in optimizer.param_groups for p in g["params"]):
+                    if optimizer.uses_master(p):
+                        optimizer.master_param(p).copy_(self._init_for(p))
+                        self._fused_of[id(p)] = optimizer
+            return
+        halfs, masters = [], []
         for group in optimizer.param_groups:
             swapped = []
             for p in group["params"]:
-                if p.dtype in _HALF:
-                    init = self._fp32_init.pop(id(p), None)
-                    master = nn.Parameter(init if init is not None else p.detach().float(), requires_grad=p.requires_grad)
-                    if p in optimizer.state:  # an optimizer that already holds state (rare)
-                        optimizer.state[master] = optimizer.state.pop(p)
-                    self.halfs.append(p)
-                    self.masters.append(master)
-                    self.master_of[id(p)] = master
-                    swapped.append(master)
-                else:
+                if p.dtype not in HALF:
                     swapped.append(p)
+                    continue
+                master = nn.Parameter(self._init_for(p), requires_grad=p.requires_grad)
+                if p in optimizer.state:  # an optimizer that already holds state (rare)
+                    optimizer.state[master] = optimizer.state.pop(p)
+                halfs.append(p)
+                masters.append(master)
+                self._master_of[id(p)] = master
+                swapped.append(master)
             group["params"] = swapped
-        self._fp32_init.clear()
-        return optimizer
+        self._pairs[id(optimizer)] = (halfs, masters)
 
-    def discard_fp32_init(self) -> None:
-        self._fp32_init.clear()
+    def main_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """Generic path: half grads copied up into the masters' fp32 grads (one multi-tensor copy)."""
+        if id(optimizer) in self._pairs:
+            src, dst = [], []
+            for p, m in zip(*self._pairs[id(optimizer)]):
+                if p.grad is None:
+                    m.grad = None
+                    continue
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                src.append(p.grad)
+                dst.append(m.grad)
+            if dst:
+                from mptrain import ops
 
-    def step_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        if self.fused:
-            return super().step_grads(optimizer)
-        src, dst = [], []
-        for p, m in zip(self.halfs, self.masters):
-            if p.grad is None:
-                m.grad = None
-                continue
-            if m.grad is None or m.grad.shape != m.shape:
-                m.grad = torch.empty_like(m)
-            src.append(p.grad)
-            dst.append(m.grad)
-        if dst:
-            torch._foreach_copy_(dst, src)
-        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                ops.multi_tensor_copy_(dst, src, fused=self.fused)
+        return super().main_grads(optimizer)
 
-    def optimizer_step(self, optimizer, scaler, gradient_clip_val, before_step=None, sync_found_inf=None):
-        if not self.fused:
-            return super().optimizer_step(optimizer, scaler, gradient_clip_val, before_step, sync_found_inf)
-        return self._fused_step(optimizer, scaler, gradient_clip_val, before_step, sync_found_inf)
-
-    def _fused_step(self, optimizer, scaler, gradient_clip_val, before_step, sync_found_inf):
-        """One pass to get the norm of the scaled half grads, then one fused step kernel.
-
-        The norm is the inf check (a non-finite grad makes it non-finite) and the
-        clipping coefficient; both fold into ``grad_scale`` so the grads are never
-        unscaled in place in half precision (where small values would flush to zero).
-        """
+    def _prepare(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        if self.phase != "low" or not G.is_mptrain_fused(optimizer):
+            return super()._prepare(optimizer)
+        found = self._pending.get(id(optimizer))
+        if found is not None:
+            return found
+        # Fused path: one read of the scaled half grads gives the inf check and the clipping norm;
+        # they are never unscaled in place in half precision (small values would flush to zero).
         from mptrain import ops
 
-        grads = super().step_grads(optimizer)
-        dev = grads[0].device if grads else self.device
-        scale = scaler.scale_tensor.to(dev) if scaler is not None else torch.ones((), device=dev)
-        norm = ops.multi_tensor_l2norm(grads).to(dev).float() / scale if grads else torch.zeros((), device=dev)
-        found_inf = (~torch.isfinite(norm)).float().reshape(1)
-        if sync_found_inf is not None:
-            sync_found_inf(found_inf)
-        grad_scale = scale
-        if gradient_clip_val is not None:
-            coef = torch.clamp(gradient_clip_val / (norm + 1e-6), max=1.0)
-            grad_scale = scale / torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
-        self._fused_found_inf = found_inf
-        self._fused_scale = scale
-        if before_step is not None:
-            before_step(found_inf)
-        # As attributes (torch's GradScaler protocol): found_inf is trusted as computed by the
-        # norm above, so the optimizer runs no second read-only inf check over the grads.
-        optimizer.grad_scale = grad_scale.reshape(1).float()
-        optimizer.found_inf = found_inf
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
-        if scaler is not None:
-            scaler.update(found_inf)
-        return norm, found_inf
+        grads = super().main_grads(optimizer)
+        dev = grads[0].device if grads else self._device()
+        scale = self._scale(dev)
+        norm = ops.multi_tensor_l2norm(grads, fused=self.fused).to(dev).float() / scale if grads else \
+            torch.zeros((), device=dev)
+        found = torch.maximum(self._found_inf(dev), (~torch.isfinite(norm)).float().reshape(1))
+        G.all_reduce_max_(found)
+        self._pending[id(optimizer)] = found
+        self._fused_norm[id(optimizer)] = norm
+        return found
 
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.fused or not self.halfs:
-            return
-        with torch.no_grad():
-            torch._foreach_copy_(self.halfs, self.masters)
+    def _unscaled_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        m = self._master_of.get(id(p))
+        if m is not None:
+            return m.grad if p.grad is not None else None
+        opt = self._fused_of.get(id(p))
+        if opt is None or p.grad is None or id(opt) in self._fused_unscaled:
+            return p.grad
+        return p.grad.float() / self._scale(p.grad.device)
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
-        # Master grads are persistent buffers, overwritten by the copy-up each step.
-        module.zero_grad(set_to_none=True)
-        if self.fused:
-            optimizer.zero_grad(set_to_none=True)
+    def _scale(self, device: torch.device) -> torch.Tensor:
+        s = self.loss_scaler
+        return s.scale_tensor.to(device) if s is not None else torch.ones((), device=device)
 
-    def unscaled_grads(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        out = {}
-        for n, p in module.named_parameters():
-            if self.fused:
-                if p.grad is not None:
-                    out[n] = p.grad.float() / self._fused_scale
-            else:
-                m = self.master_of.get(id(p))
-                g = m.grad if m is not None else p.grad
-                if g is not None and (m is None or p.grad is not None):
-                    out[n] = g
-        return out
-
-    # -- weights for checkpoints -----------------------------------------
-    def master_for(self, p: torch.Tensor, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[torch.Tensor]:
-        if self.fused and optimizer is not None:
-            st = optimizer.state.get(p, {})
-            return st.get("master_param")
-        return self.master_of.get(id(p))
-
-    def fp32_state_dict(self, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
-        state = super().fp32_state_dict(module)
-        for n, p in module.named_parameters():
-            m = self.master_for(p, optimizer)
-            if m is not None and n in state:
-                state[n] = m.detach().clone()
-        return state
-
-    def load_fp32_state_dict(self, module: nn.Module, state: dict, optimizer=None) -> None:
-        super().load_fp32_state_dict(module, state)
-        with torch.no_grad():
-            for n, p in module.named_parameters():
-                m = self.master_of.get(id(p))
-                if m is not None and n in state:
-                    m.copy_(state[n])
-
-    def to_fp32(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Late-epoch switch: params become the fp32 masters, the optimizer state carries over."""
-        if self.fused:
-            if hasattr(optimizer, "disable_master_weights"):
-                optimizer.disable_master_weights()  # copies masters into the params, drops them from state
-            else:
-                for g in optimizer.param_groups:
-                    for p in g["params"]:
-                        m = optimizer.state.get(p, {}).pop("master_param", None)
-                        p.data = m if m is not None else p.data.float()
-                optimizer.master_weights = False
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+        if self.phase != "low" or not G.is_mptrain_fused(optimizer) or not clip_val or clip_val <= 0:
+            return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+        found = self._prepare(optimizer)
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            grads = super().main_grads(optimizer)
+            scale = self._scale(found.device)
+            G.clip_scaled_by_value_(grads, clip_val, scale if id(optimizer) not in self._fused_unscaled else
+                                    torch.ones_like(scale))
         else:
-            back = {id(m): p for p, m in zip(self.halfs, self.masters)}
+            self._fused_clip[id(optimizer)] = float(clip_val)  # folded into grad_scale at the step
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.phase == "low" and G.is_mptrain_fused(optimizer) and id(optimizer) not in self._fused_unscaled:
+            # Fabric clips the params' grads itself: unscale them in place this once.
+            found = self._prepare(optimizer)
+            grads = super().main_grads(optimizer)
+            if grads and self.loss_scaler is not None:
+                G.unscale_and_check_(grads, self.loss_scaler.inv_scale().to(found.device),
+                                     torch.zeros_like(found), self.fused)
+            self._fused_unscaled.add(id(optimizer))
+        super().unscale_gradients(optimizer)
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, **kwargs: Any) -> None:
+        if self.phase != "low" or not G.is_mptrain_fused(optimizer):
+            return super()._optimizer_step(optimizer, found_inf, **kwargs)
+        key = id(optimizer)
+        scale = self._scale(found_inf.device)
+        if key in self._fused_unscaled:
+            scale = torch.ones_like(scale)
+        max_norm = self._fused_clip.pop(key, None)
+        if max_norm is not None:
+            coef = torch.clamp(max_norm / (self._fused_norm[key] + 1e-6), max=1.0)
+            scale = scale / torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
+        G.step_with_found_inf(optimizer, found_inf, grad_scale=scale, **kwargs)
+
+    def _end_step(self, optimizer: torch.optim.Optimizer) -> None:
+        pair = self._pairs.get(id(optimizer))
+        if pair is not None and pair[0]:
+            with torch.no_grad():
+                torch._foreach_copy_(pair[0], pair[1])  # masters down into the half params
+            for p in pair[0]:
+                p.grad = None  # the window's half grads are consumed (zero_grad clears the masters')
+        self._fused_norm.pop(id(optimizer), None)
+        self._fused_unscaled.discard(id(optimizer))
+        super()._end_step(optimizer)
+
+    # -- late switch to fp32 ----------------------------------------------------------
+    def _to_fp32(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if G.is_mptrain_fused(optimizer):
+            optimizer.disable_master_weights()  # masters become the params, fp32 moments stay
+        elif id(optimizer) in self._pairs:
+            halfs, masters = self._pairs.pop(id(optimizer))
+            back = {id(m): p for p, m in zip(halfs, masters)}
             for group in optimizer.param_groups:
                 new = []
                 for q in group["params"]:
                     p = back.get(id(q))
-                    if p is None:
-                        new.append(q)
-                        continue
-                    p.data = q.data
-                    p.grad = None
-                    if q in optimizer.state:
-                        optimizer.state[p] = optimizer.state.pop(q)
-                    new.append(p)
+                    if p is not None:
+                        p.data, p.grad = q.data, None
+                        if q in optimizer.state:
+                            optimizer.state[p] = optimizer.state.pop(q)
+                    new.append(p if p is not None else q)
                 group["params"] = new
-        module.float()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self.halfs, self.masters, self.master_of = [], [], {}
+        super()._to_fp32(model, optimizer)
+        self._master_of.clear()
+        self._fused_of.clear()
 
-    def promote_module(self, module: nn.Module, optimizer) -> None:
+    def promote_module(self, module: nn.Module) -> None:
         with torch.no_grad():
             for p in module.parameters():
-                m = self.master_for(p, optimizer)
+                m = self.master_for(p)
                 p.data = m.detach().clone() if m is not None else p.data.float()
-        super().promote_module(module, optimizer)
-
+        super().promote_module(module)

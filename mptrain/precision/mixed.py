@@ -1,6 +1,7 @@
 """``16-mixed`` and ``bf16-mixed``: fp32 parameters, autocast compute (as in Lightning).
 
-fp16 gets a dynamic loss scaler by default; bf16 has fp32's range and does not.
+fp16 gets a :class:`DynamicLossScaler` by default (on the device, with hysteresis, in
+place of torch's GradScaler); bf16 has fp32's range and needs none (opt-in).
 """
 from __future__ import annotations
 
@@ -8,17 +9,19 @@ from typing import Any
 
 import torch
 
-from mptrain.precision.base import Precision
-
-_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+from mptrain.precision.plugin import MptrainPrecision
 
 
-class MixedPrecision(Precision):
-    def __init__(self, name: str = "bf16-mixed", device="cpu", fp32_fallback: Any = "default"):
-        if name not in _DTYPES:
-            raise ValueError(f"MixedPrecision: precision={name!r} is not a mixed mode; valid: {sorted(_DTYPES)}")
-        self.name = name
-        self.compute_dtype = self.autocast_dtype = _DTYPES[name]
-        self.param_dtype = torch.float32
-        self.default_scaler = name == "16-mixed"
-        super().__init__(device, fp32_fallback)
+class MixedPrecision(MptrainPrecision):
+    """Autocast mixed precision with mptrain's scaler, fallback and non-finite guard."""
+
+    MODES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+    SCALER_BY_DEFAULT = ("16-mixed",)
+
+    def __init__(self, precision: str = "bf16-mixed", **kwargs: Any):
+        super().__init__(precision, **kwargs)
+        self.autocast_dtype = self.compute_dtype
+
+    @staticmethod
+    def _param_dtype(dtype: torch.dtype) -> torch.dtype:
+        return torch.float32

@@ -1,0 +1,57 @@
+"""Precision strings -> plugins: the one place a string (ours or Lightning's alias) becomes an object."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mptrain.precision.master import MasterPrecision
+from mptrain.precision.mixed import MixedPrecision
+from mptrain.precision.plugin import MptrainPrecision
+from mptrain.precision.true import TruePrecision
+
+PRECISIONS: tuple[str, ...] = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "16-master", "bf16-master")
+
+# Lightning's short spellings (lightning.fabric.connector's table, minus 64-true which we do not run).
+_ALIASES: dict[Any, str] = {32: "32-true", "32": "32-true", 16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def normalize_precision(precision: Any) -> str:
+    """The canonical string for ``precision`` (Lightning's aliases accepted); ValueError listing the valid ones."""
+    try:
+        name = _ALIASES.get(precision, precision)
+    except TypeError:  # unhashable
+        name = precision
+    if name not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported. Valid values: {', '.join(PRECISIONS)} "
+                         f"(and Lightning's aliases 32, '32', 16, '16', 'bf16')")
+    return name
+
+
+def precision_plugin(precision: Any, **kwargs: Any) -> MptrainPrecision:
+    """The plugin for a precision string: ``loss_scaler``, ``fp32_fallback``, ``fused``, ``max_consecutive_skips``."""
+    name = normalize_precision(precision)
+    cls = MasterPrecision if name.endswith("-master") else MixedPrecision if name.endswith("-mixed") else TruePrecision
+    return cls(name, **kwargs)
+
+
+def check_device_supports(name: str, device: torch.device) -> None:
+    """bf16 on a GPU without bf16 (pre-Ampere) must fail before training, not produce garbage."""
+    if torch.device(device).type != "cuda" or not name.startswith("bf16"):
+        return
+    try:
+        ok = torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch without the argument
+        ok = torch.cuda.is_bf16_supported()
+    if not ok:
+        cap = torch.cuda.get_device_capability(device)
+        raise RuntimeError(f"precision={name!r} needs a GPU with bf16 support (compute capability >= 8.0); "
+                           f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. "
+                           f"Use '16-master' or '16-mixed' instead.")
+
+
+def build_precision(name: Any, device: torch.device | str = "cpu", fp32_fallback: Any = "default") -> MptrainPrecision:
+    """A plugin checked against ``device`` (numerics tools convert a module outside any trainer with it)."""
+    name = normalize_precision(name)
+    check_device_supports(name, torch.device(device))
+    return precision_plugin(name, fp32_fallback=fp32_fallback)

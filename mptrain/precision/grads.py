@@ -1,0 +1,90 @@
+"""Gradient passes of the optimizer step: unscale + inf/NaN check, clipping, the skip.
+
+Everything here stays on the device: ``found_inf`` is a 1-element float32 tensor
+(nonzero = skip this step) that the optimizer honours without a host sync when it can.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+
+def is_mptrain_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """mptrain's fused optimizers take grad_scale/found_inf and master weights in one kernel."""
+    return bool(getattr(optimizer, "_mptrain_fused", False))
+
+
+def accepts_device_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` can honour ``found_inf`` on the device (no host sync).
+
+    mptrain's fused optimizers do, and torch's ``fused=True`` ones (they read the
+    ``grad_scale`` / ``found_inf`` attributes, torch.amp.GradScaler's protocol).
+    """
+    if is_mptrain_fused(optimizer):
+        return True
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    return all(g.get("fused", False) for g in optimizer.param_groups)
+
+
+def unscale_and_check_(grads: list[torch.Tensor], inv_scale: Optional[torch.Tensor], found_inf: torch.Tensor,
+                       fused="auto") -> None:
+    """``grads *= inv_scale`` in place (``None``: only check); ``found_inf`` becomes 1 on any inf/NaN."""
+    from mptrain import ops
+
+    by_device: dict = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, gs in by_device.items():
+        local = found_inf if found_inf.device == device else torch.zeros(1, dtype=torch.float32, device=device)
+        if inv_scale is None:
+            ops.multi_tensor_scale_(gs, [], None, local, fused=fused)  # empty destination: check only
+        else:
+            ops.multi_tensor_unscale_(gs, inv_scale.to(device), local, fused=fused)
+        if local is not found_inf:
+            found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
+
+
+def clip_scaled_by_value_(grads: list[torch.Tensor], clip_val: float, scale: torch.Tensor) -> None:
+    """Value clipping of still-scaled half grads: the bound ``clip_val * scale`` is applied in fp32."""
+    for g in grads:
+        bound = (scale * clip_val).to(g.device)
+        g.copy_(torch.clamp(g.float(), min=-bound, max=bound))
+
+
+def zero_nonfinite_(grads: Iterable[torch.Tensor]) -> None:
+    """inf/NaN -> 0 in place (finite values unchanged), for a step that is skipped anyway."""
+    for g in grads:
+        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def all_reduce_max_(found_inf: torch.Tensor) -> None:
+    """Every rank takes the same skip decision: found_inf = max over ranks (on the device)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+
+
+def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
+                        grad_scale: Optional[torch.Tensor] = None, **kwargs) -> bool:
+    """Step, or skip when ``found_inf`` is set. Returns False when it knew (on the host) it skipped.
+
+    Fused optimizers decide on the device (torch.amp.GradScaler's attribute protocol);
+    any other optimizer costs one host read of ``found_inf``, as GradScaler does.
+    """
+    if accepts_device_found_inf(optimizer):
+        optimizer.grad_scale = grad_scale.reshape(1).float() if grad_scale is not None else None
+        # torch's fused Adam subtracts found_inf from its 0-dim step counts in place: 0-dim there.
+        optimizer.found_inf = found_inf if is_mptrain_fused(optimizer) else found_inf.reshape(())
+        try:
+            optimizer.step(**kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+        return True
+    if bool(found_inf.item()):
+        return False
+    optimizer.step(**kwargs)
+    return True

@@ -1,0 +1,60 @@
+"""The non-finite guard of every mode: count skipped steps on the device, stop a run that cannot progress.
+
+With or without a loss scaler, a step whose loss or gradients hold an inf/NaN is skipped
+(the weights stay untouched).  ``max_consecutive_skips`` skips in a row end the run with
+:class:`NonFiniteError`.  The counters live on the device; they are read on the CPU (free),
+where the step already synced, or once every ``check_every`` steps, never on every step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from mptrain.precision.loss_scaler import NonFiniteError
+
+
+class NonFiniteGuard:
+    """Device counters of skipped steps and the lazy ``max_consecutive_skips`` check."""
+
+    def __init__(self, max_consecutive_skips: int = 100):
+        if int(max_consecutive_skips) < 1:
+            raise ValueError(f"max_consecutive_skips={max_consecutive_skips!r} must be >= 1")
+        self.max_consecutive_skips = int(max_consecutive_skips)
+        # A GPU run reads the counter at most every check_every steps: it raises at most that late.
+        self.check_every = max(1, min(25, self.max_consecutive_skips // 4))
+        self.consecutive = torch.zeros((), dtype=torch.int32)
+        self.total = torch.zeros((), dtype=torch.int64)
+        self.steps = 0  # optimizer steps seen (host counter, no sync)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """After a step: count it as skipped when ``found_inf`` is set (device ops only)."""
+        if self.consecutive.device != found_inf.device:
+            self.consecutive = self.consecutive.to(found_inf.device)
+            self.total = self.total.to(found_inf.device)
+        bad = found_inf.reshape(()) != 0
+        self.consecutive.copy_(torch.where(bad, self.consecutive + 1, torch.zeros_like(self.consecutive)))
+        self.total.add_(bad.to(torch.int64))
+        self.steps += 1
+
+    def check(self, describe: Callable[[int], str], synced: bool = False) -> None:
+        """Raise :class:`NonFiniteError` once ``max_consecutive_skips`` is reached.
+
+        ``describe(skips)`` builds the message (step, scale, first non-finite parameter);
+        it runs only when raising.  ``synced``: the step already read the device.
+        """
+        if not (synced or self.consecutive.device.type == "cpu" or self.steps % self.check_every == 0):
+            return
+        skips = int(self.consecutive.item())
+        if skips >= self.max_consecutive_skips:
+            raise NonFiniteError(describe(skips))
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive.detach().cpu().clone(), "total": self.total.detach().cpu().clone(),
+                "max_consecutive_skips": self.max_consecutive_skips, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        dev = self.consecutive.device
+        self.consecutive = state["consecutive"].to(dev, torch.int32).clone()
+        self.total = state["total"].to(dev, torch.int64).clone()
+        self.steps = int(state.get("steps", 0))

@@ -1,0 +1,434 @@
+"""The shared core of every mode: one Lightning precision plugin for ``lightning.Trainer`` and ``lightning.Fabric``.
+
+``lightning.pytorch``'s ``Precision`` subclasses ``lightning.fabric``'s, so one object
+serves both; the two call it differently and it adapts:
+
+* ``lightning.Trainer`` calls ``connect(model, optimizers, schedulers)`` at setup and
+  ``optimizer_step(optimizer, model=..., closure=...)`` once per accumulation window
+  (after the window's backward calls; the closure runs the last micro-batch);
+* ``lightning.Fabric`` never calls ``connect``; it calls ``backward(loss, module)`` and
+  ``optimizer_step(optimizer)`` without a closure, and ``unscale_gradients`` +
+  ``main_params`` from ``fabric.clip_gradients``. Optimizers are prepared on first use.
+
+The optimizer step is where precision matters: grads are copied up (``*-master``),
+unscaled and checked for inf/NaN on the device (the loss too), all ranks agree on the
+flag, clipping sees unscaled grads, and the step is skipped on the device.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning_utilities import apply_to_collection
+from torch import nn
+
+from mptrain.precision import grads as G
+from mptrain.precision.fallback import AutoFallback, Fp32Fallback, cpu_lacks_native_bf16
+from mptrain.precision.loss_scaler import DynamicLossScaler
+from mptrain.precision.nonfinite import NonFiniteGuard
+
+log = logging.getLogger("mptrain")
+
+HALF = (torch.float16, torch.bfloat16)
+FUSED_CHOICES = ("auto", True, False)
+
+
+class MptrainPrecision(_LightningPrecision):
+    """Base of :class:`MasterPrecision`, :class:`MixedPrecision` and :class:`TruePrecision`.
+
+    Args:
+        precision: the mode string (the subclass lists the valid ones).
+        loss_scaler: ``None`` for the mode's default (DESIGN §2), ``False``/``"off"`` for none,
+            a :class:`DynamicLossScaler`, or a dict of its arguments.
+        fp32_fallback: ``"default"``, a list of op names (``"+name"``/``"-name"`` edit the default) or ``[]``.
+        fused: mptrain's kernels where available (``"auto"``), required (``True``) or off (``False``).
+        max_consecutive_skips: skipped steps in a row before :class:`NonFiniteError`;
+            ``None``: the scaler's setting, else 100.
+    """
+
+    MODES: dict[str, torch.dtype] = {}
+    SCALER_BY_DEFAULT: tuple[str, ...] = ()
+    SCALER_ALLOWED = True
+    has_master_weights = False
+
+    def __init__(self, precision: str, *, loss_scaler: Any = None, fp32_fallback: Any = "default",
+                 fused: Union[str, bool] = "auto", max_consecutive_skips: Optional[int] = None):
+        if precision not in self.MODES:
+            raise ValueError(f"{type(self).__name__}(precision={precision!r}) is not supported. "
+                             f"Valid values: {', '.join(map(repr, self.MODES))}")
+        if fused not in FUSED_CHOICES:
+            raise ValueError(f"fused={fused!r} is not supported. Valid values: 'auto', True, False")
+        self.precision = self.initial_precision = precision
+        dtype = self.MODES[precision]
+        self.compute_dtype = dtype
+        self.param_dtype = self._param_dtype(dtype)
+        self.autocast_dtype: Optional[torch.dtype] = None
+        self.fused = fused
+        self.loss_scaler = self._build_scaler(loss_scaler)
+        fallback = Fp32Fallback(fp32_fallback)  # checks the list in every mode
+        self.fallback: Optional[Fp32Fallback] = fallback if dtype in HALF else None
+        if max_consecutive_skips is None:
+            max_consecutive_skips = self.loss_scaler.max_consecutive_skips if self.loss_scaler else 100
+        self.guard = NonFiniteGuard(max_consecutive_skips)
+        self.phase = "fp32" if dtype == torch.float32 else "low"
+        self.auto: Optional[AutoFallback] = None
+        self._module: Optional[nn.Module] = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._ready: set[int] = set()  # ids of optimizers prepared (masters swapped in)
+        self._lightning = False  # True once lightning.Trainer connected us (Fabric never does)
+        self._pending: dict[int, torch.Tensor] = {}  # optimizer id -> found_inf of the step in progress
+        self._loss_bad: Optional[torch.Tensor] = None  # a non-finite loss in the current window
+        self._hooks: list = []
+        self._promoted_names: list[str] = []
+
+    @staticmethod
+    def _param_dtype(dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+    def _build_scaler(self, spec: Any) -> Optional[DynamicLossScaler]:
+        if spec is False or spec == "off":
+            return None
+        if spec is None:
+            return DynamicLossScaler() if self.precision in self.SCALER_BY_DEFAULT else None
+        if not self.SCALER_ALLOWED:
+            raise ValueError(f"precision={self.precision!r} uses no loss scaler (as in Lightning); got loss_scaler="
+                             f"{spec!r}. Use a '*-master' or '*-mixed' precision for loss scaling, or loss_scaler=None")
+        return DynamicLossScaler.from_spec(spec)
+
+    # -- public state ------------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped on non-finite loss/grads (one host read)."""
+        return int(self.guard.total.item())
+
+    @property
+    def promoted(self) -> list[str]:
+        """Modules promoted to fp32 by the automatic fallback, by name."""
+        return sorted(self.auto.promoted) if self.auto is not None else list(self._promoted_names)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.precision!r})"
+
+    # -- module and data -----------------------------------------------------
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        self._module = module
+        if self.phase == "fp32" and self.precision != self.initial_precision:
+            return module.float()
+        return self._convert(module)
+
+    def _convert(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        if self.param_dtype not in HALF:
+            return data
+        return apply_to_collection(data, torch.Tensor, _to_dtype, self.param_dtype)
+
+    def _device_type(self) -> str:
+        p = next(self._module.parameters(), None) if self._module is not None else None
+        return p.device.type if p is not None else "cpu"
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Autocast (``*-mixed``) and the fp32 fallback of listed ops, around every forward."""
+        stack = contextlib.ExitStack()
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self._device_type(), dtype=self.autocast_dtype))
+        if self.fallback is not None:
+            stack.enter_context(self.fallback.context())
+        return stack
+
+    # -- backward -------------------------------------------------------------
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        return super().pre_backward(tensor, module) if self._lightning else tensor
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        return super().post_backward(tensor, module) if self._lightning else tensor
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        """Scale the loss and backpropagate; a non-finite loss marks the window for skipping (on the device)."""
+        bad = (~torch.isfinite(tensor.detach())).any().reshape(1).float()
+        self._loss_bad = bad if self._loss_bad is None else torch.maximum(self._loss_bad, bad)
+        if self.loss_scaler is not None:
+            self.loss_scaler.to(tensor.device) if self.loss_scaler.device != tensor.device else None
+            tensor = self.loss_scaler.scale_loss(tensor)
+        if self._lightning:  # lightning.Trainer: (tensor, model, optimizer, *args) -> LightningModule.backward
+            super().backward(tensor, model, *args, **kwargs)
+        else:  # Fabric: (tensor, module, *args)
+            tensor.backward(*args, **kwargs)
+
+    # -- optimizers -------------------------------------------------------------
+    def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple:
+        """lightning.Trainer's setup: prepare every optimizer (``*-master`` swaps in fp32 masters)."""
+        self._lightning = True
+        if self._module is None:
+            self._module = getattr(model, "module", model)
+        for opt in optimizers:
+            self._ensure_ready(opt)
+        return model, optimizers, lr_schedulers
+
+    def _ensure_ready(self, optimizer: torch.optim.Optimizer) -> None:
+        if id(optimizer) in self._ready:
+            return
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(f"{self!r} does not support torch.optim.LBFGS: it re-evaluates the closure inside "
+                             "step(), where the loss scale and the non-finite skip cannot apply. Use another "
+                             "optimizer or Lightning's own precision='32-true'")
+        self._setup_optimizer(optimizer)
+        self._ready.add(id(optimizer))
+        self._optimizers.append(optimizer)
+
+    def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Subclasses swap in masters here."""
+
+    def optimizer_step(self, optimizer: Any, model: Any = None, closure: Optional[Callable[[], Any]] = None,
+                       **kwargs: Any) -> Any:
+        """lightning.Trainer passes the closure (training_step + backward); Fabric calls after backward."""
+        self._ensure_ready(optimizer)
+        if closure is None:  # Fabric
+            return self._step(optimizer, **kwargs)
+        closure_result = closure()
+        skip = closure_result is None and getattr(model, "automatic_optimization", False)
+        if not skip:
+            self._prepare(optimizer)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
+        if skip:  # training_step returned None: Lightning steps nothing
+            self._end_step(optimizer)
+            return closure_result
+        self._step(optimizer, **kwargs)
+        return closure_result
+
+    def main_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The grads the optimizer reads (``*-master``: copied up into the masters first)."""
+        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def _found_inf(self, device: torch.device) -> torch.Tensor:
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        if self._loss_bad is not None:
+            found.copy_(self._loss_bad.to(device))
+        return found
+
+    def _prepare(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Grads up, unscaled and checked, once per step: the found_inf flag (device tensor)."""
+        found = self._pending.get(id(optimizer))
+        if found is not None:
+            return found
+        grads = self.main_grads(optimizer)
+        found = self._found_inf(grads[0].device if grads else self._device())
+        inv = self.loss_scaler.inv_scale().to(found.device) if self.loss_scaler is not None else None
+        if grads:
+            G.unscale_and_check_(grads, inv, found, self.fused)
+        G.all_reduce_max_(found)
+        self._pending[id(optimizer)] = found
+        return found
+
+    def _device(self) -> torch.device:
+        p = next(self._module.parameters(), None) if self._module is not None else None
+        return p.device if p is not None else torch.device("cpu")
+
+    def _step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        found = self._prepare(optimizer)
+        synced = not G.accepts_device_found_inf(optimizer)
+        self._optimizer_step(optimizer, found, **kwargs)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found)
+        self.guard.update(found)
+        self._end_step(optimizer)
+        self.guard.check(lambda skips: self._nonfinite_message(skips, optimizer), synced=synced)
+        self._poll_auto_fallback(synced)
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, **kwargs: Any) -> None:
+        G.step_with_found_inf(optimizer, found_inf, **kwargs)
+
+    def _end_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the (possibly skipped) step: ``*-master`` copies down; the window's flags reset."""
+        self._pending.pop(id(optimizer), None)
+        self._loss_bad = None
+
+    def unscaled_grads(self) -> dict[str, torch.Tensor]:
+        """The module's unscaled grads by parameter name (fp32 masters' where they exist).
+
+        Valid from ``on_before_optimizer_step`` until the step ends."""
+        if self._module is None:
+            return {}
+        out = {}
+        for name, p in self._module.named_parameters():
+            g = self._unscaled_grad(p)
+            if g is not None:
+                out[name] = g
+        return out
+
+    def _unscaled_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        return p.grad
+
+    # -- clipping ------------------------------------------------------------------
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float] = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        """lightning.Trainer's ``gradient_clip_val``: clips the unscaled (master) grads."""
+        if clip_val is None or clip_val <= 0:
+            return
+        self._ensure_ready(optimizer)
+        self._prepare(optimizer)
+        params = [p for p in self.main_params(optimizer) if p.grad is not None]
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, clip_val)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Fabric's clip_gradients: main grads unscaled; a step to be skipped gets finite (zeroed) grads
+        so that torch's ``error_if_nonfinite`` does not pre-empt the skip."""
+        self._ensure_ready(optimizer)
+        self._prepare(optimizer)
+        G.zero_nonfinite_(p.grad for p in self.main_params(optimizer) if p.grad is not None)
+
+    # -- non-finite error -------------------------------------------------------------
+    def _step_number(self) -> int:
+        trainer = getattr(self._module, "_trainer", None) if self._lightning else None
+        return int(trainer.global_step) if trainer is not None else self.guard.steps - 1
+
+    def _nonfinite_message(self, skips: int, optimizer: torch.optim.Optimizer) -> str:
+        s = self.loss_scaler
+        scale = f"loss scale {s.scale:g} (min_scale={s.min_scale:g})" if s is not None else "no loss scaler"
+        return (f"{skips} optimizer steps in a row had a non-finite loss or gradients (max_consecutive_skips="
+                f"{self.guard.max_consecutive_skips}); training stopped at step {self._step_number()} with "
+                f"{scale}, precision={self.precision!r}. First non-finite parameter: {self._culprit(optimizer)}. "
+                f"Check the data and the learning rate, or add the offending op to fp32_fallback "
+                f"(mptrain.numerics.compare_layerwise shows where precision is lost).")
+
+    def _culprit(self, optimizer: torch.optim.Optimizer) -> str:
+        if self._module is None:
+            return "unknown (no module)"
+        for name, p in self._module.named_parameters():
+            g = p.grad
+            if g is not None and not bool(torch.isfinite(g).all()):
+                return repr(name)
+        return "none (the gradients are finite: the loss itself is non-finite)"
+
+    # -- automatic fp32 fallback -------------------------------------------------------
+    def enable_auto_fallback(self, module: nn.Module) -> None:
+        """Watch leaf modules' outputs for inf/NaN; an offender is promoted to fp32 (see ``poll_auto_fallback``)."""
+        self._module = self._module or module
+        if self.compute_dtype in HALF and self.phase == "low" and self.auto is None:
+            self.auto = AutoFallback(module)
+            for name in self._promoted_names:
+                self._promote_by_name(name)
+
+    def _poll_auto_fallback(self, synced: bool) -> None:
+        if self.auto is None:
+            return
+        if synced or self._device_type() == "cpu" or self.guard.steps % self.guard.check_every == 0:
+            for name in self.poll_auto_fallback():
+                log.warning("auto_fp32_fallback: module %r produced inf/NaN; it runs in fp32 from step %d on",
+                            name, self.guard.steps)
+
+    def poll_auto_fallback(self) -> list[str]:
+        """Promote the earliest module whose output overflowed since the last poll (one host read)."""
+        if self.auto is None:
+            return []
+        names = []
+        for name, module in self.auto.poll():
+            self.promote_module(module)
+            names.append(name)
+        return names
+
+    def _promote_by_name(self, name: str) -> None:
+        modules = dict(self._module.named_modules())
+        if name in modules and name not in self.auto.promoted:
+            self.auto.promoted.add(name)
+            self.promote_module(modules[name])
+
+    def promote_module(self, module: nn.Module) -> None:
+        """Run ``module`` in fp32 for the rest of the run (params and compute; its output keeps its dtype)."""
+        from mptrain.precision.fallback import run_module_in_fp32
+
+        module._mpt_promoted = True
+        if self.autocast_dtype is not None:
+            orig, dev = module.forward, self._device_type()
+
+            def forward(*args, **kwargs):
+                with torch.autocast(dev, enabled=False):
+                    return orig(*args, **kwargs)
+
+            module.forward = forward
+        self._hooks += run_module_in_fp32(module)
+
+    # -- late switch to fp32 ------------------------------------------------------------
+    def switch_to_fp32(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """In place: params become fp32 (the masters' exact values), optimizer state kept,
+        autocast, loss scaler and fallback off; afterwards the plugin behaves as ``32-true``."""
+        if self.phase == "fp32":
+            return
+        self._module = self._module or model
+        for opt in optimizers:
+            self._ensure_ready(opt)
+            self._to_fp32(model, opt)
+        model.float()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.auto is not None:
+            self._promoted_names = sorted(self.auto.promoted)
+            self.auto.remove()
+            self.auto = None
+        self.precision, self.phase = "32-true", "fp32"
+        self.compute_dtype = self.param_dtype = torch.float32
+        self.autocast_dtype, self.fallback, self.loss_scaler = None, None, None
+        log.info("precision switched from %r to '32-true'", self.initial_precision)
+
+    def _to_fp32(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Optimizer state follows its params to fp32 (moments, momentum buffers)."""
+        for st in optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" and v.dim() > 0:
+                    st[k] = v.float()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "initial_precision": self.initial_precision,
+            "precision": self.precision,
+            "phase": self.phase,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "guard": self.guard.state_dict(),
+            "promoted": self.promoted,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("initial_precision")
+        if saved != self.initial_precision:
+            raise ValueError(f"the checkpoint was trained with precision={saved!r}, this run has "
+                             f"{self.initial_precision!r}; resume with the same precision")
+        self.guard.load_state_dict(state_dict["guard"])
+        if state_dict.get("phase") == "fp32" and self.phase != "fp32":
+            self.switch_to_fp32(self._module, list(self._optimizers))
+        if self.loss_scaler is not None and state_dict.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self._promoted_names = list(state_dict.get("promoted", []))
+        if self.auto is not None and self._module is not None:
+            for name in self._promoted_names:
+                self._promote_by_name(name)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint is never written with non-finite weights (they would poison every resume)."""
+        for name, value in checkpoint.get("state_dict", {}).items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                from mptrain.precision.loss_scaler import NonFiniteError
+
+                raise NonFiniteError(f"refusing to save a checkpoint: weight {name!r} holds inf/NaN at step "
+                                     f"{self._step_number()} (precision={self.precision!r}); the previous "
+                                     f"checkpoint is the last good one")
+
+    def teardown(self) -> None:
+        self._pending.clear()
+        self._loss_bad = None
+
+
+def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+__all__ = ["MptrainPrecision", "HALF", "cpu_lacks_native_bf16"]
