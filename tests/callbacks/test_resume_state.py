@@ -1,0 +1,81 @@
+"""Mid-epoch resume is bitwise: RNG (ResumeState), data position (resumable loader), accumulation."""
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from _models import Classifier, classification_data, mlp
+
+from mptrain import Trainer
+
+STEPS, SAVE_AT = 10, 4  # 12 batches per epoch, accumulation 2: 6 steps an epoch; step 4 is mid-epoch
+
+
+def _loader(generator_seed=None, n=96, batch_size=8):
+    generator = None if generator_seed is None else torch.Generator().manual_seed(generator_seed)
+    return torch.utils.data.DataLoader(classification_data(n=n), batch_size=batch_size, shuffle=True,
+                                       generator=generator)
+
+
+def _fit(root, max_steps, precision="32-true", ckpt_path=None, generator_seed=None, trainer_cls=Trainer, **kw):
+    torch.manual_seed(0)
+    model = Classifier(mlp(dropout=0.25), lr=1e-2)
+    args = dict(accelerator="cpu", devices=1, max_steps=max_steps, default_root_dir=str(root), logger=False,
+                enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2)
+    if trainer_cls is Trainer:
+        args.update(precision=precision, seed=0, checkpoint_every_n_steps=SAVE_AT)
+    else:
+        L.seed_everything(0)
+        args["callbacks"] = [L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=SAVE_AT, save_last=True)]
+    args.update(kw)
+    trainer = trainer_cls(**args)
+    trainer.fit(model, _loader(generator_seed), ckpt_path=ckpt_path)
+    trainer.save_checkpoint(root / "end.ckpt")
+    return torch.stack(model.losses), torch.load(root / "end.ckpt", weights_only=True)
+
+
+def _assert_same_end(a: dict, b: dict) -> None:
+    assert a["global_step"] == b["global_step"] == STEPS
+    for name, t in a["state_dict"].items():
+        assert t.dtype == torch.float32, f"{name} is {t.dtype}: checkpoints hold fp32 weights"
+        assert torch.equal(t, b["state_dict"][name]), name
+    for sa, sb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
+        for k in sa:
+            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), k
+
+
+@pytest.mark.parametrize("precision, generator_seed", [("32-true", None), ("bf16-master", None), ("32-true", 99)])
+def test_mid_epoch_resume_is_bitwise(tmp_path, precision, generator_seed):
+    losses, end = _fit(tmp_path / "straight", STEPS, precision, generator_seed=generator_seed)
+    first, _ = _fit(tmp_path / "cut", SAVE_AT, precision, generator_seed=generator_seed)
+    assert torch.equal(first, losses[: 2 * SAVE_AT])
+    rest, resumed_end = _fit(tmp_path / "cut", STEPS, precision, ckpt_path="last", generator_seed=generator_seed)
+    assert len(rest) == 2 * (STEPS - SAVE_AT)
+    assert torch.equal(rest, losses[2 * SAVE_AT:])
+    _assert_same_end(end, resumed_end)
+
+
+def test_plain_lightning_does_not_resume_this_exactly(tmp_path):
+    """The control: without mptrain's resume state the same resume replays other batches."""
+    losses, _ = _fit(tmp_path / "straight", STEPS, trainer_cls=L.Trainer)
+    _fit(tmp_path / "cut", SAVE_AT, trainer_cls=L.Trainer)
+    with pytest.warns(UserWarning, match="not resumable"):
+        rest, _ = _fit(tmp_path / "cut", STEPS, ckpt_path="last", trainer_cls=L.Trainer)
+    assert not torch.equal(rest[:4], losses[2 * SAVE_AT: 2 * SAVE_AT + 4])
+
+
+def test_same_batches_and_losses_as_lightning(tmp_path):
+    """The resumable loader keeps torch's shuffle order: an uninterrupted run is Lightning's run."""
+    ours, _ = _fit(tmp_path / "ours", 3)
+    theirs, _ = _fit(tmp_path / "theirs", 3, trainer_cls=L.Trainer)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(accumulate_grad_batches=3), "accumulate_grad_batches 2 -> 3"),
+    (dict(limit_train_batches=6), "num_training_batches 12 -> 6"),
+])
+def test_mid_epoch_resume_with_another_epoch_layout_is_refused(tmp_path, change, message):
+    _fit(tmp_path, SAVE_AT)
+    with pytest.raises(ValueError, match=f"cannot resume mid-epoch.*{message}"):
+        _fit(tmp_path, STEPS, ckpt_path="last", **change)
