@@ -186,6 +186,16 @@ class DynamicLossScaler:
         missing = [k for k in ("scale", "growth_tracker", "hysteresis_tracker") if k not in state]
         if missing:
             raise KeyError(f"DynamicLossScaler.load_state_dict: missing key(s) {missing}")
+        config = state.get("config")
+        if config is not None:  # the configuration the state was saved with (issue 12 item 6)
+            unknown = sorted(set(config) - set(_DEFAULTS))
+            if unknown:
+                raise KeyError(f"DynamicLossScaler.load_state_dict: unknown config key(s) {unknown}")
+            for k, v in config.items():
+                if k == "init_scale":
+                    self._init_scale = float(v)
+                else:
+                    setattr(self, k, type(_DEFAULTS[k])(v))
         dev = self.device
         self._scale = state["scale"].to(dev, torch.float32).clone()
         self._growth_tracker = state["growth_tracker"].to(dev, torch.int32).clone()
