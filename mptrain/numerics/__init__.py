@@ -1,8 +1,8 @@
 """Numerics toolkit: where does low precision hurt, layer by layer?
 
 * :func:`compare_layerwise` -- fp32 shadow comparison of every module (forward and backward);
-* :class:`OverflowMonitor` -- a Trainer callback counting inf/NaN, near-max values and
-  fp16-underflowing gradients per module, naming the culprits of a skipped step;
+* :class:`OverflowMonitor` -- the Lightning callback counting inf/NaN, near-max values and
+  fp16-underflowing gradients per module (it lives in :mod:`mptrain.callbacks`);
 * :func:`evaluate_precisions` -- metric and latency of a trained model per precision,
   int8 dynamic quantization included (:mod:`mptrain.numerics.quant`);
 * :func:`doctor_report` -- what the hardware and the toolchain can do.
@@ -10,7 +10,6 @@
 from mptrain.numerics.evaluate import PrecisionTable, evaluate_precisions
 from mptrain.numerics.hardware import doctor_report, format_doctor
 from mptrain.numerics.layerwise import ROW_KEYS, LayerwiseReport, compare_layerwise
-from mptrain.numerics.monitor import OverflowMonitor
 from mptrain.numerics.quant import (
     Int8DynamicLinear,
     QuantConfig,
@@ -27,9 +26,18 @@ from mptrain.numerics.quant import (
 
 __all__ = [
     "compare_layerwise", "LayerwiseReport", "ROW_KEYS",
-    "OverflowMonitor",
     "evaluate_precisions", "PrecisionTable",
     "doctor_report", "format_doctor",
     "QuantConfig", "QuantReport", "Int8DynamicLinear", "quantize", "dequantize", "quantize_weight",
     "quantize_activation", "quantize_dynamic", "int8_matmul", "int8_matmul_reference", "quantization_report",
 ]
+
+
+def __getattr__(name: str):
+    """``mptrain.numerics.OverflowMonitor`` is the callback of :mod:`mptrain.callbacks`
+    (imported on use: the numerics tools do not need the Trainer's callbacks)."""
+    if name == "OverflowMonitor":
+        from mptrain.callbacks.overflow_monitor import OverflowMonitor
+
+        return OverflowMonitor
+    raise AttributeError(f"module 'mptrain.numerics' has no attribute {name!r}")

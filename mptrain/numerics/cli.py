@@ -1,16 +1,15 @@
-"""Entry points of `mptrain doctor` and `mptrain numerics` (called by mptrain/cli.py).
+"""``mptrain doctor`` and ``mptrain numerics``: jsonargparse parsers in the flag style of
+``mptrain fit`` (snake_case, ``--config``, dotted overrides).
 
-`mptrain numerics --config RECIPE.yaml [--precision P]` builds the recipe's model and data
-itself (``class_path`` + ``init_args``, LightningCLI style, read with ``yaml.safe_load``),
-takes one batch, and prints the layerwise fp32-vs-P comparison.
+``mptrain numerics --config RECIPE.yaml`` reads the recipe exactly as ``mptrain fit`` does
+(its ``trainer`` section is checked but not built), builds the model and the data module
+(every ``class_path`` checked first), takes one batch and prints the layerwise
+fp32-vs-low-precision comparison, ending with one line naming the worst layer and why.
 """
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
-import sys
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -20,70 +19,69 @@ _LABEL_KEYS = ("labels", "label", "target", "targets", "y")
 # ---------------------------------------------------------------------------------------
 # doctor
 # ---------------------------------------------------------------------------------------
+def doctor_parser():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="mptrain doctor", exit_on_error=False,
+                            description="GPU, tensor-core paths, toolchain versions, extension status, advice.")
+    parser.add_argument("--json", type=Optional[str], default=None, help="also write the report as JSON to this path")
+    parser.add_argument("--build", type=Optional[bool], default=None,
+                        help="build/load the CUDA extension: null = only when a GPU is visible, true = always, false = never")
+    parser.add_argument("--probe", type=bool, default=True, help="run the tiny tensor-core probes on each GPU")
+    return parser
+
+
 def doctor_main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="mptrain doctor",
-                                     description="GPU, tensor-core paths, toolchain versions, extension status, advice.")
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    parser.add_argument("--no-build", action="store_true", help="do not try to build/load the CUDA extension")
-    parser.add_argument("--build", action="store_true", help="try to build the CUDA extension even without a GPU")
-    parser.add_argument("--no-probe", action="store_true", help="do not run the tiny tensor-core probes")
-    args = parser.parse_args(argv)
+    cfg = doctor_parser().parse_args(argv)
     from mptrain.numerics.hardware import doctor_report, format_doctor
 
-    build = False if args.no_build else (True if args.build else None)
-    report = doctor_report(build_extension=build, probe=not args.no_probe)
+    report = doctor_report(build_extension=cfg.build, probe=cfg.probe)
     print(format_doctor(report))
-    if args.json:
-        with open(args.json, "w") as f:
+    if cfg.json:
+        with open(cfg.json, "w") as f:
             json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        print(f"wrote {cfg.json}")
     return 0
 
 
 # ---------------------------------------------------------------------------------------
 # numerics
 # ---------------------------------------------------------------------------------------
-def instantiate(spec: Any) -> Any:
-    """Build ``{"class_path": "pkg.mod.Class", "init_args": {...}}`` recursively; other values as they are."""
-    if isinstance(spec, dict) and "class_path" in spec:
-        path = spec["class_path"]
-        module_name, _, cls_name = path.rpartition(".")
-        if not module_name:
-            raise ValueError(f"class_path {path!r} must be 'package.module.Class'")
-        try:
-            cls = getattr(importlib.import_module(module_name), cls_name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"class_path {path!r} cannot be imported: {e}") from e
-        kwargs = {k: instantiate(v) for k, v in (spec.get("init_args") or {}).items()}
-        return cls(**kwargs)
-    if isinstance(spec, dict):
-        return {k: instantiate(v) for k, v in spec.items()}
-    if isinstance(spec, list):
-        return [instantiate(v) for v in spec]
-    return spec
+def numerics_parser():
+    import lightning.pytorch as pl
+    from jsonargparse import ActionConfigFile, ArgumentParser
 
+    from mptrain import Trainer
 
-def load_recipe(path: str) -> dict:
-    import yaml
-
-    with open(path) as f:
-        cfg = yaml.safe_load(f) or {}
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: a recipe is a YAML mapping with 'model' and 'data' sections")
-    if "model" not in cfg and isinstance(cfg.get("fit"), dict):  # `mptrain fit` sub-config layout
-        cfg = cfg["fit"]
-    if "model" not in cfg:
-        raise ValueError(f"{path}: no 'model' section (expected model: {{class_path: ..., init_args: ...}})")
-    return cfg
+    parser = ArgumentParser(prog="mptrain numerics", exit_on_error=False,
+                            description="Layerwise fp32-vs-low-precision comparison of a recipe's model on one batch.")
+    parser.add_argument("-c", "--config", action=ActionConfigFile, help="a recipe (the one `mptrain fit` takes)")
+    parser.add_argument("--seed_everything", type=Union[bool, int], default=0, help="seed of the model's init")
+    parser.add_class_arguments(Trainer, "trainer", instantiate=False, fail_untyped=False)
+    parser.add_subclass_arguments(pl.LightningModule, "model", required=True)
+    parser.add_subclass_arguments(pl.LightningDataModule, "data", required=True)
+    parser.link_arguments("data", "model.init_args.vocab_size", compute_fn=lambda d: getattr(d, "vocab_size", None),
+                          apply_on="instantiate")
+    parser.add_argument("--precision", type=Optional[str], default=None,
+                        help="precision to compare against fp32; null: the recipe's trainer.precision")
+    parser.add_argument("--device", type=Optional[str], default=None, help="null: cuda if available, else cpu")
+    parser.add_argument("--max_samples", type=int, default=8, help="use at most this many samples of the batch")
+    parser.add_argument("--rtol", type=Optional[float], default=None,
+                        help="relative tolerance; null: from the dtype's rounding and each layer's depth")
+    parser.add_argument("--atol", type=Optional[float], default=None,
+                        help="absolute tolerance; null: rtol times each output's RMS")
+    parser.add_argument("--backward", type=bool, default=False, help="compare gradients too")
+    parser.add_argument("--train_mode", type=bool, default=False, help="keep training mode (BatchNorm batch stats)")
+    parser.add_argument("--top", type=Optional[int], default=None, help="print only the N worst modules")
+    parser.add_argument("--json", type=Optional[str], default=None, help="write the report as JSON to this path")
+    return parser
 
 
 def first_batch(data: Any) -> Any:
     """One training batch from a LightningDataModule, a dataloader or an iterable."""
     if hasattr(data, "train_dataloader"):
-        if hasattr(data, "prepare_data"):
-            data.prepare_data()
-        if hasattr(data, "setup"):
-            data.setup("fit")
+        data.prepare_data()
+        data.setup("fit")
         data = data.train_dataloader()
     return next(iter(data))
 
@@ -110,47 +108,47 @@ def _trim(obj: Any, n: int) -> Any:
     return obj
 
 
+def build_model_and_batch(parser, cfg) -> tuple[Any, Any]:
+    """The recipe's model and one batch of its data (class paths checked before anything is built)."""
+    import lightning.pytorch as pl
+
+    from mptrain.cli.class_paths import check_class_paths
+    from mptrain.cli.errors import ConfigError, innermost_error, one_line
+    from mptrain.cli.lightning_cli import CONSTRUCTION_ERRORS
+
+    plain = cfg.clone().as_dict()
+    check_class_paths({k: plain.get(k) for k in ("model", "data")}, object)
+    if cfg.seed_everything is not False:
+        pl.seed_everything(None if cfg.seed_everything is True else int(cfg.seed_everything), verbose=False)
+    try:
+        built = parser.instantiate_classes(cfg)
+    except CONSTRUCTION_ERRORS as e:
+        raise ConfigError(one_line(innermost_error(str(e)))) from None
+    return built.model, first_batch(built.data)
+
+
 def numerics_main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="mptrain numerics",
-                                     description="Layerwise fp32-vs-low-precision comparison on a recipe's model and one batch.")
-    parser.add_argument("--config", required=True, metavar="RECIPE.yaml")
-    parser.add_argument("--precision", default=None, help="default: the recipe's trainer.precision, else bf16-mixed")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--max-samples", type=int, default=8, help="use at most this many samples of the batch")
-    parser.add_argument("--rtol", type=float, default=1e-2)
-    parser.add_argument("--atol", type=float, default=1e-3)
-    parser.add_argument("--backward", action="store_true", help="compare gradients too")
-    parser.add_argument("--train-mode", action="store_true", help="keep modules in training mode (BatchNorm batch stats)")
-    parser.add_argument("--top", type=int, default=None, help="print only the N worst modules")
-    parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
-    args = parser.parse_args(argv)
+    parser = numerics_parser()
+    cfg = parser.parse_args(argv)
     from mptrain.numerics.layerwise import compare_layerwise
 
+    from mptrain.cli.errors import bad_value
+    from mptrain.precision import PRECISIONS, normalize_precision
+
+    precision = cfg.precision or cfg.trainer.get("precision") or "bf16-mixed"
     try:
-        cfg = load_recipe(args.config)
-        precision = args.precision or (cfg.get("trainer") or {}).get("precision") or "bf16-mixed"
-        model = instantiate(cfg["model"])
-        if "data" not in cfg:
-            raise ValueError(f"{args.config}: no 'data' section to take a batch from")
-        batch = first_batch(instantiate(cfg["data"]))
-    except (OSError, ValueError, TypeError, ImportError) as e:
-        print(f"mptrain numerics: {e}", file=sys.stderr)
-        return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        precision = normalize_precision(precision)
+    except ValueError:
+        raise bad_value("precision", precision, ", ".join(PRECISIONS)) from None
+    model, batch = build_model_and_batch(parser, cfg)
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = model.to(device)
-    example = _trim(batch_to_input(model, batch), args.max_samples)
-    report = compare_layerwise(model, example, precision=str(precision), rtol=args.rtol, atol=args.atol,
-                               backward=args.backward, train_mode=args.train_mode)
-    print(report.table(top=args.top))
-    if args.json:
-        with open(args.json, "w") as f:
+    example = _trim(batch_to_input(model, batch), cfg.max_samples)
+    report = compare_layerwise(model, example, precision=str(precision), rtol=cfg.rtol, atol=cfg.atol,
+                               backward=cfg.backward, train_mode=cfg.train_mode)
+    print(report.table(top=cfg.top))
+    if cfg.json:
+        with open(cfg.json, "w") as f:
             f.write(report.to_json())
-        print(f"wrote {args.json}")
+        print(f"wrote {cfg.json}")
     return 0
-
-
-if __name__ == "__main__":  # `python -m mptrain.numerics.cli doctor|numerics ...` without the top-level CLI
-    if len(sys.argv) < 2 or sys.argv[1] not in ("doctor", "numerics"):
-        print("usage: python -m mptrain.numerics.cli doctor|numerics [args]", file=sys.stderr)
-        raise SystemExit(2)
-    raise SystemExit((doctor_main if sys.argv[1] == "doctor" else numerics_main)(sys.argv[2:]))

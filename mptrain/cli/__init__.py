@@ -1,0 +1,69 @@
+"""The ``mptrain`` command (also ``python -m mptrain``).
+
+``mptrain fit|validate|test|predict`` is Lightning's ``LightningCLI`` with mptrain's Trainer
+(:class:`MptrainCLI`); ``mptrain doctor|numerics|bench`` are mptrain's tools, with the same
+flag style (snake_case, ``--config``, dotted overrides).  A config mistake prints one line
+naming the key, the value and what is valid, and exits with status 2 before anything is
+created.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+from mptrain.cli.errors import ConfigError, one_line
+
+TOOLS = {
+    "doctor": "check the GPU, the compiler toolchain and the fused kernels",
+    "numerics": "layerwise fp32-vs-low-precision comparison of a recipe's model on one batch",
+    "bench": "benchmarks: mptrain bench gemm|kernels|e2e|ddp [options]",
+}
+
+__all__ = ["TOOLS", "ConfigError", "main"]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one subcommand; returns the exit status (2 for a config mistake)."""
+    from_sys = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wandb_offline_without_key()
+    try:
+        if argv and argv[0] in TOOLS:
+            from mptrain.cli.tools import run_tool
+
+            return run_tool(argv[0], argv[1:])
+        from mptrain.cli.config_files import check_config_file, config_paths
+        from mptrain.cli.lightning_cli import MptrainCLI
+
+        for path in config_paths(argv):
+            check_config_file(path)
+        MptrainCLI(args=None if from_sys else argv)
+    except ConfigError as e:
+        cmd = f"mptrain {argv[0]}" if argv and not argv[0].startswith("-") else "mptrain"
+        print(f"{cmd}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help, --print_config
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return 0
+
+
+def wandb_offline_without_key() -> None:
+    """W&B without credentials runs offline (``wandb sync`` later) instead of prompting.
+
+    Credentials are ``WANDB_API_KEY`` or a ``~/.netrc`` entry for api.wandb.ai (what
+    ``wandb login`` writes); the key itself is never read into mptrain."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
+        return
+    import netrc
+
+    try:
+        has_login = netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        has_login = False
+    if not has_login:
+        os.environ["WANDB_MODE"] = "offline"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Config mistakes as one line: ``ConfigError`` and the rewording of jsonargparse's and
+Lightning's multi-line messages into "key, value, what is valid"."""
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any, Iterable, Optional
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot work: reported as one line, exit status 2, before
+    anything (log dir, checkpoint dir) is created."""
+
+
+def unknown_key(path: str, valid: Iterable[str], value: Any = None) -> ConfigError:
+    """``path`` is not a key; suggest the closest valid one and list them all."""
+    valid = sorted(set(valid))
+    name = path.rsplit(".", 1)[-1]
+    near = difflib.get_close_matches(name, valid, n=1)
+    hint = f" Did you mean {near[0]!r}?" if near else ""
+    shown = "" if value is None else f" (value {value!r})"
+    where = path.rsplit(".", 1)[0] if "." in path else "the top level"
+    return ConfigError(f"unknown key {path!r}{shown}.{hint} Valid keys under {where}: {', '.join(valid)}")
+
+
+def bad_value(path: str, value: Any, valid: str) -> ConfigError:
+    return ConfigError(f"invalid value for {path!r}: {value!r}. Valid: {valid}")
+
+
+def one_line(text: str) -> str:
+    """Whitespace-collapsed ``text``: every message this CLI prints is a single line."""
+    return " ".join(str(text).split())
+
+
+def innermost_error(message: str) -> str:
+    """The useful part of a jsonargparse message: the error a class's ``__init__`` raised,
+    without the "Does not validate against any of the Union subtypes" wrapping."""
+    items = re.findall(r"^\s*- (.+)$", message, re.M)
+    useful = [i for i in items if "Expected a <class 'NoneType'>" not in i and not i.startswith("Problem with")]
+    if useful:
+        return useful[0]
+    problem = re.search(r"Problem with given class_path '([^']+)':\s*(.+)", message, re.S)
+    if problem:
+        return f"{problem.group(1)}: {problem.group(2)}"
+    return message
+
+
+def _init_params(class_path: str) -> list[str]:
+    """The keyword arguments of an (already imported) class named in a parse error."""
+    import importlib
+    import inspect
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    return [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _clean_types(text: str) -> str:
+    return re.sub(r"<class '([^']+)'>", r"\1", text).replace("NoneType", "null")
+
+
+def explain_parse_error(message: str, valid_keys: Optional[dict[str, list[str]]] = None) -> str:
+    """jsonargparse's ArgumentError as "key, value, expected": ``valid_keys`` maps a group
+    ("trainer", "model", ...) to its keys, for the did-you-mean of an unknown key."""
+    valid_keys = valid_keys or {}
+    unrec = re.search(r"nrecognized arguments: (\S+)", message)
+    if unrec:
+        arg = unrec.group(1)
+        key, _, value = arg.lstrip("-").partition("=")
+        group = key.split(".")[0]
+        if group in valid_keys and "." in key:
+            return str(unknown_key(key, valid_keys[group], value or None))
+        return str(unknown_key(key, valid_keys.get("", []), value or None))
+    parser_key = re.search(r'Parser key "([^"]+)"', message)
+    path = parser_key.group(1) if parser_key else ""
+    option = re.search(r"Option '([^']+)' is not accepted", message) or re.search(r"[Kk]ey '([^']+)' is not expected", message)
+    if option:
+        group = path.split(".")[0]
+        cls = re.search(r"Problem with given class_path '([^']+)'", message)
+        valid = _init_params(cls.group(1)) if cls else valid_keys.get(group, [])
+        return str(unknown_key(f"{path}.{option.group(1)}" if path else option.group(1), valid))
+    no_action = re.search(r'No action for key "([^"]+)"', message)
+    if no_action:
+        key = no_action.group(1)
+        return str(unknown_key(key, valid_keys.get(key.split(".")[0], [])))
+    given = re.search(r"Given value: (.*)", message)
+    expected = re.search(r"Expected a (.*?)(?:\. Got value: (.*))?$", message, re.M)
+    subtypes = re.search(r"Subtypes: \[(.*?)\]", message, re.S)
+    value = (given.group(1) if given else expected.group(2) if expected and expected.group(2) else "").strip()
+    if subtypes:
+        wanted = "one of " + _clean_types(subtypes.group(1))
+    elif expected:
+        wanted = _clean_types(expected.group(1))
+    else:
+        return f"{path or 'config'}: {one_line(innermost_error(message))}"
+    inner = innermost_error(message)
+    detail = f" ({one_line(inner)})" if inner != message and "Expected a" not in inner else ""
+    return f"invalid value for {path!r}: {value!r}. Expected {wanted}{detail}"

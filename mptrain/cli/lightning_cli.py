@@ -1,0 +1,103 @@
+"""``mptrain fit|validate|test|predict``: Lightning's ``LightningCLI`` with mptrain's Trainer.
+
+Everything LightningCLI does is unchanged (recipes with ``seed_everything`` / ``trainer`` /
+``model`` / ``data``, ``--config``, dotted overrides, ``--print_config``, ``--model.help``,
+``--model=OtherClass``, the saved ``config.yaml``).  mptrain adds what makes a config mistake
+one line and exit 2 before anything is created:
+
+* recipe files are checked first (binary, tabs, YAML syntax, ``!!python`` tags);
+* after parsing, every ``class_path`` is checked against the kind its key expects, Trainer
+  values Lightning would only reject later are checked, and ``--ckpt_path`` must exist;
+* a ``ValueError`` / ``TypeError`` / ``MisconfigurationException`` from a class's
+  ``__init__`` becomes a ``ConfigError``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from mptrain.cli.class_paths import check_class_paths
+from mptrain.cli.errors import ConfigError, explain_parse_error, innermost_error, one_line
+from mptrain.cli.trainer_values import check_ckpt_path, check_trainer_values
+
+#: errors of a class's constructor that mean "this config cannot work"
+CONSTRUCTION_ERRORS = (ValueError, TypeError, MisconfigurationException)
+
+
+class MptrainCLI(LightningCLI):
+    """LightningCLI with ``mptrain.Trainer``, any LightningModule / LightningDataModule
+    (``class_path``), the models' own ``configure_optimizers``, and a per-run saved config."""
+
+    def __init__(self, args: Any = None, **kwargs: Any) -> None:
+        from mptrain import Trainer
+
+        kwargs.setdefault("trainer_class", Trainer)
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("auto_configure_optimizers", False)
+        # config.yaml goes to the run's own log dir (version_N); overwrite only matters without a logger
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(args=args, **kwargs)
+
+    def init_parser(self, **kwargs: Any):
+        kwargs.setdefault("exit_on_error", False)  # main() turns the error into one line
+        kwargs.setdefault("prog", "mptrain")
+        return super().init_parser(**kwargs)
+
+    def add_arguments_to_parser(self, parser) -> None:
+        # A model built with vocab_size=None takes the data module's (a tokenizer trained at start).
+        parser.link_arguments("data", "model.init_args.vocab_size", compute_fn=_vocab_size, apply_on="instantiate")
+
+    def _add_subcommands(self, parser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        from mptrain.cli import TOOLS
+        from mptrain.cli.tools import tool_parser
+
+        for name, text in TOOLS.items():  # listed in `mptrain --help`; main() runs them
+            parser._subcommands_action.add_subcommand(name, tool_parser(name), help=text)
+
+    def parse_arguments(self, parser, args) -> None:
+        """LightningCLI's parse (without its warning about args next to sys.argv: main() passes
+        sys.argv's own arguments), every jsonargparse error turned into a ConfigError."""
+        try:
+            self.config = parser.parse_object(args) if isinstance(args, dict) else parser.parse_args(args)
+        except ConfigError:
+            raise
+        except Exception as e:  # jsonargparse's ArgumentError (exit_on_error=False)
+            if type(e).__name__ != "ArgumentError":
+                raise
+            raise ConfigError(explain_parse_error(str(e), self.valid_keys(args))) from None
+
+    def valid_keys(self, args: Any) -> dict[str, list[str]]:
+        """Group -> its keys in the chosen subcommand's parser (for did-you-mean)."""
+        sub = next((a for a in (args or []) if a in self.subcommands()), None)
+        parser = self._subcommand_parsers.get(sub) if sub else None
+        if parser is None:
+            return {"": list(self.subcommands())}
+        keys: dict[str, list[str]] = {"": []}
+        for action in parser._actions:
+            dest = getattr(action, "dest", "")
+            group, _, name = dest.partition(".")
+            keys.setdefault(group if name else "", []).append(name or group)
+        return keys
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        plain = config.clone().as_dict()
+        trainer_class = self.trainer_class if isinstance(self.trainer_class, type) else object
+        check_class_paths({k: plain.get(k) for k in ("trainer", "model", "data", "optimizer", "lr_scheduler")
+                           if k in plain}, trainer_class)
+        check_trainer_values(plain.get("trainer") or {})
+        check_ckpt_path(plain.get("ckpt_path"), self.subcommand or "")
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except CONSTRUCTION_ERRORS as e:
+            raise ConfigError(one_line(innermost_error(str(e)))) from None
+
+
+def _vocab_size(data: Any) -> Any:
+    return getattr(data, "vocab_size", None)

@@ -1,0 +1,55 @@
+"""``mptrain doctor|numerics|bench``: mptrain's own tools next to LightningCLI's subcommands."""
+from __future__ import annotations
+
+import importlib
+
+from mptrain.cli.errors import ConfigError, explain_parse_error
+
+BENCHES = {"gemm": "mptrain.bench.gemm", "kernels": "mptrain.bench.kernels", "e2e": "mptrain.bench.e2e",
+           "ddp": "mptrain.bench.ddp"}
+
+
+def tool_parser(name: str):
+    """The jsonargparse parser of a tool (for ``mptrain --help`` and for parsing)."""
+    if name == "doctor":
+        from mptrain.numerics.cli import doctor_parser
+
+        return doctor_parser()
+    if name == "numerics":
+        from mptrain.numerics.cli import numerics_parser
+
+        return numerics_parser()
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="mptrain bench", exit_on_error=False,
+                            description="Benchmarks; each prints its own options with `mptrain bench NAME --help`.")
+    parser.add_argument("benchmark", choices=list(BENCHES),
+                        help="gemm: GEMM throughput per dtype; kernels: fused kernels vs PyTorch; "
+                             "e2e: ResNet-50 / BERT-base training per precision vs Lightning; ddp: scaling under torchrun")
+    return parser
+
+
+def run_tool(name: str, argv: list[str]) -> int:
+    try:
+        if name == "bench":
+            return _bench(argv)
+        from mptrain.numerics.cli import doctor_main, numerics_main
+
+        return (doctor_main if name == "doctor" else numerics_main)(argv)
+    except ConfigError:
+        raise
+    except Exception as e:  # jsonargparse's ArgumentError (exit_on_error=False)
+        if type(e).__name__ != "ArgumentError":
+            raise
+        raise ConfigError(explain_parse_error(str(e))) from None
+
+
+def _bench(argv: list[str]) -> int:
+    """``mptrain bench NAME [options]``: the benchmark's own ``main(argv)`` parses the rest."""
+    if not argv or argv[0] in ("-h", "--help"):
+        tool_parser("bench").print_help()
+        return 0 if argv else 2
+    if argv[0] not in BENCHES:
+        raise ConfigError(f"unknown benchmark {argv[0]!r}. Valid: {', '.join(BENCHES)}")
+    main = getattr(importlib.import_module(BENCHES[argv[0]]), "main")
+    return int(main(argv[1:]) or 0)
