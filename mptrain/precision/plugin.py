@@ -236,8 +236,9 @@ class MptrainPrecision(_LightningPrecision):
         if self.loss_scaler is not None:
             self.loss_scaler.update(found)
         self.guard.update(found)
-        self._end_step(optimizer)
+        # before _end_step: the message names the first parameter whose grad is still non-finite
         self.guard.check(lambda skips: self._nonfinite_message(skips, optimizer), synced=synced)
+        self._end_step(optimizer)
         self._poll_auto_fallback(synced)
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, **kwargs: Any) -> None:
@@ -302,9 +303,8 @@ class MptrainPrecision(_LightningPrecision):
     def _culprit(self, optimizer: torch.optim.Optimizer) -> str:
         if self._module is None:
             return "unknown (no module)"
-        for name, p in self._module.named_parameters():
-            g = p.grad
-            if g is not None and not bool(torch.isfinite(g).all()):
+        for name, g in self.unscaled_grads().items():
+            if not bool(torch.isfinite(g).all()):
                 return repr(name)
         return "none (the gradients are finite: the loss itself is non-finite)"
 

@@ -1,11 +1,12 @@
-"""DynamicLossScaler: the state machine of DESIGN §3, alone and inside the Trainer."""
+"""DynamicLossScaler: the state machine of DESIGN §3, alone and inside plain lightning.Trainer."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from _models import Classifier, classification_data, mlp, quiet_trainer
-from mptrain import DynamicLossScaler, NonFiniteError
+from _models import Classifier, mlp
+from _plain_lightning import StepRecorder, loader, trainer
+from mptrain.precision import DynamicLossScaler, NonFiniteError, precision_plugin
 
 
 def expected_trace(flags, init, growth, backoff, interval, hysteresis, min_scale, max_scale):
@@ -44,13 +45,18 @@ def test_unit_state_machine_matches_design():
     assert max(g[0] for g in got) == 4096.0 and min(g[0] for g in got) == 64.0
 
 
-def test_nan_counts_as_overflow_and_state_round_trips():
-    s = DynamicLossScaler(init_scale=8.0, hysteresis=1)
-    s.update(torch.tensor([1.0]))
-    assert s.scale == 4.0
+def test_nan_counts_as_overflow_and_state_round_trips_with_its_configuration():
+    s = DynamicLossScaler(init_scale=8.0, hysteresis=1, growth_interval=7, backoff_factor=0.25, min_scale=0.5,
+                          max_scale=2.0**10, growth_factor=4.0, max_consecutive_skips=9)
+    s.update(torch.tensor([float("nan")]))
+    assert s.scale == 2.0
     t = DynamicLossScaler()
     t.load_state_dict(s.state_dict())
-    assert t.scale == 4.0 and int(t._total_skips) == 1
+    assert t.scale == 2.0 and int(t._total_skips) == 1
+    for key in ("growth_interval", "hysteresis", "backoff_factor", "min_scale", "max_scale", "growth_factor",
+                "max_consecutive_skips"):
+        assert getattr(t, key) == getattr(s, key), key
+    assert t._init_scale == 8.0
 
 
 def test_bad_arguments():
@@ -62,74 +68,46 @@ def test_bad_arguments():
         DynamicLossScaler.from_spec({"init": 3})
 
 
-def _loader(n=256, bs=16):
-    return torch.utils.data.DataLoader(classification_data(n=n), batch_size=bs, shuffle=False)
-
-
-class Recorder:
-    """Params (and masters) before / after every step, and the scaler state after it."""
-
-    def __init__(self):
-        self.before, self.after, self.trace = {}, {}, []
-
-    def _snap(self, trainer, module):
-        snap = [p.detach().clone() for p in module.parameters()]
-        prec = trainer._precision
-        if getattr(prec, "masters", None):
-            snap += [m.detach().clone() for m in prec.masters]
-        return snap
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self.before[trainer.global_step] = self._snap(trainer, module)
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        s = trainer.loss_scaler
-        self.after[trainer.global_step - 1] = self._snap(trainer, module)
-        self.trace.append((s.scale, s.hysteresis_left, trainer.skipped_steps))
-
-
-@pytest.mark.parametrize("precision", ["16-mixed", "16-master"])
-def test_inf_injection_skips_bit_exactly_and_scaler_follows_design(precision):
+@pytest.mark.parametrize("name", ["16-mixed", "16-master"])
+def test_inf_injection_skips_bit_exactly_and_scaler_follows_design(name):
     cfg = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=2,
                min_scale=1.0, max_scale=2.0**24)
     inf_steps = {2, 3, 9}
     torch.manual_seed(0)
     model = Classifier(mlp(), inf_at_steps=inf_steps)
-    rec = Recorder()
-    trainer = quiet_trainer(precision=precision, max_steps=14, loss_scaler=cfg, callbacks=[rec])
-    trainer.fit(model, _loader())
+    rec = StepRecorder()
+    plugin = precision_plugin(name, loss_scaler=cfg)
+    t = trainer(plugin, max_steps=14, callbacks=[rec])
+    t.fit(model, loader(n=256, bs=16))
     for k in inf_steps:
-        for a, b in zip(rec.before[k], rec.after[k]):
-            assert torch.equal(a, b), f"step {k} was not skipped bit-exactly"
-    for k in (0, 4):  # clean steps do change the weights
-        assert any(not torch.equal(a, b) for a, b in zip(rec.before[k], rec.after[k]))
+        assert rec.unchanged(k), f"step {k} was not skipped bit-exactly"
+    assert not rec.unchanged(0) and not rec.unchanged(4)
     flags = [int(i in inf_steps) for i in range(14)]
-    want = expected_trace(flags, cfg["init_scale"], cfg["growth_factor"], cfg["backoff_factor"], cfg["growth_interval"],
-                          cfg["hysteresis"], cfg["min_scale"], cfg["max_scale"])
+    want = expected_trace(flags, cfg["init_scale"], cfg["growth_factor"], cfg["backoff_factor"],
+                          cfg["growth_interval"], cfg["hysteresis"], cfg["min_scale"], cfg["max_scale"])
     assert rec.trace == want
-    assert trainer.skipped_steps == 3 and trainer.global_step == 14
+    assert plugin.skipped_steps == 3 and t.global_step == 14
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "16-master"])
-def test_persistent_overflow_ends_in_nonfinite_error(precision):
+@pytest.mark.parametrize("name", ["16-mixed", "16-master"])
+def test_persistent_overflow_ends_in_nonfinite_error(name):
     torch.manual_seed(0)
     model = Classifier(mlp(), inf_at_steps=set(range(1000)))
     cfg = dict(init_scale=16.0, hysteresis=1, min_scale=2.0, max_consecutive_skips=6)
-    rec = Recorder()
-    trainer = quiet_trainer(precision=precision, max_steps=50, loss_scaler=cfg, callbacks=[rec])
+    rec = StepRecorder()
+    plugin = precision_plugin(name, loss_scaler=cfg)
     with pytest.raises(NonFiniteError) as err:
-        trainer.fit(model, _loader())
+        trainer(plugin, max_steps=50, callbacks=[rec]).fit(model, loader(n=256, bs=16))
     msg = str(err.value)
-    assert "step 6" in msg and "loss scale 2" in msg and "net." in msg
-    assert trainer.global_step == 6
+    assert "6 optimizer steps in a row" in msg and "step 5" in msg and "loss scale 2" in msg
+    assert "'net.0.weight'" in msg
     assert [t[0] for t in rec.trace] == [8.0, 4.0, 2.0, 2.0, 2.0]  # never below min_scale
 
 
 def test_bf16_has_no_scaler_unless_asked():
-    model = Classifier(mlp())
-    t = quiet_trainer(precision="bf16-master", max_steps=1)
-    t.fit(model, _loader())
-    assert t.loss_scaler is None
-    t2 = quiet_trainer(precision="bf16-master", max_steps=1, loss_scaler={"init_scale": 256.0})
-    t2.fit(Classifier(mlp()), _loader())
-    assert t2.loss_scaler is not None and t2.loss_scaler.scale == 256.0
+    t = trainer(precision_plugin("bf16-master"), max_steps=1)
+    t.fit(Classifier(mlp()), loader())
+    assert t.precision_plugin.loss_scaler is None
+    t2 = trainer(precision_plugin("bf16-master", loss_scaler={"init_scale": 256.0}), max_steps=1)
+    t2.fit(Classifier(mlp()), loader())
+    assert t2.precision_plugin.loss_scaler.scale == 256.0

@@ -1,0 +1,88 @@
+"""Issue 13 item 2: every mode, scaler or not, skips a non-finite step and stops a run that cannot progress."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _models import Classifier, mlp
+from _plain_lightning import StepRecorder, loader, trainer
+from mptrain.precision import NonFiniteError, precision_plugin
+from mptrain.precision.nonfinite import NonFiniteGuard
+
+MODES = ["bf16-master", "bf16-mixed", "32-true", "bf16-true", "16-master", "16-mixed"]
+
+
+def _plugin(name, **kw):
+    scaler = {"init_scale": 256.0} if name in ("16-master", "16-mixed") else None
+    return precision_plugin(name, loss_scaler=scaler, **kw)
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_one_nan_step_is_skipped_and_training_goes_on(name):
+    torch.manual_seed(0)
+    model = Classifier(mlp(), lr=0.1, optimizer="sgd", inf_at_steps={2})
+    rec = StepRecorder()
+    plugin = _plugin(name)
+    t = trainer(plugin, max_steps=5, callbacks=[rec])
+    t.fit(model, loader(n=160))
+    assert rec.unchanged(2)
+    assert not any(rec.unchanged(k) for k in (0, 1, 3, 4))
+    assert plugin.skipped_steps == 1 and t.global_step == 5
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class NanLossFiniteGrads(Classifier):
+    """A NaN that reaches the loss but not the gradients (a detached term)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step >= 1:
+            loss = loss + torch.tensor(float("nan")).detach()
+        return loss
+
+
+@pytest.mark.parametrize("name", ["bf16-master", "32-true", "bf16-mixed"])
+def test_persistent_nan_raises_naming_step_scale_and_parameter(name):
+    torch.manual_seed(0)
+    model = Classifier(mlp(), inf_at_steps=set(range(1, 100)))
+    with pytest.raises(NonFiniteError) as err:
+        trainer(_plugin(name, max_consecutive_skips=3), max_steps=20).fit(model, loader(n=640))
+    msg = str(err.value)
+    assert "3 optimizer steps in a row" in msg and "at step 3" in msg and "no loss scaler" in msg
+    assert "'net.0.weight'" in msg and repr(name) in msg
+
+
+def test_a_nan_loss_with_finite_grads_is_caught_too():
+    torch.manual_seed(0)
+    model = NanLossFiniteGrads(mlp())
+    with pytest.raises(NonFiniteError, match="the loss itself is non-finite"):
+        trainer(_plugin("bf16-master", max_consecutive_skips=2), max_steps=10).fit(model, loader(n=640))
+
+
+def test_a_checkpoint_with_nonfinite_weights_is_refused():
+    plugin = precision_plugin("bf16-master")
+    plugin.on_save_checkpoint({"state_dict": {"net.0.weight": torch.ones(2)}})
+    with pytest.raises(NonFiniteError, match="'net.4.bias' holds inf/NaN"):
+        plugin.on_save_checkpoint({"state_dict": {"net.0.weight": torch.ones(2),
+                                                  "net.4.bias": torch.tensor([0.0, float("nan")])}})
+
+
+def test_guard_reads_the_device_lazily():
+    """On a GPU the counter is read once every check_every steps, not per step (CPU reads are free)."""
+    guard = NonFiniteGuard(max_consecutive_skips=100)
+    assert guard.check_every == 25
+    reads = []
+    guard.consecutive = torch.zeros((), dtype=torch.int32, device="meta")  # stands in for a GPU tensor
+    guard.total = torch.zeros((), dtype=torch.int64, device="meta")
+
+    def describe(skips):
+        return "x"
+
+    for step in range(1, 51):
+        guard.steps = step
+        try:
+            guard.check(describe)
+        except (NotImplementedError, RuntimeError):  # a meta tensor cannot be read: that is a read attempt
+            reads.append(step)
+    assert reads == [25, 50]
