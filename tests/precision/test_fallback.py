@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _models import quiet_trainer
-from mptrain.precision import build_precision
-from mptrain.precision.fallback import DEFAULT_FP32_OPS, resolve_op_list
+from _plain_lightning import trainer
+from mptrain.precision import build_precision, precision_plugin
+from mptrain.precision.fallback import DEFAULT_FP32_OPS, Fp32Fallback, resolve_op_list
 
 
 class Probe(L.LightningModule):
@@ -46,7 +46,7 @@ def test_direct_functional_calls_are_exact(precision):
     torch.manual_seed(0)
     model = Probe()
     ds = torch.utils.data.TensorDataset(torch.randn(32, 12))
-    quiet_trainer(precision=precision, max_steps=2).fit(model, torch.utils.data.DataLoader(ds, batch_size=16))
+    trainer(precision_plugin(precision), max_steps=2).fit(model, torch.utils.data.DataLoader(ds, batch_size=16))
     assert len(model.seen) == 6
     for name, h, out in model.seen:
         assert h.dtype in (torch.bfloat16, torch.float16)
@@ -55,13 +55,9 @@ def test_direct_functional_calls_are_exact(precision):
 
 
 def test_fallback_off_is_really_off():
-    seen = []
-
-    class Half(torch.Tensor):  # records whether anything intercepted the call before it reached torch
-        pass
-
     prec = build_precision("bf16-true", fp32_fallback=[])
-    assert prec.fallback is None
+    assert prec.fallback.ops == ()
+    prec.fallback = Fp32Fallback([], cpu_rnn=False)  # the CPU RNN policy (tested below) would keep a mode on
     with prec.forward_context():
         assert not torch._C._is_torch_function_mode_enabled()
     on = build_precision("bf16-true")
@@ -92,42 +88,6 @@ def test_batch_norm_running_stats_update_in_half_true_mode():
     assert bn.running_mean.abs().sum() > 0.1  # the in-place update reached the real buffer
 
 
-class Blowup(nn.Module):
-    def forward(self, x):
-        return (x * 1e5) * 1e-5  # the intermediate overflows fp16 (max 65504) for |x| > 0.65
-
-
-class WithBlowup(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.pre = nn.Linear(8, 8)
-        self.blow = Blowup()
-        self.post = nn.Linear(8, 1)
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        return self.post(self.blow(self.pre(x))).float().pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
-def test_auto_fallback_promotes_the_overflowing_module(caplog):
-    torch.manual_seed(0)
-    model = WithBlowup()
-    ds = torch.utils.data.TensorDataset(torch.randn(64, 8) * 3)
-    trainer = quiet_trainer(precision="16-master", max_steps=6, auto_fp32_fallback=True,
-                            loss_scaler={"init_scale": 2.0**8})
-    with caplog.at_level(logging.WARNING, logger="mptrain"):
-        trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=16))
-    lines = [r.getMessage() for r in caplog.records if "auto_fp32_fallback" in r.getMessage()]
-    assert len(lines) == 1 and "'blow'" in lines[0]
-    assert trainer._precision.auto.promoted == {"blow"}
-    # after promotion the steps are clean: the skipped count stops growing
-    assert trainer.skipped_steps <= 2
-    assert model.pre.weight.dtype == torch.float16
-
-
 def test_bf16_on_a_gpu_without_bf16_raises_before_training(monkeypatch):
     import mptrain.precision as mp
 
@@ -139,3 +99,43 @@ def test_bf16_on_a_gpu_without_bf16_raises_before_training(monkeypatch):
     with pytest.raises(ValueError, match="Valid values: 32-true, 16-mixed"):
         mp.build_precision("fp16")
     mp.build_precision("16-master", device="cuda")  # fp16 is fine there
+
+
+@pytest.mark.parametrize("precision", ["bf16-master", "bf16-true", "bf16-mixed"])
+def test_lstm_runs_in_fp32_on_a_cpu_without_native_bf16(precision, monkeypatch, caplog):
+    """Issue 11 item 8: torch's oneDNN bf16 LSTM crashes there; the policy computes it in fp32."""
+    import copy
+
+    import mptrain.precision.fallback as fb
+
+    monkeypatch.setattr(fb, "cpu_lacks_native_bf16", lambda: True)
+    fb._say_cpu_rnn_policy.cache_clear()
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"lstm": nn.LSTM(6, 5, batch_first=True), "cell": nn.LSTMCell(6, 5)})
+    plugin = precision_plugin(precision)
+    assert plugin.fallback.cpu_rnn
+    if precision != "bf16-mixed":
+        model = plugin.convert_module(model)
+    else:  # autocast would run the LSTM in bf16: the policy keeps it fp32; compare on bf16-valued weights
+        model = model.bfloat16().float()
+    x = torch.randn(2, 3, 6).bfloat16()
+    with caplog.at_level(logging.WARNING, logger="mptrain"):
+        for _ in range(2):  # said once per process, however often entered
+            with plugin.forward_context():
+                out, _ = model["lstm"](x)
+                h, _ = model["cell"](x[:, 0])
+    assert out.dtype == torch.bfloat16 and h.dtype == torch.bfloat16
+    ref = copy.deepcopy(model).float()  # the same (bf16-valued) weights, computed in fp32
+    assert torch.equal(out, ref["lstm"](x.float())[0].bfloat16())
+    assert torch.equal(h, ref["cell"](x[:, 0].float())[0].bfloat16())
+    if precision != "bf16-mixed":  # without the policy the half kernel runs and rounds differently
+        plugin.fallback = Fp32Fallback(plugin.fallback.ops, cpu_rnn=False)
+        with plugin.forward_context():
+            assert not torch.equal(model["lstm"](x)[0], out)
+    lines = [r.getMessage() for r in caplog.records if "no native bf16" in r.getMessage()]
+    assert len(lines) == 1 and "LSTM" in lines[0]
+
+
+def test_lstm_is_left_alone_where_the_cpu_has_native_bf16():
+    fallback = Fp32Fallback("default", cpu_rnn=False)
+    assert torch.lstm not in fallback._funcs and torch.lstm_cell not in fallback._funcs
