@@ -1,25 +1,48 @@
-"""mptrain: mixed-precision training for PyTorch.
+"""mptrain: mixed-precision training for PyTorch inside Lightning.
 
-Public API: :class:`Trainer`, :class:`DynamicLossScaler`, :data:`PRECISIONS`,
-:class:`NonFiniteError`.
+Public API: :class:`Trainer` (a ``lightning.pytorch.Trainer``), the precision plugins
+(:class:`MasterPrecision`, :class:`MixedPrecision`, :class:`TruePrecision`),
+:class:`DynamicLossScaler`, :class:`NonFiniteError`, :data:`PRECISIONS`, the checkpoint
+plugin :class:`AtomicCheckpointIO` with :class:`CheckpointError`, and the callbacks.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from mptrain.callbacks import Callback
-from mptrain.checkpoint import CheckpointError
-from mptrain.precision import PRECISIONS, build_precision
-from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
+from mptrain.callbacks import (
+    AutoFp32Fallback,
+    ChannelsLast,
+    CompileModel,
+    Fp32Finetune,
+    OverflowMonitor,
+    ResumeState,
+)
+from mptrain.checkpoint import AtomicCheckpointIO, CheckpointError
+from mptrain.precision import (
+    PRECISIONS,
+    DynamicLossScaler,
+    MasterPrecision,
+    MixedPrecision,
+    NonFiniteError,
+    TruePrecision,
+)
 from mptrain.trainer import Trainer
 
 __all__ = [
     "PRECISIONS",
-    "Callback",
+    "AtomicCheckpointIO",
+    "AutoFp32Fallback",
+    "ChannelsLast",
     "CheckpointError",
+    "CompileModel",
     "DynamicLossScaler",
+    "Fp32Finetune",
+    "MasterPrecision",
+    "MixedPrecision",
     "NonFiniteError",
+    "OverflowMonitor",
+    "ResumeState",
     "Trainer",
+    "TruePrecision",
     "__version__",
-    "build_precision",
 ]

@@ -53,6 +53,10 @@ class Classifier(L.LightningModule):
         self.log("val_loss", F.cross_entropy(logits.float(), y))
         self.log("val_acc", (logits.argmax(1) == y).float().mean())
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x).float(), y))
+
     def configure_optimizers(self):
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -1,49 +1,54 @@
-"""Trainer: every precision trains; accumulation; fp32 fine-tuning; argument errors."""
+"""mptrain.Trainer: a lightning.pytorch.Trainer whose own arguments become plugins and callbacks."""
 from __future__ import annotations
 
 import math
 
+import lightning as L
 import pytest
 import torch
-
 from _models import Classifier, classification_data, cnn, image_data, mlp, quiet_trainer
-from mptrain import PRECISIONS, Trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+from mptrain import (PRECISIONS, AtomicCheckpointIO, AutoFp32Fallback, ChannelsLast, CompileModel, Fp32Finetune,
+                     MasterPrecision, ResumeState, Trainer)
+
+PARAM_DTYPE = {"32-true": torch.float32, "16-mixed": torch.float32, "bf16-mixed": torch.float32,
+               "16-true": torch.float16, "bf16-true": torch.bfloat16, "16-master": torch.float16,
+               "bf16-master": torch.bfloat16}
 
 
 def _loader(ds, bs, shuffle=True, seed=0):
-    return torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=shuffle, generator=torch.Generator().manual_seed(seed))
+    return torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=shuffle,
+                                       generator=torch.Generator().manual_seed(seed))
 
 
-def _mean_loss(model, ds, precision_dtype=None):
+def _mean_loss(model, ds) -> float:
     x, y = ds.tensors
     with torch.no_grad():
-        model.eval()
         p = next(model.parameters())
-        logits = model(x.to(p.dtype))
-        return float(torch.nn.functional.cross_entropy(logits.float(), y))
+        return float(torch.nn.functional.cross_entropy(model(x.to(p.dtype)).float(), y))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("arch", ["mlp", "cnn"])
-def test_every_precision_trains(precision, arch):
+def test_every_precision_trains(precision):
     torch.manual_seed(0)
-    ds = classification_data() if arch == "mlp" else image_data()
-    net = mlp() if arch == "mlp" else cnn()
+    ds = classification_data()
     # Adam's eps (1e-8) is zero in fp16, so 16-true (no fp32 state, as in Lightning) uses SGD.
     opt = "sgd" if precision == "16-true" else "adamw"
-    model = Classifier(net, lr=0.1 if opt == "sgd" else 1e-2, optimizer=opt)
+    model = Classifier(mlp(), lr=0.1 if opt == "sgd" else 1e-2, optimizer=opt)
     before = _mean_loss(model, ds)
-    trainer = quiet_trainer(precision=precision, max_epochs=4)
+    trainer = quiet_trainer(precision=precision, max_epochs=3)
     trainer.fit(model, _loader(ds, 32))
-    after = _mean_loss(model, ds)
-    assert trainer.global_step == 4 * math.ceil(len(ds) / 32)
-    assert math.isfinite(after) and after < 0.85 * before, (precision, arch, before, after)
-    dtypes = {p.dtype for n, p in model.named_parameters()}
-    expected = {"32-true": torch.float32, "16-mixed": torch.float32, "bf16-mixed": torch.float32,
-                "16-true": torch.float16, "bf16-true": torch.bfloat16,
-                "16-master": torch.float16, "bf16-master": torch.bfloat16}[precision]
-    assert expected in dtypes
-    assert trainer.precision == precision
+    assert trainer.global_step == 3 * math.ceil(len(ds) / 32)
+    after = _mean_loss(model.eval(), ds)
+    assert math.isfinite(after) and after < 0.85 * before, (precision, before, after)
+    assert PARAM_DTYPE[precision] in {p.dtype for p in model.parameters()}
+    assert trainer.precision == precision and isinstance(trainer, L.Trainer)
+
+
+def test_lightning_aliases_are_accepted():
+    assert quiet_trainer(precision=32).precision == "32-true"
+    assert quiet_trainer(precision="bf16").precision == "bf16-mixed"
 
 
 def test_accumulation_equals_large_batch():
@@ -52,7 +57,7 @@ def test_accumulation_equals_large_batch():
     for bs, accum in [(32, 1), (8, 4)]:
         torch.manual_seed(0)
         model = Classifier(mlp(), lr=0.1, optimizer="sgd")
-        trainer = quiet_trainer(precision="32-true", max_steps=2, accumulate_grad_batches=accum)
+        trainer = quiet_trainer(max_steps=2, accumulate_grad_batches=accum)
         trainer.fit(model, _loader(ds, bs, shuffle=False))
         assert trainer.global_step == 2
         results.append([p.detach().clone() for p in model.parameters()])
@@ -61,124 +66,162 @@ def test_accumulation_equals_large_batch():
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "16-master"])
-def test_overflow_in_one_microbatch_skips_the_window(precision):
-    ds = classification_data(n=64)
+def test_overflow_skips_the_window_and_is_counted(precision):
     torch.manual_seed(0)
-    # inf in micro-batch 2 (batch_idx 1) of the first window of 4
-    model = Classifier(mlp(), lr=0.1, optimizer="sgd", inf_at_batches={(0, 1)})
-    init = [p.detach().clone() for p in model.parameters()]
-    seen = {}
-
-    class Spy:
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx == 3:
-                seen["params"] = [p.detach().float().clone() for p in pl_module.parameters()]
-                seen["skipped"] = trainer.skipped_steps
-                seen["grads"] = [p.grad for p in pl_module.parameters()]
-
-    trainer = quiet_trainer(precision=precision, max_steps=2, accumulate_grad_batches=4, callbacks=[Spy()],
+    model = Classifier(mlp(), lr=0.1, optimizer="sgd", inf_at_batches={(0, 1)})  # inf in the first window
+    trainer = quiet_trainer(precision=precision, max_steps=2, accumulate_grad_batches=2,
                             loss_scaler={"init_scale": 1024.0, "hysteresis": 1})
-    trainer.fit(model, _loader(ds, 8, shuffle=False))
-    for a, b in zip(init, seen["params"]):
-        assert torch.equal(a.to(b.dtype) if a.dtype != b.dtype else a, b) or torch.equal(a.to(torch.float16).float(), b) or torch.equal(a.to(torch.bfloat16).float(), b)
-    assert seen["skipped"] == 1
-    assert all(g is None for g in seen["grads"]), "grads of a skipped window must be cleared"
+    assert trainer.loss_scaler is not None and trainer.skipped_steps == 0
+    trainer.fit(model, _loader(classification_data(n=64), 8, shuffle=False))
     assert trainer.global_step == 2 and trainer.skipped_steps == 1
     assert trainer.loss_scaler.scale == 512.0
 
 
-def test_partial_window_at_epoch_end_still_steps():
-    ds = classification_data(n=40)  # 5 batches of 8: windows of 2 -> 2 full + 1 partial
-    model = Classifier(mlp(), optimizer="sgd")
-    trainer = quiet_trainer(max_epochs=2, accumulate_grad_batches=2)
-    trainer.fit(model, _loader(ds, 8))
-    assert trainer.global_step == 6
+def test_no_loss_scaler_where_the_mode_has_none():
+    trainer = quiet_trainer(precision="bf16-master")
+    assert trainer.loss_scaler is None and trainer.skipped_steps == 0
 
 
-def _moments(opt):
-    """exp_avg per parameter, in param-group order (state dict order may change at the switch)."""
-    return [opt.state[p]["exp_avg"].clone() for g in opt.param_groups for p in g["params"] if p in opt.state]
-
-
-def test_fp32_finetune_switch():
-    ds = classification_data(n=128)
+def test_fp32_finetune_switches_for_the_last_epoch():
     torch.manual_seed(0)
     model = Classifier(mlp(), lr=3e-3)
-    seen = []
+    dtypes = []
 
-    class Spy:
+    class Spy(L.Callback):
         def on_train_epoch_start(self, trainer, pl_module):
-            st = _moments(trainer.optimizer)
-            seen.append((trainer.current_epoch, trainer.precision, pl_module.net[0].weight.dtype,
-                         pl_module.net[1].weight.dtype, st, len(pl_module.losses)))
+            dtypes.append((trainer.precision_plugin.phase, pl_module.net[0].weight.dtype))
 
-        def on_train_epoch_end(self, trainer, pl_module):
-            seen.append(("end", _moments(trainer.optimizer)))
-
-    trainer = quiet_trainer(precision="bf16-master", max_epochs=4, fp32_finetune_epochs=1, callbacks=[Spy()])
-    trainer.fit(model, _loader(ds, 32))
-    starts = [s for s in seen if s[0] != "end"]
-    assert [s[1] for s in starts] == ["bf16-master"] * 3 + ["32-true"]
-    assert [s[2] for s in starts] == [torch.bfloat16] * 3 + [torch.float32]
-    assert all(s[3] == torch.float32 for s in starts)  # norms stay fp32 throughout
-    assert trainer.precision == "32-true" and trainer.loss_scaler is None
-    # optimizer state carried over: the moments at the start of epoch 3 are those at the end of epoch 2
-    end2 = [s for s in seen if s[0] == "end"][2][1]
-    for a, b in zip(end2, starts[3][4]):
-        assert torch.equal(a, b)
-    # no loss spike at the switch
-    losses = model.losses
-    n = starts[3][5]
-    assert max(losses[n : n + 2]) < 1.5 * max(losses[n - 2 : n])
+    trainer = quiet_trainer(precision="bf16-master", max_epochs=3, fp32_finetune_epochs=1, callbacks=[Spy()])
+    assert sum(isinstance(c, Fp32Finetune) for c in trainer.callbacks) == 1
+    trainer.fit(model, _loader(classification_data(n=64), 32))
+    assert dtypes == [("low", torch.bfloat16)] * 2 + [("fp32", torch.float32)]
 
 
-def test_bad_arguments_name_the_key():
-    with pytest.raises(ValueError, match="precision='fp8'.*32-true"):
-        Trainer(precision="fp8")
-    with pytest.raises(ValueError, match="accumulate_grad_batches"):
-        Trainer(accumulate_grad_batches=0)
-    with pytest.raises(ValueError, match="fused"):
-        Trainer(fused="yes")
-    with pytest.raises(NotImplementedError, match="cuda_graphs"):
-        Trainer(cuda_graphs=True)
-    with pytest.raises(ValueError, match="fp32_finetune_epochs"):
-        Trainer(max_epochs=2, fp32_finetune_epochs=3)
+def test_fp32_finetune_steps_in_a_step_based_run():
+    model = Classifier(mlp())
+    trainer = quiet_trainer(precision="bf16-master", max_steps=4, fp32_finetune_steps=1)
+    trainer.fit(model, _loader(classification_data(n=64), 8))
+    assert trainer.global_step == 4 and model.net[0].weight.dtype == torch.float32
 
 
-def test_logging_reaches_callback_metrics_and_validation():
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(precision="fp8"), ValueError, "precision='fp8'.*32-true"),
+    (dict(precision="64-true"), ValueError, "precision='64-true'"),
+    (dict(fused="yes"), ValueError, "fused='yes'.*'auto', True, False"),
+    (dict(loss_scaler={"init_scal": 2}), ValueError, "init_scal"),
+    (dict(cuda_graphs=True), NotImplementedError, "cuda_graphs=True.*cuda_graphs=False"),
+    (dict(cuda_graphs="yes"), ValueError, "cuda_graphs='yes'.*True, False"),
+    (dict(fp32_finetune_epochs=-1), ValueError, "fp32_finetune_epochs=-1.*integer >= 0"),
+    (dict(max_epochs=2, fp32_finetune_epochs=3), ValueError, "fp32_finetune_epochs=3 is more than max_epochs=2"),
+    (dict(max_epochs=-1, max_steps=6, fp32_finetune_epochs=1), ValueError, "epoch-based.*fp32_finetune_steps"),
+    (dict(max_steps=3, fp32_finetune_steps=5), ValueError, "fp32_finetune_steps=5 needs max_steps >= 5"),
+    (dict(checkpoint_every_n_steps=0), ValueError, "checkpoint_every_n_steps=0.*>= 1"),
+    (dict(seed=1.5), ValueError, "seed=1.5"),
+    (dict(compile="max"), ValueError, "compile='max'.*dict of torch.compile"),
+    (dict(channels_last=1), ValueError, "channels_last=1"),
+    (dict(plugins=[MasterPrecision("bf16-master")], precision="16-mixed"), ValueError,
+     "plugins= holds a precision plugin, so precision='16-mixed'"),
+])
+def test_bad_arguments_name_the_argument_and_the_valid_values(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        Trainer(**kwargs)
+
+
+def test_a_users_precision_plugin_is_used():
+    model = Classifier(mlp())
+    trainer = quiet_trainer(plugins=[MasterPrecision("bf16-master")], max_steps=2)
+    trainer.fit(model, _loader(classification_data(n=32), 8))
+    assert trainer.precision == "bf16-master" and model.net[0].weight.dtype == torch.bfloat16
+
+
+def test_our_plugins_and_callbacks_are_wired():
+    trainer = Trainer(accelerator="cpu", logger=False, checkpoint_every_n_steps=5, auto_fp32_fallback=True,
+                      channels_last=True, compile=True, precision="bf16-master")
+    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    kinds = {type(c) for c in trainer.callbacks}
+    assert {ResumeState, AutoFp32Fallback, ChannelsLast, CompileModel} <= kinds
+    ckpt = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint) and c._every_n_train_steps == 5]
+    assert len(ckpt) == 1 and ckpt[0].save_last is True
+
+
+@pytest.mark.parametrize("kwargs, steps", [
+    (dict(max_epochs=1, limit_train_batches=0.5), 4),
+    (dict(max_epochs=3, fast_dev_run=True), 1),
+    (dict(max_epochs=50, callbacks=[EarlyStopping("val_loss", patience=0, min_delta=10.0)]), 16),
+])
+def test_lightning_arguments_pass_through(kwargs, steps):
+    ds = classification_data(n=64)
+    trainer = quiet_trainer(**kwargs)
+    trainer.fit(Classifier(mlp()), _loader(ds, 8), _loader(ds, 32, shuffle=False))
+    assert trainer.global_step == steps
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-master"])
+def test_validate_test_predict_after_fit(precision):
     ds = classification_data(n=64)
     model = Classifier(mlp())
-    trainer = quiet_trainer(precision="bf16-mixed", max_epochs=2, log_every_n_steps=1)
-    trainer.fit(model, _loader(ds, 16), _loader(ds, 32, shuffle=False))
-    m = trainer.callback_metrics
-    for key in ("train_loss", "train/loss", "lr", "val_loss", "val_acc", "samples_per_sec", "grad_norm"):
-        assert key in m, key
-    out = trainer.validate(model, _loader(ds, 32, shuffle=False))
-    assert set(out[0]) == {"val_loss", "val_acc"}
-
-
-def test_lr_scheduler_dict_form_steps_per_step():
-    ds = classification_data(n=64)
-
-    class WithSched(Classifier):
-        def configure_optimizers(self):
-            opt = torch.optim.SGD(self.parameters(), lr=1.0)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    model = WithSched(mlp())
-    trainer = quiet_trainer(max_steps=3)
+    trainer = quiet_trainer(precision=precision, max_steps=3)
     trainer.fit(model, _loader(ds, 16))
-    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
+    assert set(trainer.validate(model, _loader(ds, 32, shuffle=False), verbose=False)[0]) == {"val_loss", "val_acc"}
+    assert set(trainer.test(model, _loader(ds, 32, shuffle=False), verbose=False)[0]) == {"test_loss"}
+    preds = trainer.predict(model, torch.utils.data.DataLoader(ds.tensors[0], batch_size=32))
+    assert len(preds) == 2 and preds[0].shape == (32, 4)
 
 
-def test_should_stop_from_a_callback_ends_fit_after_the_step():
-    class Stop:
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == 3:
-                trainer.should_stop = True
-
+def test_load_from_checkpoint_reads_our_checkpoints(tmp_path):
     model = Classifier(mlp())
-    trainer = quiet_trainer(max_epochs=5, callbacks=[Stop()])
-    trainer.fit(model, _loader(classification_data(n=128), 16))
-    assert trainer.global_step == 3
+    trainer = quiet_trainer(precision="bf16-master", max_steps=3, default_root_dir=str(tmp_path))
+    trainer.fit(model, _loader(classification_data(n=64), 16))
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    loaded = Classifier.load_from_checkpoint(tmp_path / "m.ckpt", net=mlp())
+    saved = torch.load(tmp_path / "m.ckpt", weights_only=True)["state_dict"]
+    assert saved.keys() == loaded.state_dict().keys()
+    for name, t in loaded.state_dict().items():
+        assert torch.equal(t, saved[name]) and t.dtype == torch.float32, name
+    # the fp32 masters, not the bf16 weights rounded back up
+    assert not torch.equal(saved["net.0.weight"], saved["net.0.weight"].bfloat16().float())
+
+
+def test_seed_makes_fit_repeatable():
+    runs = []
+    for draws in (1, 5):
+        torch.manual_seed(0)
+        model = Classifier(mlp(dropout=0.5))
+        torch.rand(draws)  # the global RNG differs before fit; seed= makes dropout the same again
+        trainer = quiet_trainer(seed=7, max_steps=3)
+        trainer.fit(model, _loader(classification_data(n=64), 8))
+        runs.append(torch.stack(model.losses))
+    assert torch.equal(*runs)
+
+
+class _Wrapped(Classifier):
+    """Keeps its network as ``self.model``, the attribute ``compile=True`` compiles."""
+
+    def __init__(self, net):
+        super().__init__(net)
+        self.model = self.net
+        self.inputs = []
+
+    def forward(self, x):
+        self.inputs.append(x)
+        return self.model(x)
+
+
+def test_compile_compiles_the_model_attribute():
+    model = _Wrapped(mlp())
+    trainer = quiet_trainer(compile={"backend": "eager"}, max_steps=2)
+    trainer.fit(model, _loader(classification_data(n=32), 8))
+    assert isinstance(model.model, torch._dynamo.eval_frame.OptimizedModule) and trainer.global_step == 2
+
+
+def test_compile_without_a_model_attribute_is_a_clear_error():
+    with pytest.raises(ValueError, match="Classifier.model is missing"):
+        quiet_trainer(compile=True, max_steps=1).fit(Classifier(mlp()), _loader(classification_data(n=16), 8))
+
+
+def test_channels_last_converts_module_and_4d_inputs():
+    model = _Wrapped(cnn())
+    trainer = quiet_trainer(channels_last=True, max_steps=2)
+    trainer.fit(model, _loader(image_data(n=32), 8))
+    assert model.net[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() for x in model.inputs)

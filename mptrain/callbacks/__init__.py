@@ -1,6 +1,9 @@
 """mptrain's Lightning callbacks: precision phases, overflow handling, exact resume, layout."""
+from mptrain.callbacks.auto_fp32_fallback import AutoFp32Fallback
 from mptrain.callbacks.channels_last import ChannelsLast
 from mptrain.callbacks.compile_model import CompileModel
+from mptrain.callbacks.fp32_finetune import Fp32Finetune
+from mptrain.callbacks.overflow_monitor import OverflowMonitor
 from mptrain.callbacks.resume_state import ResumeState
 
-__all__ = ["ChannelsLast", "CompileModel", "ResumeState"]
+__all__ = ["AutoFp32Fallback", "ChannelsLast", "CompileModel", "Fp32Finetune", "OverflowMonitor", "ResumeState"]
