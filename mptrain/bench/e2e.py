@@ -1,16 +1,19 @@
-"""`mptrain bench e2e`: whole training steps of ResNet-50 and BERT-base (seq 128) per precision,
-mptrain's Trainer against a plain ``lightning.Trainer`` with the same model and batch, in one
-process.
+"""`mptrain bench e2e`: whole training steps of ResNet-50 (batch 256) and BERT-base MLM (batch 128,
+seq 128) in one process: ``mptrain.Trainer`` in each mode against ``lightning.Trainer`` in its best
+modes, Lightning with ``torch.compile`` (its idiom: ``fit(torch.compile(module))``), Lightning
+with mptrain's fused master-weight optimizer, and mptrain compiled / with CUDA graphs.
 
-Data are synthetic batches made on the GPU (``data.synthetic``), so the loader is not measured.
-Each case builds a fresh model and trainer, runs ``warmup`` optimizer steps (cuDNN autotuning,
-kernel JIT, allocator warm-up), then times ``steps`` more between two ``cuda.synchronize()``
-calls taken in ``on_train_batch_end``: the number is what a user's run sees per step, loop and
-optimizer included.  Peak memory is ``max_memory_allocated`` over the case.  Everything fits a
-few minutes of GPU time with the defaults (14 cases x ~20 steps).
+Every case builds a fresh model and trainer on the same synthetic device batches, runs
+``--warmup`` steps, then times ``--steps`` steps between two ``cuda.synchronize()`` calls (wall
+time, and CUDA events for the GPU time).  During the timed steps, ``torch.cuda.set_sync_debug_mode
+("warn")`` reports every host-device synchronization: the count per step is printed (the master
+modes must make none).  Peak memory is ``max_memory_allocated`` of the case (reset between cases).
+All cases of one model step AdamW (torch's ``fused=True`` for Lightning, mptrain's FusedAdamW for
+mptrain), with a constant learning rate.
 
-    python -m mptrain.bench.e2e --json e2e.json
-    mptrain bench e2e --models resnet50 --precisions bf16-master,bf16-mixed --steps 30
+    mptrain bench e2e --out e2e.json
+    mptrain bench e2e --models bert --cases mptrain:bf16-master,lightning:bf16-mixed --steps 50
+    mptrain bench e2e --quick          # tiny models on the CPU: checks the harness only
 """
 from __future__ import annotations
 
@@ -20,235 +23,284 @@ import json
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass
 from typing import Optional
 
+import lightning as L
 import torch
 
-MODELS = ("resnet50", "bert_base")
-MPTRAIN_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")
-LIGHTNING_PRECISIONS = ("bf16-mixed", "16-mixed")
-#: batch sizes of the reference measurements quoted in the issue (H200, torch 2.11)
-DEFAULT_BATCH = {"resnet50": 256, "bert_base": 128}
+from mptrain.bench.e2e_models import MODELS, build, compile_lightning_module, use_optimizer
+
+LR = 1e-4
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    trainer: str  # "mptrain" | "lightning"
+    precision: str  # "best": mptrain's fastest eager mode of this run
+    optimizer: str  # "torch-fused" | "mptrain" | "mptrain-master"
+    compile: bool = False
+    cuda_graphs: bool = False
+
+
+CASES = {
+    "mptrain:bf16-master": CaseSpec("mptrain", "bf16-master", "mptrain"),
+    "mptrain:16-master": CaseSpec("mptrain", "16-master", "mptrain"),
+    "mptrain:bf16-mixed": CaseSpec("mptrain", "bf16-mixed", "mptrain"),
+    "mptrain:16-mixed": CaseSpec("mptrain", "16-mixed", "mptrain"),
+    "lightning:bf16-mixed": CaseSpec("lightning", "bf16-mixed", "torch-fused"),
+    "lightning:16-mixed": CaseSpec("lightning", "16-mixed", "torch-fused"),
+    "lightning:bf16-true": CaseSpec("lightning", "bf16-true", "torch-fused"),
+    "lightning+compile:bf16-mixed": CaseSpec("lightning", "bf16-mixed", "torch-fused", compile=True),
+    "lightning:bf16-true+FusedAdamW(master)": CaseSpec("lightning", "bf16-true", "mptrain-master"),
+    "mptrain+compile:best": CaseSpec("mptrain", "best", "mptrain", compile=True),
+    "mptrain+cuda_graphs:bf16-master": CaseSpec("mptrain", "bf16-master", "mptrain", cuda_graphs=True),
+}
+LIGHTNING_EAGER = ("lightning:bf16-mixed", "lightning:16-mixed", "lightning:bf16-true")
 
 
 @dataclass
-class Case:
+class Result:
     model: str
-    trainer: str  # "mptrain" | "lightning"
+    case: str
     precision: str
     batch: int
-    seq_len: Optional[int] = None
+    status: str = "ok"  # "ok" | "not supported" | "error"
     samples_per_s: Optional[float] = None
-    tokens_per_s: Optional[float] = None
     step_ms: Optional[float] = None
+    gpu_step_ms: Optional[float] = None
     peak_mem_gb: Optional[float] = None
+    syncs_per_step: Optional[float] = None
     skipped_steps: Optional[int] = None
     wall_s: Optional[float] = None
-    error: Optional[str] = None
-    extra: dict = field(default_factory=dict)
+    message: Optional[str] = None
 
 
-def _timer_callback(warmup: int, steps: int):
-    import lightning as L
+class StepTimer(L.Callback):
+    """Times the steps after ``warmup`` (synchronizing only at the two window edges) and counts
+    the host-device synchronizations inside the window with torch's sync debug mode."""
 
-    class StepTimer(L.Callback):
-        """Synchronizes twice: after the last warm-up step and after the last timed step.
-        (Subclasses Lightning's Callback; mptrain's Trainer calls the same hook names.)"""
+    def __init__(self, warmup: int, steps: int):
+        self.warmup, self.steps, self.count = warmup, steps, 0
+        self.cuda = torch.cuda.is_available()
+        self.t0 = self.t1 = self.gpu_ms = None
+        self.syncs: Optional[int] = None
+        self._events = self._caught = self._catcher = None
 
-        def __init__(self):
-            self.t0 = self.t1 = None
-            self.steps = 0
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.count += 1
+        if self.count == self.warmup:
+            self._open()
+        elif self.count == self.warmup + self.steps:
+            self._close()
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.steps += 1
-            if self.steps == warmup:
-                _sync()
-                self.t0 = time.perf_counter()
-            elif self.steps == warmup + steps:
-                _sync()
-                self.t1 = time.perf_counter()
+    def _open(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+            self._catcher = warnings.catch_warnings(record=True)
+            self._caught = self._catcher.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        self.t0 = time.perf_counter()
 
-    return StepTimer()
+    def _close(self) -> None:
+        if self.cuda and self._catcher is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._catcher.__exit__(None, None, None)
+            self.syncs = sum("synchroniz" in str(w.message) for w in self._caught)
+            self._catcher = None
+            self._events[1].record()
+            torch.cuda.synchronize()
+            self.gpu_ms = self._events[0].elapsed_time(self._events[1]) / self.steps
+        self.t1 = time.perf_counter()
 
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def build(model_name: str, batch: int, seq_len: int, smoke: bool = False):
-    """(LightningModule, train DataLoader of device-made batches) for one case; ``smoke``
-    shrinks the models so the code path can be checked on a CPU."""
-    if model_name == "resnet50":
-        from mptrain.data import ImageFolderDataModule
-        from mptrain.models import ImageClassifier
-
-        model = ImageClassifier(arch="resnet18" if smoke else "resnet50", num_classes=1000, optimizer="sgd", lr=0.1,
-                                momentum=0.9, weight_decay=5e-5, label_smoothing=0.1, warmup_steps=10)
-        data = ImageFolderDataModule(synthetic=True, batch_size=batch, synthetic_batches=10_000, channels_last=True,
-                                     image_size=32 if smoke else 224)
-    elif model_name == "bert_base":
-        from mptrain.data import MLMDataModule
-        from mptrain.models import BertMLM
-
-        vocab = 1000 if smoke else 30522
-        data = MLMDataModule(synthetic=True, batch_size=batch, seq_len=seq_len, vocab_size=vocab,
-                             synthetic_batches=10_000)
-        size = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128) if smoke else {}
-        model = BertMLM(vocab_size=vocab, warmup_steps=10, max_predictions=32, **size)
-    else:
-        raise ValueError(f"unknown model {model_name!r}; valid: {', '.join(MODELS)}")
-    data.setup("fit")
-    return model, data.train_dataloader()
+    def abandon(self) -> None:
+        """Leave the debug mode and the warning capture if the run died inside the window."""
+        if self._catcher is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._catcher.__exit__(None, None, None)
+            self._catcher = None
 
 
-def run_case(case: Case, warmup: int, steps: int, accelerator: str = "cuda", smoke: bool = False) -> Case:
-    cuda = accelerator == "cuda"
+def _optimizer(kind: str):
+    if kind == "torch-fused":
+        return lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
+    from mptrain.optim import FusedAdamW
+
+    return lambda params: FusedAdamW(params, lr=LR, weight_decay=0.01, master_weights=kind == "mptrain-master")
+
+
+def _trainer(spec: CaseSpec, precision: str, model: str, timer: StepTimer, total: int, quick: bool):
+    common = dict(accelerator="cpu" if quick else "cuda", devices=1, max_steps=total, max_epochs=1, logger=False,
+                  enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                  num_sanity_val_steps=0, limit_val_batches=0, benchmark=True, callbacks=[timer])
+    if spec.trainer == "lightning":
+        return L.Trainer(precision=precision, **common)
+    from mptrain import Trainer
+
+    return Trainer(precision=precision, channels_last=model == "resnet50", cuda_graphs=spec.cuda_graphs,
+                   compile=(_compile_kwargs(quick) or True) if spec.compile else False, **common)
+
+
+def _compile_kwargs(quick: bool) -> dict:
+    return {"backend": "eager"} if quick else {}  # --quick checks the path, not inductor's code generation
+
+
+def run_case(model: str, name: str, precision: str, warmup: int, steps: int, quick: bool) -> Result:
+    spec = CASES[name]
+    total = warmup + steps
+    module, batches, batch = build(model, total, "cpu" if quick else "cuda", quick)
+    res = Result(model, name, precision, batch)
+    timer = StepTimer(warmup, steps)
+    _fresh_memory()
+    start = time.perf_counter()
+    try:
+        use_optimizer(module, _optimizer(spec.optimizer))
+        if spec.trainer == "lightning":
+            module = module.to(memory_format=torch.channels_last) if model == "resnet50" else module
+            module = compile_lightning_module(module, **_compile_kwargs(quick)) if spec.compile else module
+        trainer = _trainer(spec, precision, model, timer, total, quick)
+        trainer.fit(module, train_dataloaders=batches)
+        _record(res, timer, steps, getattr(trainer, "skipped_steps", None))
+    except NotImplementedError as e:  # the trainer refuses the feature: say so, never fall back
+        res.status, res.message = "not supported", str(e)
+    except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
+        res.status, res.message = "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+    finally:
+        timer.abandon()
+        res.wall_s = time.perf_counter() - start
+    return res
+
+
+def _record(res: Result, timer: StepTimer, steps: int, skipped) -> None:
+    if timer.t1 is None:
+        raise RuntimeError(f"only {timer.count} steps ran; expected {timer.warmup + steps}")
+    elapsed = timer.t1 - timer.t0
+    res.step_ms, res.samples_per_s = 1e3 * elapsed / steps, steps * res.batch / elapsed
+    res.gpu_step_ms = timer.gpu_ms
+    res.syncs_per_step = None if timer.syncs is None else timer.syncs / steps
+    res.skipped_steps = skipped
+    res.peak_mem_gb = torch.cuda.max_memory_allocated() / 2**30 if timer.cuda else None
+
+
+def _fresh_memory() -> None:
     gc.collect()
-    if cuda:
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    model = loader = trainer = None
-    try:
-        model, loader = build(case.model, case.batch, case.seq_len or 128, smoke)
-        timer = _timer_callback(warmup, steps)
-        total = warmup + steps
-        if case.trainer == "mptrain":
-            from mptrain import Trainer
-
-            trainer = Trainer(precision=case.precision, accelerator=accelerator, devices=1, max_steps=total,
-                              max_epochs=-1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                              callbacks=[timer], log_every_n_steps=total + 1,
-                              channels_last=case.model == "resnet50")
-            trainer.fit(model, train_dataloaders=loader)
-            case.skipped_steps = trainer.skipped_steps
-        else:
-            import lightning as L
-
-            if case.model == "resnet50":
-                model = model.to(memory_format=torch.channels_last)  # as in the reference measurement
-            trainer = L.Trainer(precision=case.precision, accelerator=accelerator, devices=1, max_steps=total,
-                                logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                                enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                                callbacks=[timer], benchmark=True, log_every_n_steps=total + 1)
-            trainer.fit(model, train_dataloaders=loader)
-        if timer.t1 is None:
-            raise RuntimeError(f"only {timer.steps} steps ran; expected {total}")
-        elapsed = timer.t1 - timer.t0
-        case.step_ms = 1e3 * elapsed / steps
-        case.samples_per_s = steps * case.batch / elapsed
-        if case.seq_len:
-            case.tokens_per_s = case.samples_per_s * case.seq_len
-        case.peak_mem_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
-        case.error = f"{type(e).__name__}: {e}"
-        case.extra["traceback"] = traceback.format_exc(limit=8)
-    finally:
-        case.wall_s = time.perf_counter() - start
-        model = loader = trainer = None  # noqa: F841 - free the GPU before the next case
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    return case
 
 
-def summarize(cases: list[Case]) -> dict:
-    """Per model: mptrain's best mode against Lightning's best (the acceptance comparison)."""
-    out = {}
-    for m in {c.model for c in cases}:
-        ok = [c for c in cases if c.model == m and c.samples_per_s]
-        ours = max((c for c in ok if c.trainer == "mptrain"), key=lambda c: c.samples_per_s, default=None)
-        theirs = max((c for c in ok if c.trainer == "lightning"), key=lambda c: c.samples_per_s, default=None)
-        out[m] = {
-            "mptrain_best": None if ours is None else {"precision": ours.precision, "samples_per_s": ours.samples_per_s},
-            "lightning_best": None if theirs is None else {"precision": theirs.precision, "samples_per_s": theirs.samples_per_s},
-            "ratio": None if not (ours and theirs) else ours.samples_per_s / theirs.samples_per_s,
-        }
+def _rate(results: list[Result], model: str, names) -> Optional[Result]:
+    ok = [r for r in results if r.model == model and r.case in names and r.status == "ok"]
+    return max(ok, key=lambda r: r.samples_per_s, default=None)
+
+
+def best_mptrain_mode(results: list[Result], model: str) -> str:
+    best = _rate(results, model, [n for n, s in CASES.items() if s.trainer == "mptrain" and s.precision != "best"
+                                  and not (s.compile or s.cuda_graphs)])
+    return best.precision if best else "bf16-master"
+
+
+def summarize(results: list[Result], model: str) -> dict:
+    """The comparisons issues 11 and 12 ask for, as ratios of throughputs measured in this run."""
+    def rate(names):
+        r = _rate(results, model, names)
+        return None if r is None else {"case": r.case, "samples_per_s": r.samples_per_s}
+
+    mptrain_eager = [n for n, s in CASES.items() if s.trainer == "mptrain" and not s.compile and not s.cuda_graphs]
+    out = {"mptrain_best": rate([n for n, s in CASES.items() if s.trainer == "mptrain"]),
+           "mptrain_eager_best": rate(mptrain_eager), "mptrain_compiled": rate(["mptrain+compile:best"]),
+           "lightning_best": rate(LIGHTNING_EAGER), "lightning_compile": rate(["lightning+compile:bf16-mixed"]),
+           "lightning_fused_master": rate(["lightning:bf16-true+FusedAdamW(master)"])}
+    ratio = lambda a, b: None if not (out[a] and out[b]) else out[a]["samples_per_s"] / out[b]["samples_per_s"]  # noqa: E731
+    out["ratios"] = {f"{a} / {b}": ratio(a, b) for a, b in (
+        ("mptrain_best", "lightning_best"), ("mptrain_best", "lightning_compile"),
+        ("mptrain_best", "lightning_fused_master"), ("mptrain_compiled", "mptrain_eager_best"))}
+    for mode in ("bf16-mixed", "16-mixed"):
+        ours, theirs = _rate(results, model, [f"mptrain:{mode}"]), _rate(results, model, [f"lightning:{mode}"])
+        out["ratios"][f"mptrain:{mode} / lightning:{mode}"] = (
+            ours.samples_per_s / theirs.samples_per_s if ours and theirs else None)
     return out
 
 
-def format_table(cases: list[Case]) -> str:
-    head = f"{'model':<10} {'trainer':<10} {'precision':<12} {'batch':>5} {'samples/s':>10} {'tokens/s':>10} {'ms/step':>8} {'peak GB':>8} {'skips':>5}"
+def format_table(results: list[Result]) -> str:
+    head = (f"{'model':<9} {'case':<40} {'precision':<12} {'batch':>5} {'throughput':>14} {'vs L best':>9} "
+            f"{'ms/step':>8} {'GPU ms':>7} {'peak GB':>8} {'syncs/step':>10} {'skips':>5}")
     lines = [head, "-" * len(head)]
-    for c in cases:
-        if c.error:
-            lines.append(f"{c.model:<10} {c.trainer:<10} {c.precision:<12} {c.batch:>5} ERROR {c.error[:80]}")
+    for r in results:
+        prefix = f"{r.model:<9} {r.case:<40} {r.precision:<12} {r.batch:>5}"
+        if r.status != "ok":
+            lines.append(f"{prefix} {r.status.upper()}: {r.message.splitlines()[0][:110]}")
             continue
-        tok = "—" if c.tokens_per_s is None else f"{c.tokens_per_s:10.0f}"
-        skips = "—" if c.skipped_steps is None else str(c.skipped_steps)
-        mem = "—" if c.peak_mem_gb is None else f"{c.peak_mem_gb:8.2f}"
-        lines.append(f"{c.model:<10} {c.trainer:<10} {c.precision:<12} {c.batch:>5} {c.samples_per_s:10.1f} {tok:>10} "
-                     f"{c.step_ms:8.2f} {mem:>8} {skips:>5}")
+        best = _rate(results, r.model, LIGHTNING_EAGER)
+        unit = "img/s" if r.model == "resnet50" else "seq/s"
+        cells = [f"{r.samples_per_s:8.1f} {unit}", _fmt(best and r.samples_per_s / best.samples_per_s, "{:.3f}x"),
+                 f"{r.step_ms:8.2f}", _fmt(r.gpu_step_ms, "{:.2f}"), _fmt(r.peak_mem_gb, "{:.2f}"),
+                 _fmt(r.syncs_per_step, "{:g}"), _fmt(r.skipped_steps, "{}")]
+        widths = (14, 9, 8, 7, 8, 10, 5)
+        lines.append(prefix + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     return "\n".join(lines)
 
 
-def _csv(text: str, valid: tuple, what: str) -> list[str]:
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def _csv(p: argparse.ArgumentParser, text: str, valid, flag: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in items if t not in valid]
-    if bad:
-        raise argparse.ArgumentTypeError(f"--{what}: {bad} not valid; choose from {', '.join(valid)}")
+    if bad or not items:
+        p.error(f"{flag}: {', '.join(bad) or 'empty'} not valid; choose from {', '.join(valid)}")
     return items
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="mptrain bench e2e", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mptrain bench e2e", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
-    p.add_argument("--precisions", default=",".join(MPTRAIN_PRECISIONS), help="mptrain precisions (comma list)")
-    p.add_argument("--lightning", default=",".join(LIGHTNING_PRECISIONS),
-                   help="precisions of the plain lightning.Trainer baseline (comma list; '' for none)")
-    p.add_argument("--batch-resnet50", type=int, default=DEFAULT_BATCH["resnet50"])
-    p.add_argument("--batch-bert", type=int, default=DEFAULT_BATCH["bert_base"])
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=6, help="untimed steps per case")
-    p.add_argument("--steps", type=int, default=15, help="timed steps per case")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks the code path only")
+    p.add_argument("--cases", default=",".join(CASES), help="comma list of cases (default: all): " + ", ".join(CASES))
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per case (cuDNN autotuning, compile)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per case")
+    p.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON")
+    p.add_argument("--quick", action="store_true", help="tiny models on the CPU: checks the harness, not speed")
     args = p.parse_args(argv)
-    try:
-        args.models = _csv(args.models, MODELS, "models")
-        args.precisions = _csv(args.precisions, MPTRAIN_PRECISIONS + ("16-true", "bf16-true"), "precisions")
-        args.lightning = _csv(args.lightning, LIGHTNING_PRECISIONS + ("32-true", "16-true", "bf16-true"), "lightning")
-    except argparse.ArgumentTypeError as e:
-        p.error(str(e))
+    args.models = _csv(p, args.models, MODELS, "--models")
+    args.cases = _csv(p, args.cases, tuple(CASES), "--cases")
     if args.warmup < 1 or args.steps < 1:
-        p.error("--warmup and --steps must be >= 1")
+        p.error(f"--warmup {args.warmup} / --steps {args.steps}: both must be >= 1")
     return args
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    accelerator = "cpu" if args.smoke else "cuda"
-    if not args.smoke and not torch.cuda.is_available():
-        print("mptrain bench e2e: needs a CUDA GPU (none visible); --smoke runs tiny models on the CPU", file=sys.stderr)
+    if not args.quick and not torch.cuda.is_available():
+        print("mptrain bench e2e: needs a CUDA GPU (none visible); --quick runs tiny models on the CPU",
+              file=sys.stderr)
         return 2
     from mptrain.bench.common import device_meta
 
-    torch.backends.cudnn.benchmark = True  # both trainers get the same cuDNN setting
-    cases = []
-    for m in args.models:
-        batch = args.batch_resnet50 if m == "resnet50" else args.batch_bert
-        seq = args.seq_len if m == "bert_base" else None
-        plan = [("mptrain", p) for p in args.precisions] + [("lightning", p) for p in args.lightning]
-        for trainer, prec in plan:
-            case = run_case(Case(m, trainer, prec, batch, seq), args.warmup, args.steps, accelerator, args.smoke)
-            cases.append(case)
-            status = case.error or f"{case.samples_per_s:.1f} samples/s, {case.peak_mem_gb or 0:.2f} GB"
-            print(f"[e2e] {m} {trainer} {prec}: {status} ({case.wall_s:.1f}s)", flush=True)
-    print(format_table(cases))
-    summary = summarize(cases)
+    results: list[Result] = []
+    for model in args.models:
+        for name in sorted(args.cases, key=lambda n: CASES[n].precision == "best"):  # "best" after the modes
+            spec = CASES[name]
+            precision = best_mptrain_mode(results, model) if spec.precision == "best" else spec.precision
+            res = run_case(model, name, precision, args.warmup, args.steps, args.quick)
+            results.append(res)
+            done = f"{res.samples_per_s:.1f}/s" if res.status == "ok" else f"{res.status}: {res.message.splitlines()[0]}"
+            print(f"[e2e] {model} {name} ({precision}): {done} ({res.wall_s:.1f} s)", flush=True)
+    print(format_table(results))
+    summary = {m: summarize(results, m) for m in args.models}
     for m, s in summary.items():
-        if s["ratio"] is not None:
-            print(f"{m}: mptrain best {s['mptrain_best']['precision']} {s['mptrain_best']['samples_per_s']:.1f}/s vs "
-                  f"lightning best {s['lightning_best']['precision']} {s['lightning_best']['samples_per_s']:.1f}/s "
-                  f"-> {s['ratio']:.3f}x")
-    payload = {"meta": {**device_meta(), "warmup": args.warmup, "steps": args.steps}, "summary": summary,
-               "cases": [asdict(c) for c in cases]}
-    if args.json:
-        with open(args.json, "w") as f:
+        print(f"{m}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in s["ratios"].items()))
+    if args.out:
+        payload = {"meta": {**device_meta(), "warmup": args.warmup, "steps": args.steps, "quick": args.quick},
+                   "summary": summary, "results": [asdict(r) for r in results]}
+        with open(args.out, "w") as f:
             json.dump(payload, f, indent=2)
-    return 1 if any(c.error for c in cases) else 0
+    return 1 if any(r.status == "error" for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""The models and data of the end-to-end benchmarks (`mptrain bench e2e` and `mptrain bench ddp`):
+ResNet-50 (torchvision) and BERT-base masked LM (``mptrain.models.BertMLM``), trained on
+synthetic batches made once on the device, so the input pipeline is not measured.
+
+``quick=True`` shrinks both (ResNet-18 on 16x16 images, a 2-layer BERT) for CPU smoke tests."""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+MODELS = ("resnet50", "bert")
+#: per-GPU batch of the reference measurements (issues 11 and 12)
+BATCH = {"resnet50": 256, "bert": 128}
+SEQ_LEN, MAX_PREDICTIONS, MASK_PROB = 128, 20, 0.15
+QUICK = {"batch": 2, "image_size": 16, "seq_len": 16, "vocab": 1000,
+         "bert": dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)}
+
+
+class ImageClassifierBench(L.LightningModule):
+    """A torchvision classifier stored as ``self.model`` (what ``compile=True`` compiles)."""
+
+    def __init__(self, arch: str = "resnet50", num_classes: int = 1000):
+        super().__init__()
+        import torchvision
+
+        self.model = getattr(torchvision.models, arch)(num_classes=num_classes)
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):  # the benchmark sets each case's optimizer (use_optimizer)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class DeviceBatches:
+    """``steps`` batches cycled from ``distinct`` random batches made once on the device (an
+    iterable Lightning takes as a train loader; its length bounds the epoch)."""
+
+    def __init__(self, make: Callable[[torch.Generator], object], steps: int, device: str, distinct: int = 4,
+                 seed: int = 0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.batches = [make(g) for _ in range(distinct)]
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator:
+        return (self.batches[i % len(self.batches)] for i in range(self.steps))
+
+
+def image_batches(batch: int, steps: int, device: str, image_size: int = 224, num_classes: int = 1000,
+                  seed: int = 0) -> DeviceBatches:
+    """Normal images in channels_last (the layout every ResNet case trains in) and class labels."""
+    def make(g):
+        x = torch.randn(batch, 3, image_size, image_size, generator=g, device=device)
+        y = torch.randint(0, num_classes, (batch,), generator=g, device=device)
+        return x.contiguous(memory_format=torch.channels_last), y
+    return DeviceBatches(make, steps, device, seed=seed)
+
+
+def mlm_batches(batch: int, steps: int, device: str, seq_len: int = SEQ_LEN, vocab: int = 30522,
+                seed: int = 0) -> DeviceBatches:
+    """Random token ids; ~15% of the positions carry a label (the rest -100), as BERT's masking."""
+    def make(g):
+        ids = torch.randint(5, vocab, (batch, seq_len), generator=g, device=device)
+        picked = torch.rand(batch, seq_len, generator=g, device=device) < MASK_PROB
+        return {"input_ids": ids, "labels": torch.where(picked, ids, torch.full_like(ids, -100))}
+    return DeviceBatches(make, steps, device, seed=seed)
+
+
+def build(model: str, steps: int, device: str, quick: bool = False, batch: int | None = None, seed: int = 0):
+    """(LightningModule, train batches, batch size) of one benchmark model."""
+    if model == "resnet50":
+        module = ImageClassifierBench("resnet18" if quick else "resnet50")
+        batch = batch or (QUICK["batch"] if quick else BATCH[model])
+        size = QUICK["image_size"] if quick else 224
+        return module, image_batches(batch, steps, device, size, seed=seed), batch
+    if model == "bert":
+        from mptrain.models import BertMLM
+
+        vocab = QUICK["vocab"] if quick else 30522
+        module = BertMLM(vocab_size=vocab, max_predictions=MAX_PREDICTIONS, **(QUICK["bert"] if quick else {}))
+        batch = batch or (QUICK["batch"] if quick else BATCH[model])
+        seq_len = QUICK["seq_len"] if quick else SEQ_LEN
+        return module, mlm_batches(batch, steps, device, seq_len, vocab, seed=seed), batch
+    raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
+
+
+def use_optimizer(module: L.LightningModule, make: Callable) -> L.LightningModule:
+    """Make ``configure_optimizers`` return ``make(params)`` (no scheduler): every case of a
+    model steps the same algorithm, only the implementation differs."""
+    module.configure_optimizers = lambda: make([p for p in module.parameters() if p.requires_grad])
+    return module
+
+
+def compile_lightning_module(module: L.LightningModule, **compile_kwargs) -> L.LightningModule:
+    """Lightning's own idiom, ``trainer.fit(torch.compile(module))``: Lightning unwraps it and
+    runs the module with its ``forward`` compiled (both benchmark models compute in forward)."""
+    return torch.compile(module, **compile_kwargs)
