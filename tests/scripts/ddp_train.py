@@ -1,4 +1,8 @@
-"""Launched by tests/test_distributed.py under torchrun (or alone): train and dump the weights."""
+"""Launched by tests/test_distributed.py: 2-rank gloo DDP on the CPU, Lightning's own launcher.
+
+Rank 1 alone gets an inf loss at global step 1; every rank must skip that step.  Each rank
+dumps what a checkpoint of it would hold (fp32 weights) and its skip count.
+"""
 import sys
 from pathlib import Path
 
@@ -6,19 +10,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _models import Classifier, classification_data, mlp  # noqa: E402
+
 from mptrain import Trainer  # noqa: E402
 
-out, devices, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out, precision = sys.argv[1], sys.argv[2]
+
+
+class InfOnRankOne(Classifier):
+    def training_step(self, batch, batch_idx):
+        self.inf_at_steps = {1} if self.global_rank == 1 else set()
+        return super().training_step(batch, batch_idx)
+
+
 torch.manual_seed(0)
-model = Classifier(mlp(), lr=0.05, optimizer="sgd")  # SGD: differences stay proportional to grad noise
-loader = torch.utils.data.DataLoader(classification_data(n=128), batch_size=batch, shuffle=False)
-trainer = Trainer(precision="bf16-master", max_epochs=2, accumulate_grad_batches=2, accelerator="cpu",
-                  devices=devices, strategy="ddp" if devices > 1 else "auto", logger=False,
-                  enable_progress_bar=False, enable_checkpointing=False)
+model = InfOnRankOne(mlp(dropout=0.1), lr=0.05, optimizer="sgd")
+loader = torch.utils.data.DataLoader(classification_data(n=128), batch_size=8, shuffle=True)
+trainer = Trainer(precision=precision, max_epochs=2, accumulate_grad_batches=2, accelerator="cpu", devices=2,
+                  strategy="ddp", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  enable_checkpointing=False, seed=0)
 trainer.fit(model, loader)
-prec = trainer._precision
-weights = {n: prec.master_of.get(id(p), p).detach().clone() for n, p in model.named_parameters()}
-ddp = getattr(trainer._wrapped, "_forward_module", None)
-ddp_flags = {k: getattr(ddp, k, None) for k in ("gradient_as_bucket_view", "broadcast_buffers")}
-torch.save({"weights": weights, "world_size": trainer.world_size, "steps": trainer.global_step, "ddp": ddp_flags},
+state = trainer._checkpoint_connector.dump_checkpoint()
+torch.save({"weights": state["state_dict"], "world_size": trainer.world_size, "steps": trainer.global_step,
+            "skipped": trainer.skipped_steps, "losses": torch.stack(model.losses)},
            f"{out}.rank{trainer.global_rank}.pt")
