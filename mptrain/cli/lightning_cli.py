@@ -80,7 +80,8 @@ class MptrainCLI(LightningCLI):
         for action in parser._actions:
             dest = getattr(action, "dest", "")
             group, _, name = dest.partition(".")
-            keys.setdefault(group if name else "", []).append(name or group)
+            if not dest.endswith(".help"):
+                keys.setdefault(group if name else "", []).append(name or group)
         return keys
 
     def before_instantiate_classes(self) -> None:

@@ -9,6 +9,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from mptrain.models.checks import check_args
 from mptrain.models.fusion import fuse
 from mptrain.models.optim import build_optimizer, decay_groups
 from mptrain.models.perplexity import log_epoch_perplexity
@@ -57,6 +58,10 @@ class BertMLM(L.LightningModule):
             raise ValueError("model.vocab_size is not set: give it, or let the CLI take it from data.vocab_size")
         if max_predictions is not None and max_predictions < 1:
             raise ValueError(f"model.max_predictions must be >= 1 or null, got {max_predictions}")
+        check_args(vocab_size=(vocab_size, ">=1"), hidden_size=(hidden_size, ">=1"), num_layers=(num_layers, ">=1"),
+                   num_heads=(num_heads, ">=1"), intermediate_size=(intermediate_size, ">=1"), dropout=(dropout, "[0,1)"),
+                   lr=(lr, ">0"), weight_decay=(weight_decay, ">=0"), eps=(eps, ">0"), warmup_steps=(warmup_steps, ">=0"),
+                   total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
         self.mlm = fuse(build_bert_mlm(vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
                                        max_position_embeddings, dropout, attn_implementation), fused_layernorm)
@@ -87,6 +92,11 @@ class BertMLM(L.LightningModule):
         count = (target != -100).sum()
         loss_sum = F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
         return loss_sum, logits, target, count
+
+    def numerics_input(self, batch: dict) -> tuple:
+        """What ``mptrain numerics`` passes to ``forward``: the whole batch (its labels pick
+        the positions the head predicts)."""
+        return (batch,)
 
     def training_step(self, batch, batch_idx):
         loss_sum, _, _, count = self(batch)

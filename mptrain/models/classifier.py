@@ -8,6 +8,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from mptrain.models.checks import check_args
 from mptrain.models.optim import build_optimizer, decay_groups
 from mptrain.models.schedules import per_step, run_length, warmup_cosine
 from mptrain.models.vision import build_image_model
@@ -32,6 +33,9 @@ class ImageClassifier(L.LightningModule):
         super().__init__()
         if optimizer not in ("sgd", "adamw"):
             raise ValueError(f"model.optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+        check_args(num_classes=(num_classes, ">=1"), lr=(lr, ">0"), momentum=(momentum, ">=0"),
+                   weight_decay=(weight_decay, ">=0"), label_smoothing=(label_smoothing, "[0,1)"),
+                   warmup_steps=(warmup_steps, ">=0"), min_lr_ratio=(min_lr_ratio, ">=0"), total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
         self.net = build_image_model(arch, num_classes)
         from torchmetrics.functional.classification import multiclass_accuracy

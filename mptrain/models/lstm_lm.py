@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mptrain.models.checks import check_args
 from mptrain.models.fusion import lstm
 from mptrain.models.optim import build_optimizer, decay_groups
 from mptrain.models.perplexity import log_epoch_perplexity
@@ -54,6 +55,9 @@ class LSTMLanguageModel(L.LightningModule):
             raise ValueError("model.vocab_size is not set: give it, or let the CLI take it from data.vocab_size")
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"model.optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        check_args(vocab_size=(vocab_size, ">=1"), embedding_dim=(embedding_dim, ">=1"), hidden_size=(hidden_size, ">=1"),
+                   num_layers=(num_layers, ">=1"), dropout=(dropout, "[0,1)"), lr=(lr, ">0"),
+                   weight_decay=(weight_decay, ">=0"), warmup_steps=(warmup_steps, ">=0"), total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
         self.net = LSTMNet(vocab_size, embedding_dim, hidden_size, num_layers, dropout, tie_weights, fused)
         from torchmetrics.aggregation import SumMetric

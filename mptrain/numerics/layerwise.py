@@ -31,6 +31,59 @@ from torch import nn
 #: the keys of every row, in this order (outside tests rely on exactly these)
 ROW_KEYS = ("module", "max_abs", "max_rel", "mean_abs", "cosine", "ok", "overflow_frac", "underflow_frac")
 
+#: unit roundoff (half the machine epsilon) of each dtype: the relative error of one rounding
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+#: default multiple of the unit roundoff a healthy layer stays within (the largest element
+#: error of a tensor with thousands of values is several standard deviations of the mean one)
+TOL_FACTOR = 8.0
+#: a module's own error (its low-precision run on the fp32 input, relative L2) stays within
+#: this multiple of u: one rounding of inputs, weights and output gives about u/sqrt(3) each
+LOCAL_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What "ok" means for one module: ``|low - fp32| <= atol + rtol * |fp32|`` element-wise.
+
+    By default it follows the dtype's rounding: ``rtol = factor * u * sqrt(depth)``, with
+    ``u`` the low dtype's unit roundoff (bf16 2^-8, fp16 2^-11) and ``depth`` the number of
+    modules with parameters the input has gone through (independent rounding errors add up
+    like a random walk), and ``atol = rtol * rms(fp32 output)``.  The module's own error
+    (relative L2, on its fp32 input) must also stay within ``local_factor * u``: that is
+    what catches one wrong layer whose damage is small next to the inherited error.
+    ``rtol`` / ``atol`` given explicitly are used as they are for every module (and rtol
+    bounds the own error too)."""
+
+    unit_roundoff: float
+    factor: float = TOL_FACTOR
+    local_factor: float = LOCAL_FACTOR
+    rtol: Optional[float] = None
+    atol: Optional[float] = None
+
+    def rtol_at(self, depth: int) -> float:
+        if self.rtol is not None:
+            return self.rtol
+        return self.factor * self.unit_roundoff * math.sqrt(depth)
+
+    def local_limit(self) -> float:
+        return self.rtol if self.rtol is not None else self.local_factor * self.unit_roundoff
+
+    def describe(self) -> str:
+        r = f"rtol={self.rtol}" if self.rtol is not None else \
+            f"rtol={self.factor:g}*u*sqrt(depth), u=2^{int(math.log2(self.unit_roundoff))}"
+        a = f"atol={self.atol}" if self.atol is not None else "atol=rtol*rms(output)"
+        own = "" if self.rtol is not None else f", own error <= {self.local_factor:g}*u"
+        return f"{r}, {a}{own}"
+
+
+def _low_dtype(precision_name: str) -> torch.dtype:
+    if precision_name.startswith("bf16"):
+        return torch.bfloat16
+    if precision_name.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
 # Index of each statistic in the per-call vector (summed or max-ed over calls at the end).
 _N, _NBOTH, _SUMABS, _MAXABS, _MAXREL, _DOT, _REF2, _LOW2, _D2, _OVF, _UNF, _VIOL, _MISMATCH = range(13)
 _MAX_STATS = (_MAXABS, _MAXREL)
@@ -102,8 +155,10 @@ def _all_finite(obj: Any) -> torch.Tensor:
     return torch.stack([torch.isfinite(t).all() for t in ts]).all()
 
 
-def _call_stats(ref: list[torch.Tensor], low: list[torch.Tensor], rtol: float, atol: float) -> torch.Tensor:
-    """One call's comparison as a float64 vector (see the ``_N``... indices)."""
+def _call_stats(ref: list[torch.Tensor], low: list[torch.Tensor], rtol: float, atol: Optional[float]) -> torch.Tensor:
+    """One call's comparison as a float64 vector (see the ``_N``... indices).  ``atol=None``
+    scales the absolute tolerance with the output: ``rtol * rms(fp32 output)``, so values near
+    zero (where a relative error means nothing) are judged against the tensor's size."""
     r = torch.cat([t.detach().reshape(-1).double() for t in ref])
     l = torch.cat([t.detach().reshape(-1).to(r.device).double() for t in low])
     rf, lf = torch.isfinite(r), torch.isfinite(l)
@@ -115,6 +170,8 @@ def _call_stats(ref: list[torch.Tensor], low: list[torch.Tensor], rtol: float, a
     overflow = rf & ~lf
     # Where fp32 itself is inf/NaN the low precision must agree exactly (NaN matches NaN).
     mismatch = ~rf & ~((l == r) | (torch.isnan(l) & torch.isnan(r)))
+    if atol is None:
+        atol = rtol * (rz * rz).sum().div(both.sum().clamp_min(1)).sqrt()
     viol = (both & (d > atol + rtol * rz.abs())).sum() + overflow.sum() + mismatch.sum()
     zero = d.new_zeros(())
     return torch.stack([
@@ -182,8 +239,9 @@ class LayerwiseReport:
     """
 
     precision: str
-    rtol: float
-    atol: float
+    rtol: Optional[float]
+    atol: Optional[float]
+    tolerance: str = ""
     rows: list = field(default_factory=list)
     details: list = field(default_factory=list)
     grad_rows: list = field(default_factory=list)
@@ -224,7 +282,7 @@ class LayerwiseReport:
     def table(self, top: Optional[int] = None) -> str:
         head = (f"{'module':<44} {'dtype':>8} {'max_abs':>9} {'max_rel':>9} {'mean_abs':>9} {'cosine':>8} "
                 f"{'ovf%':>6} {'unf%':>6} {'ok':>3} {'local_err':>9} {'rel_err':>9}  flags")
-        lines = [f"layerwise fp32 vs {self.precision} (rtol={self.rtol}, atol={self.atol}); "
+        lines = [f"layerwise fp32 vs {self.precision} ({self.tolerance or f'rtol={self.rtol}, atol={self.atol}'}); "
                  f"first_bad={self.first_bad}; worst first", head, "-" * len(head)]
         for row, det in self.ranked()[:top]:
             flags = []
@@ -249,13 +307,33 @@ class LayerwiseReport:
                              f"{'yes' if r['ok'] else 'NO':>3}")
         for note in self.notes:
             lines.append(f"note: {note}")
+        lines.append(self.verdict())
         return "\n".join(lines)
+
+    def verdict(self) -> str:
+        """One line: the worst module and why (or that every module is within tolerance)."""
+        if not self.rows:
+            return "summary: no module produced a floating-point output to compare"
+        row, det = self.ranked()[0]
+        bad = sum(not r["ok"] for r in self.rows)
+        local = det.get("local_rel_err")
+        own = "" if local is None else f", its own error {local:.2e} (limit {det.get('local_tol', 0):.2e})"
+        tol = f"tolerance rtol {det['rtol']:.2e}" if det.get("rtol") is not None else "the given tolerance"
+        if det.get("new_nonfinite"):
+            why = "creates inf/NaN from a finite input (overflow in the low dtype)"
+        elif not row["ok"]:
+            why = f"out of tolerance: relative error {det['rel_err']:.2e} vs {tol}{own}, cosine {row['cosine']:.5f}"
+        else:
+            return (f"summary: all {len(self.rows)} modules within tolerance in {self.precision}; the largest "
+                    f"error is {row['module'] or '<root>'}: relative {det['rel_err']:.2e} vs {tol}{own}")
+        return f"summary: {bad} of {len(self.rows)} modules out of tolerance; worst: {row['module'] or '<root>'}: {why}"
 
     def __str__(self) -> str:
         return self.table()
 
     def to_dict(self) -> dict:
-        return {"precision": self.precision, "rtol": self.rtol, "atol": self.atol, "first_bad": self.first_bad,
+        return {"precision": self.precision, "rtol": self.rtol, "atol": self.atol, "tolerance": self.tolerance,
+                "summary": self.verdict(), "first_bad": self.first_bad,
                 "worst": self.worst(5), "rows": self.rows, "details": self.details, "grad_rows": self.grad_rows,
                 "first_bad_grad": self.first_bad_grad, "param_grad_rows": self.param_grad_rows, "notes": self.notes}
 
@@ -294,9 +372,11 @@ def _watched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class _Recorder:
     """Hooks of one run.  ``ref`` runs first and stores; ``low`` compares against it."""
 
-    def __init__(self, model: nn.Module, role: str, shadow: Optional["_Recorder"], rtol: float, atol: float,
+    def __init__(self, model: nn.Module, role: str, shadow: Optional["_Recorder"], tol: "Tolerance",
                  local: bool, grads: bool, grad_scale: float):
-        self.role, self.shadow, self.rtol, self.atol = role, shadow, rtol, atol
+        self.role, self.shadow, self.tol = role, shadow, tol
+        self.depth = 0  # modules with parameters run so far (the low run's depth)
+        self.rtols: dict[str, float] = {}
         self.local, self.grads, self.grad_scale = local, grads, grad_scale
         self.calls: dict[str, int] = {}
         self.order: list[str] = []
@@ -359,11 +439,15 @@ class _Recorder:
                 self.outputs[key] = [t.detach().clone() for t in outs]
                 return None
             self.dtypes.setdefault(name, str(outs[0].dtype).replace("torch.", ""))
+            if name not in self.rtols:
+                self.depth += next(iter(module.parameters(recurse=False)), None) is not None
+                self.rtols[name] = self.tol.rtol_at(max(1, self.depth))
+            rtol, atol = self.rtols[name], self.tol.atol
             # Popped: each stored fp32 tensor is compared once, then freed (peak memory).
             ref = self.shadow.outputs.pop(key, None)
             if ref is None or [t.shape for t in ref] != [t.shape for t in outs]:
                 return None
-            self.stats.setdefault(name, []).append(_call_stats(ref, outs, self.rtol, self.atol))
+            self.stats.setdefault(name, []).append(_call_stats(ref, outs, rtol, atol))
             in_finite = self.in_finite.pop(key, torch.tensor(True))
             self.new_nonfinite.setdefault(name, []).append(in_finite & ~_all_finite(outs))
             low_args, low_kwargs = self.in_template.pop(key, (args, kwargs))
@@ -386,7 +470,7 @@ class _Recorder:
         finally:
             self.busy = False
         if [t.shape for t in out] == [t.shape for t in ref]:
-            self.local_stats.setdefault(name, []).append(_call_stats(ref, out, self.rtol, self.atol))
+            self.local_stats.setdefault(name, []).append(_call_stats(ref, out, self.tol.rtol_at(1), self.tol.atol))
             self.local_input_ok.setdefault(name, []).append(ok_in)
 
     def _watch_grad(self, key, outs) -> None:
@@ -456,8 +540,8 @@ def _resolve_precision(precision, device):
     return build_precision(name, device=device)
 
 
-def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf16-mixed", rtol: float = 1e-2,
-                      atol: float = 1e-3, backward: bool = False, local: bool = True, train_mode: bool = False,
+def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf16-mixed", rtol: Optional[float] = None,
+                      atol: Optional[float] = None, backward: bool = False, local: bool = True, train_mode: bool = False,
                       loss_fn: Optional[Callable[[Any], torch.Tensor]] = None, loss_scale: float = 1.0) -> LayerwiseReport:
     """Compare every module of ``model`` run in ``precision`` against an fp32 copy.
 
@@ -466,8 +550,9 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
         example_input: a tensor, a tuple of positional arguments or a dict of keyword arguments.
         precision: a string of ``mptrain.PRECISIONS`` or a Precision object.
         rtol, atol: a module is ``ok`` when every output element satisfies
-            ``|low - fp32| <= atol + rtol * |fp32|`` (torch.allclose) and it has inf/NaN
-            only where fp32 has the same.
+            ``|low - fp32| <= atol + rtol * |fp32|`` and it has inf/NaN only where fp32 has
+            the same.  ``None`` (default): from the low dtype's rounding and the module's
+            depth (see :class:`Tolerance`).
         backward: also compare gradients (w.r.t. each module's output and its parameters)
             of ``loss_fn(output)`` -- by default a fixed random projection of the outputs.
         local: also measure each module's own error on its fp32 input (ranks the table).
@@ -485,8 +570,10 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
     ref_in = _map(example_input, lambda t: t.to(device=device, dtype=torch.float32) if t.is_floating_point() else t.to(device))
     low_in = prec.convert_input(_map(example_input, lambda t: t.to(device)))
 
-    ref_rec = _Recorder(ref_model, "ref", None, rtol, atol, local, backward, 1.0)
-    low_rec = _Recorder(low_model, "low", ref_rec, rtol, atol, local, backward, loss_scale)
+    name = getattr(prec, "precision", None) or getattr(prec, "name", None) or str(precision)
+    tol = Tolerance(UNIT_ROUNDOFF[_low_dtype(str(name))], rtol=rtol, atol=atol)
+    ref_rec = _Recorder(ref_model, "ref", None, tol, local, backward, 1.0)
+    low_rec = _Recorder(low_model, "low", ref_rec, tol, local, backward, loss_scale)
     loss_fn = loss_fn or _projection_loss
     try:
         with torch.set_grad_enabled(backward), _strict_fp32():
@@ -500,14 +587,15 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
     finally:
         ref_rec.remove()
         low_rec.remove()
-    report = LayerwiseReport(getattr(prec, "name", str(precision)), rtol, atol)
-    _fill_forward(report, ref_rec, low_rec)
-    if backward:
-        _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale)
+    report = LayerwiseReport(str(name), rtol, atol, tol.describe())
+    _fill_forward(report, ref_rec, low_rec, tol)
+    if backward:  # gradients went back through every layer: the tolerance of the full depth
+        _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale,
+                    tol.rtol_at(max(1, low_rec.depth)), tol.atol)
     return report
 
 
-def _fill_forward(report: LayerwiseReport, ref_rec: _Recorder, low_rec: _Recorder) -> None:
+def _fill_forward(report: LayerwiseReport, ref_rec: _Recorder, low_rec: _Recorder, tol: Tolerance) -> None:
     unmatched = [n for n in ref_rec.order if n not in low_rec.stats and (n, 0) in ref_rec.outputs]
     if unmatched:
         report.notes.append(f"{len(unmatched)} module(s) had no matching low-precision output: {unmatched[:5]}")
@@ -518,17 +606,21 @@ def _fill_forward(report: LayerwiseReport, ref_rec: _Recorder, low_rec: _Recorde
         s = _finalize(vecs)
         report.rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})
         det = {"module": name, "dtype": low_rec.dtypes.get(name, ""), "calls": len(vecs), "rel_err": s["rel_err"],
+               "rtol": low_rec.rtols.get(name),
                "new_nonfinite": any(bool(t) for t in low_rec.new_nonfinite[name])}
         if name in low_rec.local_stats:
             ls = _finalize(low_rec.local_stats[name])
+            input_ok = all(bool(t) for t in low_rec.local_input_ok[name])
+            own_ok = not input_ok or ls["rel_err"] <= tol.local_limit()
             det.update(local_max_abs=ls["max_abs"], local_rel_err=ls["rel_err"], local_cosine=ls["cosine"],
-                       local_ok=ls["ok"], local_input_ok=all(bool(t) for t in low_rec.local_input_ok[name]))
+                       local_ok=ls["ok"] and own_ok, local_input_ok=input_ok, local_tol=tol.local_limit())
+            report.rows[-1]["ok"] = report.rows[-1]["ok"] and own_ok
         else:
             det.update(local_max_abs=None, local_rel_err=None, local_cosine=None, local_ok=None, local_input_ok=True)
         report.details.append(det)
 
 
-def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale) -> None:
+def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale, rtol: float, atol: Optional[float]) -> None:
     per_module: dict[str, list] = {}
     for key in low_rec.grad_order:
         ref_g, low_g = ref_rec.out_grads.get(key), low_rec.out_grads.get(key)
@@ -538,7 +630,7 @@ def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale) -> N
         if [ref_g[i].shape for i in idx] != [low_g[i].shape for i in idx]:
             continue
         per_module.setdefault(key[0], []).append(
-            _call_stats([ref_g[i] for i in idx], [low_g[i] for i in idx], report.rtol, report.atol))
+            _call_stats([ref_g[i] for i in idx], [low_g[i] for i in idx], rtol, atol))
     for name, vecs in per_module.items():  # insertion order = backward execution order
         s = _finalize(vecs)
         report.grad_rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})
@@ -553,5 +645,5 @@ def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale) -> N
         if not pairs:
             continue
         s = _finalize([_call_stats([a for a, _ in pairs], [b.float() / loss_scale for _, b in pairs],
-                                   report.rtol, report.atol)])
+                                   rtol, atol)])
         report.param_grad_rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})

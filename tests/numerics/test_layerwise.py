@@ -189,7 +189,50 @@ def test_table_is_worst_first(x):
     lines = str(report).splitlines()
     assert lines[0].startswith("layerwise fp32 vs 16-true")
     assert lines[3].split()[0] == "3"
-    assert len([ln for ln in lines[3:] if ln.strip()]) == len(report.rows)
+    assert len([ln for ln in lines[3:-1] if ln.strip()]) == len(report.rows)
+    assert lines[-1].startswith("summary: ") and "worst: 3: creates inf/NaN" in lines[-1]
+
+
+class Perturbed(nn.Linear):
+    """A Linear whose low-precision forward uses weights off by ``scale`` (a planted bug,
+    e.g. a wrong master-to-half copy); exact in fp32."""
+
+    def __init__(self, n, scale):
+        super().__init__(n, n)
+        self.scale = scale
+
+    def forward(self, x):
+        w = self.weight if x.dtype == torch.float32 else self.weight * self.scale
+        return nn.functional.linear(x, w, self.bias)
+
+
+def _deep(fault: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), fault]
+    for _ in range(4):
+        layers += [nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-mixed", "16-master"])
+def test_default_tolerance_passes_a_healthy_network(precision):
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    report = compare_layerwise(_deep(nn.Linear(64, 64)), x, precision=precision)
+    assert report.rows and all(r["ok"] for r in report.rows), report.table()
+    assert report.verdict().startswith(f"summary: all {len(report.rows)} modules within tolerance")
+    # the tolerance follows the dtype's rounding: bf16 (u=2^-8) is 8x looser than fp16 (u=2^-11)
+    first = report.details[0]["rtol"]
+    assert first == pytest.approx(8 * (2**-8 if precision.startswith("bf16") else 2**-11))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_default_tolerance_fails_a_perturbed_layer(precision):
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    scale = 1.05 if precision.startswith("bf16") else 1.01  # 5% (bf16) / 1% (fp16) off: far above rounding
+    report = compare_layerwise(_deep(Perturbed(64, scale)), x, precision=precision)
+    assert report.first_bad == "3" and report.worst(1) == ["3"], report.table()
+    summary = report.table().splitlines()[-1]
+    assert summary.startswith("summary: ") and "worst: 3: out of tolerance" in summary, summary
 
 
 def test_local_error_of_a_master_norm_uses_the_half_input_it_really_gets(x):
