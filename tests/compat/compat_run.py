@@ -70,19 +70,26 @@ def run(trainer_cls: Callable, root: Path, module_kwargs: dict, trainer_kwargs: 
                     global_step=trainer.global_step, dtypes=model.dtypes, extra=extra)
 
 
-def assert_same_values(a: Any, b: Any, where: str) -> None:
-    """Recursive equality; tensors with torch.equal (same dtype, shape and bits)."""
+#: what mptrain's checkpoints may hold beyond Lightning's (DESIGN §3: the position in the epoch,
+#: stored where Lightning keeps a stateful train loader's state)
+ALLOWED_ADDITIONS = frozenset({"combined_loader"})
+
+
+def assert_same_values(a: Any, b: Any, where: str, allow_extra: frozenset = frozenset()) -> None:
+    """Recursive equality; tensors with torch.equal (same dtype, shape and bits); ``b`` may hold
+    the keys in ``allow_extra`` beyond ``a``'s."""
     if torch.is_tensor(a) or torch.is_tensor(b):
         assert torch.is_tensor(a) and torch.is_tensor(b), f"{where}: {type(a)} vs {type(b)}"
         assert a.dtype == b.dtype and torch.equal(a, b), f"{where}: {a} vs {b}"
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} vs {sorted(b, key=str)}"
+        assert isinstance(b, dict) and set(a) == set(b) - (allow_extra - set(a)), \
+            f"{where}: keys {sorted(a, key=str)} vs {sorted(b, key=str)}"
         for k in a:
-            assert_same_values(a[k], b[k], f"{where}[{k!r}]")
+            assert_same_values(a[k], b[k], f"{where}[{k!r}]", allow_extra)
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: {a} vs {b}"
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_values(x, y, f"{where}[{i}]")
+            assert_same_values(x, y, f"{where}[{i}]", allow_extra)
     else:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
@@ -98,7 +105,7 @@ def assert_same_checkpoint(ref: dict, ours: dict, name: str) -> None:
     assert not missing, f"{name}: mptrain's checkpoint lacks Lightning's keys {sorted(missing)}"
     for key in CHECKPOINT_KEYS:
         if key in ref:
-            assert_same_values(ref[key], ours[key], f"{name}:{key}")
+            assert_same_values(ref[key], ours[key], f"{name}:{key}", ALLOWED_ADDITIONS if key == "loops" else frozenset())
     for cb_key, cb_state in ref.get("callbacks", {}).items():  # ModelCheckpoint / EarlyStopping state
         assert cb_key in ours["callbacks"], f"{name}: callback state {cb_key} missing"
         state = {k: v for k, v in cb_state.items() if k not in ("dirpath", "best_model_path", "last_model_path",

@@ -21,7 +21,7 @@ EXPECTED_DTYPES = {"bf16-mixed": (torch.float32, torch.bfloat16), "16-mixed": (t
 CASES = {
     "logging_hooks_topk_lrmonitor": (
         {"scheduler": "steplr_epoch"},
-        lambda root: dict(max_epochs=3, callbacks=[ModelCheckpoint(monitor="val_loss", save_top_k=2),
+        lambda root: dict(max_epochs=3, callbacks=[ModelCheckpoint(monitor="val_epoch", mode="max", save_top_k=2),
                                                    LearningRateMonitor("step")])),
     "accumulate_clip_plateau": (
         {"scheduler": "plateau"},
