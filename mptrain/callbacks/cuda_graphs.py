@@ -1,0 +1,160 @@
+"""CudaGraphs (``Trainer(cuda_graphs=True)``): the train step captured in CUDA graphs and replayed.
+
+Route: a direct capture with ``torch.cuda.graph`` of ``LightningModule.forward`` and of its backward
+(:mod:`mptrain.callbacks.graphed_forward`) and of the precision plugin's optimizer side
+(:mod:`mptrain.precision.graphed_step`), rather than ``torch.compile(mode="reduce-overhead")``.
+cudagraph trees graph only what dynamo compiles: every graph break (an extension call, a fused op
+that is not a custom op) splits the step into eager pieces and separate graphs, and a skipped graph
+is a log line, not an error.  A direct capture graphs whatever CUDA work forward and backward issue,
+fused kernels included, fails loudly (naming the line) when something cannot be captured, and
+writes each parameter's gradient inside the backward graph (no per-parameter accumulation kernels).
+``compile=True`` (default mode) composes with it: the compiled kernels are captured.
+
+Per optimizer step, after ``warmup_steps`` eager steps (lazy initialisation, optimizer state, cuDNN
+autotuning, the input shapes recorded), one step captures and every later step replays:
+
+* replayed: (1) forward -- inputs copied into static buffers, forward kernels, outputs copied out;
+  (2) backward -- the outputs' gradients copied in, backward kernels, each parameter's ``.grad``
+  written; (3) the unscale and inf/NaN check into ``found_inf`` (grads copied up into fp32 masters,
+  or their norm on the fused ``*-master`` path); (4) the optimizer step, skipped on the device when
+  ``found_inf`` is set, and the loss-scaler update;
+* eager, every step: Lightning's loop and every hook (``on_train_batch_start/end``,
+  ``on_before/after_backward``, ``on_before_zero_grad``, ``on_before_optimizer_step``, logging,
+  LR schedulers, checkpoints, validation), ``training_step`` around the forward call (the loss from
+  the outputs, ``self.log``), the loss scaling and its non-finite flag, ``zero_grad``, gradient
+  clipping, the non-finite guard's counters and its host check every ``check_every`` steps, and the
+  masters' copy into the half weights on the generic ``*-master`` path.
+
+Refused at setup, each with the reason and the fix: a device other than one CUDA GPU, several
+devices or a DDP-type strategy, manual optimization, gradient accumulation, ``detect_anomaly``,
+``fp32_finetune_*`` / ``auto_fp32_fallback`` (they change dtypes mid-run), ``compile`` in a mode that
+already uses CUDA graphs, an optimizer that cannot skip on the device, and a train loader whose last
+batch is short.  At capture or later: a forward input whose shape, dtype or structure changes, a host
+sync inside forward or backward (the error names the line), a module hook that is not mptrain's,
+``self.log`` inside forward, a hyperparameter other than ``lr`` changing after capture.
+"""
+from __future__ import annotations
+
+from collections.abc import Sized
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from mptrain.callbacks._plugin import require_mptrain_plugin
+from mptrain.callbacks.auto_fp32_fallback import AutoFp32Fallback
+from mptrain.callbacks.compile_model import CompileModel
+from mptrain.callbacks.fp32_finetune import Fp32Finetune
+from mptrain.callbacks.graphed_forward import GraphedForward
+from mptrain.precision.graph_capture import CudaGraphError
+from mptrain.precision.graphed_step import GraphedStep
+from mptrain.precision.grads import accepts_device_found_inf, is_mptrain_fused
+
+_GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune")
+
+
+class CudaGraphs(Callback):
+    """Capture the train step after ``warmup_steps`` eager steps and replay it; see the module docstring."""
+
+    def __init__(self, warmup_steps: int = 3) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"CudaGraphs(warmup_steps={warmup_steps!r}) is not valid; valid values: an integer >= 1 "
+                             "(the optimizer state must exist before its step is captured)")
+        self.warmup_steps = warmup_steps
+        self.forward: GraphedForward | None = None
+        self.step: GraphedStep | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":
+            check_trainer(trainer, pl_module, require_mptrain_plugin(trainer, self))
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        check_optimizers(trainer.optimizers)
+        self.forward = GraphedForward(pl_module)
+        self.step = GraphedStep(require_mptrain_plugin(trainer, self), self.warmup_steps)
+        self.step.around_closure = self.forward.training_step
+        self.forward.install()
+        self.step.install()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        check_last_batch(trainer)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._uninstall()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._uninstall()
+
+    def _uninstall(self) -> None:
+        for part in (self.forward, self.step):
+            if part is not None:
+                part.uninstall()
+        self.forward = self.step = None  # the graphs and their memory go with them
+
+
+def _refuse(reason: str, fix: str) -> CudaGraphError:
+    return CudaGraphError(f"cuda_graphs=True: {reason}. {fix}, or train with cuda_graphs=False.")
+
+
+def check_trainer(trainer, pl_module, plugin) -> None:
+    """What the captured step cannot follow, refused before any step (the device is checked last)."""
+    name = type(pl_module).__name__
+    if not pl_module.automatic_optimization:
+        raise _refuse(f"{name} uses manual optimization (automatic_optimization=False); the captured step is "
+                      "Lightning's automatic optimization step", "Use automatic optimization")
+    accumulation = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]
+    if trainer.accumulate_grad_batches != 1 or accumulation:
+        raise _refuse(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}"
+                      f"{', a GradientAccumulationScheduler' if accumulation else ''}) is not supported: the captured "
+                      "backward writes the gradients of one batch", "Use a larger batch instead")
+    for cls, arg in ((Fp32Finetune, "fp32_finetune_epochs/fp32_finetune_steps"), (AutoFp32Fallback, "auto_fp32_fallback")):
+        if any(isinstance(c, cls) for c in trainer.callbacks):
+            raise _refuse(f"{arg} ({cls.__name__}) changes parameter dtypes during the run, which the captured "
+                          "graphs cannot follow", f"Leave {arg} unset")
+    if plugin.auto is not None or plugin.precision != plugin.initial_precision:
+        raise _refuse(f"the precision plugin has switched or promotes modules ({plugin!r})", "Start a fresh plugin")
+    for c in trainer.callbacks:
+        mode = getattr(c, "compile_kwargs", {}).get("mode") if isinstance(c, CompileModel) else None
+        if mode in _GRAPHING_COMPILE_MODES:
+            raise _refuse(f"compile={{'mode': {mode!r}}} captures CUDA graphs itself (cudagraph trees), and a "
+                          "graph cannot be captured inside another", "Use compile=True (default mode) with it")
+    if getattr(trainer, "_detect_anomaly", False):
+        raise _refuse("detect_anomaly=True checks every backward op on the host", "Set detect_anomaly=False")
+    if trainer.world_size != 1 or trainer.num_devices != 1 or not isinstance(trainer.strategy, SingleDeviceStrategy):
+        raise _refuse(f"it graphs the step of one device, but this run uses {type(trainer.strategy).__name__} on "
+                      f"{trainer.num_devices} device(s) x {trainer.num_nodes} node(s)", "Train on devices=1")
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        raise _refuse(f"it captures CUDA work, but this run trains on {device}", "Use accelerator='cuda'")
+
+
+def check_optimizers(optimizers: list) -> None:
+    """The captured step must skip on the device: mptrain's fused optimizers, or torch's fused and capturable."""
+    if len(optimizers) != 1:
+        raise _refuse(f"it graphs the step of one optimizer, got {len(optimizers)}", "Return one optimizer")
+    opt = optimizers[0]
+    if is_mptrain_fused(opt):
+        return
+    fused = accepts_device_found_inf(opt)
+    capturable = all(g.get("capturable", False) for g in opt.param_groups)
+    if not (fused and capturable):
+        cls = f"{type(opt).__module__}.{type(opt).__qualname__}"
+        raise _refuse(f"the optimizer step is captured, and {cls} (fused={fused}, capturable={capturable}) cannot "
+                      "skip a non-finite step on the device or be captured", "Use mptrain.optim.FusedAdamW/FusedAdam/"
+                      "FusedSGD/FusedLAMB, or torch's optimizer with fused=True, capturable=True")
+
+
+def check_last_batch(trainer) -> None:
+    """A short last batch would change the captured input shape at the end of the first epoch: refused now."""
+    loader = trainer.train_dataloader
+    if not isinstance(loader, torch.utils.data.DataLoader) or not loader.batch_size or loader.drop_last:
+        return
+    if not isinstance(loader.dataset, Sized) or isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return
+    n, b = len(loader.dataset), loader.batch_size
+    full, rest = divmod(n, b)
+    reached = trainer.num_training_batches > full and (trainer.max_steps < 0 or trainer.max_steps > full)
+    if rest and reached:
+        raise _refuse(f"the train loader's last batch holds {rest} samples ({n} samples, batch_size={b}) and a "
+                      "captured step has one shape", "Use DataLoader(..., drop_last=True)")

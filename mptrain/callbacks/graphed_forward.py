@@ -1,0 +1,236 @@
+"""GraphedForward: a LightningModule's forward and its backward replayed from CUDA graphs (``cuda_graphs=True``).
+
+:class:`~mptrain.callbacks.cuda_graphs.CudaGraphs` installs it as ``pl_module.forward``.  Outside the
+training step's closure (validation, no_grad, hooks) it is the original forward.  Inside, the first
+steps run eagerly and record the inputs' structure, shapes and dtypes; then one call is captured:
+
+* forward graph: the inputs are copied into static buffers, the captured kernels run, the outputs
+  are copied out (ordinary tensors the caller may keep);
+* backward graph, captured at the step's backward for the outputs that receive a gradient: the
+  incoming gradients are copied into static buffers and the captured backward writes every
+  parameter's ``.grad`` (the same tensors each step, pointed back at after ``zero_grad(set_to_none=True)``).
+
+The loss computed from the outputs in ``training_step``, logging and every hook stay eager.  A change
+of the inputs' shapes, dtypes or structure, a second forward call in one step, or a parameter that
+already holds a gradient when the graphed backward writes its own, raise :class:`CudaGraphError`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from mptrain.precision.graph_capture import CudaGraphError, capture
+
+_FIX = ("forward must be a function of its tensor inputs and the parameters: do host reads and logging in "
+        "training_step, which runs eagerly (e.g. BertMLM(max_predictions=N) gathers without a host sync).")
+_CONSTANT = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+class GraphedForward:
+    """Callable that replaces ``pl_module.forward``; see the module docstring."""
+
+    def __init__(self, pl_module: torch.nn.Module):
+        self.module = pl_module
+        self.eager = pl_module.forward
+        self.mode: Optional[str] = None  # inside the training step: "eager" or "graph"
+        self.calls = 0
+        self.signature: Optional[tuple] = None  # (input spec, [(path, meta)]) of the first step
+        self.fwd: Optional[torch.cuda.CUDAGraph] = None
+        self.bwd: Optional[torch.cuda.CUDAGraph] = None
+        self.grads: list = []  # (name, param, the .grad the backward graph writes)
+
+    def install(self) -> None:
+        self.module.forward = functools.wraps(self.eager)(lambda *args, **kwargs: self(*args, **kwargs))
+
+    def uninstall(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+    @contextlib.contextmanager
+    def training_step(self, graph: bool):
+        """The closure of one optimizer step: graphed (captured on first use) or eager."""
+        self.mode, self.calls = ("graph" if graph else "eager"), 0
+        try:
+            yield
+        finally:
+            self.mode = None
+        if self.calls == 0:
+            raise CudaGraphError(f"cuda_graphs=True graphs {type(self.module).__name__}.forward, but training_step "
+                                 "did not call it: compute the network's output with self(...) in training_step")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.mode is None or not torch.is_grad_enabled():
+            return self.eager(*args, **kwargs)
+        self.calls += 1
+        if self.calls > 1:
+            raise CudaGraphError(f"cuda_graphs=True graphs one forward call per training step; "
+                                 f"{type(self.module).__name__}.training_step called self(...) again: call it once")
+        leaves, spec = self._check_inputs(args, kwargs)
+        if self.mode == "eager":
+            return self.eager(*args, **kwargs)
+        if self.fwd is None:
+            self._capture_forward(leaves, spec)
+        else:
+            for buf, x in zip(self.static_in, leaves):
+                if buf is not None:
+                    buf.copy_(x)
+        self.fwd.replay()
+        return self._outputs()
+
+    # -- inputs -----------------------------------------------------------------
+    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
+        with_path, spec = tree_flatten_with_path((args, kwargs))
+        meta = [(("args" if path[0].idx == 0 else "kwargs") + keystr(path[1:]), _meta(x)) for path, x in with_path]
+        if self.signature is None:
+            for name, m in meta:
+                if m[0] == "object":
+                    raise CudaGraphError(f"cuda_graphs=True: forward input {name} is a {m[1]}, which torch's pytree "
+                                         "cannot look into; pass tensors, or tuples, lists or dicts of them")
+            self.signature = (spec, meta)
+        elif (spec, meta) != self.signature:
+            raise CudaGraphError(self._changed(spec, meta))
+        return [x for _, x in with_path], spec
+
+    def _changed(self, spec: Any, meta: list) -> str:
+        step = getattr(getattr(self.module, "_trainer", None), "global_step", "?")
+        head = f"cuda_graphs=True replays one captured forward, but at step {step} "
+        if spec != self.signature[0]:
+            what = f"the inputs' structure changed from {self.signature[0]} to {spec}"
+        else:
+            path, old, new = next((p, o, n) for (p, o), (_, n) in zip(self.signature[1], meta) if o != n)
+            what = f"forward input {path} is {_show(new)}; the first steps had {_show(old)}"
+        return (head + what + ". Give every batch one shape (pad, or drop_last=True for the last batch), "
+                "or train with cuda_graphs=False.")
+
+    # -- capture and replay ---------------------------------------------------------
+    def _capture_forward(self, leaves: list, spec: Any) -> None:
+        _refuse_hooks(self.module)
+        for (path, m) in self.signature[1]:
+            if m[0] == "tensor" and (m[3] or m[2].type != "cuda"):
+                raise CudaGraphError(f"cuda_graphs=True: forward input {path} is {_show(m)}; graphed inputs must be "
+                                     "CUDA tensors that do not require grad (compute such inputs inside forward)")
+        self.static_in = [x.detach().clone() if isinstance(x, torch.Tensor) else None for x in leaves]
+        args, kwargs = tree_unflatten([s if s is not None else x for s, x in zip(self.static_in, leaves)], spec)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.fwd = torch.cuda.CUDAGraph()
+        with _no_logging(self.module), capture(self.fwd, self.pool, "the training forward", _FIX):
+            out = self.eager(*args, **kwargs)
+        self.static_out, self.out_spec = tree_flatten(out)
+        for o in self.static_out:
+            if not isinstance(o, (torch.Tensor,) + _CONSTANT):
+                raise CudaGraphError(f"cuda_graphs=True: forward returned a {type(o).__name__}, which torch's pytree "
+                                     "cannot look into; return tensors, or tuples, lists or dicts of them")
+        self.diff = [i for i, o in enumerate(self.static_out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        # a leaf that requires grad makes the outputs require grad; its own grad is always None
+        self.anchor = torch.zeros((), device=torch.device("cuda", torch.cuda.current_device()), requires_grad=True)
+
+    def _outputs(self) -> Any:
+        outs = [o.detach().clone() if isinstance(o, torch.Tensor) else o for o in self.static_out]
+        if self.diff:
+            for i, t in zip(self.diff, _Backward.apply(self, self.anchor)):
+                outs[i] = t
+        return tree_unflatten(outs, self.out_spec)
+
+    def backward(self, grads: tuple) -> None:
+        present = tuple(g is not None for g in grads)
+        if not any(present):
+            return
+        if self.bwd is None:
+            self._capture_backward(present)
+        elif present != self.present:
+            raise CudaGraphError("cuda_graphs=True: the loss uses other outputs of forward than in the captured "
+                                 "step; compute it from the same outputs every step, or use cuda_graphs=False")
+        for buf, g in zip(self.grad_out, (g for g in grads if g is not None)):
+            buf.copy_(g)
+        self.bwd.replay()
+        for name, p, g in self.grads:
+            if p.grad is None:
+                p.grad = g
+            elif p.grad is not g:
+                raise CudaGraphError(_outside(name))
+
+    def _capture_backward(self, present: tuple) -> None:
+        self.present = present
+        outs = [self.static_out[i] for i, used in zip(self.diff, present) if used]
+        self.grad_out = [torch.empty_like(o) for o in outs]
+        params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        held = {n: p.grad for n, p in params if p.grad is not None}  # zeros after zero_grad(set_to_none=False)
+        for _, p in params:
+            p.grad = None
+        self.bwd = torch.cuda.CUDAGraph()
+        with capture(self.bwd, self.pool, "the training backward", _FIX):
+            torch.autograd.backward(outs, self.grad_out)
+        self.grads = [(n, p, p.grad) for n, p in params if p.grad is not None]
+        for n, p in params:
+            if n in held and p.grad is None:
+                p.grad = held[n]  # not reached by the graphed backward: its eager grad stays
+            elif n in held and bool(held[n].ne(0).any()):  # one host read, at capture only
+                raise CudaGraphError(_outside(n))
+        self.static_out = [o.detach() if isinstance(o, torch.Tensor) else o for o in self.static_out]
+
+
+class _Backward(torch.autograd.Function):
+    """Copies of the differentiable outputs; their backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx, graphed: GraphedForward, anchor: torch.Tensor):
+        ctx.graphed = graphed
+        ctx.set_materialize_grads(False)
+        return tuple(graphed.static_out[i].detach().clone() for i in graphed.diff)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.graphed.backward(grads)
+        return None, None
+
+
+def _meta(x: Any) -> tuple:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.device, x.requires_grad, x.dtype)
+    return ("value" if isinstance(x, _CONSTANT) else "object", type(x).__name__, x if isinstance(x, _CONSTANT) else id(x))
+
+
+def _show(meta: tuple) -> str:
+    if meta[0] == "tensor":
+        return f"a {meta[4]} tensor of shape {meta[1]} on {meta[2]}{' requiring grad' if meta[3] else ''}"
+    return f"the {meta[1]} {meta[2]!r}"
+
+
+def _outside(name: str) -> str:
+    return (f"cuda_graphs=True: parameter {name!r} got a gradient outside the graphed forward before the graphed "
+            "backward wrote its own (it is also used in training_step or a hook); use it only inside forward, or "
+            "train with cuda_graphs=False")
+
+
+def _refuse_hooks(module: torch.nn.Module) -> None:
+    """Module hooks run once, at capture: only mptrain's own (device-only by design) may be graphed."""
+    from torch.nn.modules import module as torch_module
+
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    sources = [(f"torch has a global {k[1:-1].replace('_', ' ')}", getattr(torch_module, f"_global{k}", {}))
+               for k in kinds]
+    sources += [(f"module {name or '<root>'!r} has a {k[1:-1].replace('_', ' ')}", getattr(m, k))
+                for name, m in module.named_modules() for k in kinds]
+    for where, hooks in sources:
+        for hook in hooks.values():
+            fn = getattr(hook, "func", hook)
+            if not getattr(fn, "__module__", "").startswith("mptrain."):
+                raise CudaGraphError(f"cuda_graphs=True: {where} ({getattr(fn, '__qualname__', fn)}); module hooks "
+                                     "would run once, at capture, not every step. Remove the hook or use "
+                                     "cuda_graphs=False")
+
+
+@contextlib.contextmanager
+def _no_logging(module: torch.nn.Module):
+    """``self.log`` inside a captured forward would log once, at capture: refuse it."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise CudaGraphError("cuda_graphs=True: forward calls self.log, which would log only at capture; log "
+                             "in training_step instead")
+    module.log = module.log_dict = refuse
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict

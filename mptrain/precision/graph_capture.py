@@ -1,0 +1,80 @@
+"""CUDA graph capture with errors that say what failed and where (``cuda_graphs=True``).
+
+A capture fails when the captured code needs the host: ``.item()``, ``.cpu()``, boolean-mask
+indexing, ``torch.nonzero``, printing a tensor, a CPU tensor in the step, an allocation
+the caching allocator cannot serve from the graph's pool.  CUDA reports only
+"operation not permitted when stream is capturing", often re-raised by ``capture_end``;
+:func:`capture` turns that into a :class:`CudaGraphError` naming the part of the step, the
+line of user code that issued the failing call and the fix.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from typing import Iterator, Optional
+
+import torch
+
+_INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib))
+_HOST_SYNC = ("stream is capturing", "StreamCapture", "during capture")
+
+
+class CudaGraphError(RuntimeError):
+    """``cuda_graphs=True`` cannot capture this run, or the run changed what was captured."""
+
+
+@contextlib.contextmanager
+def capture(graph: "torch.cuda.CUDAGraph", pool, what: str, fix: str) -> Iterator[None]:
+    """Capture the block into ``graph`` (memory from ``pool``); a failure raises :class:`CudaGraphError`.
+
+    ``what`` names the captured part of the step, ``fix`` what the user can do about it.
+    Autocast's weight cache is off while capturing: a cast cached by eager code before the
+    capture would be read by every replay after the cache let it go.
+    """
+    device = torch.cuda.current_device()
+    autocast = contextlib.nullcontext()
+    if torch.is_autocast_enabled("cuda"):
+        autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+    try:
+        # thread_local: a loader's pin-memory thread may allocate while the training thread captures
+        with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), \
+                autocast:
+            yield
+    except CudaGraphError:
+        raise
+    except Exception as exc:
+        raise CudaGraphError(describe_capture_error(exc, what, fix)) from exc
+
+
+def describe_capture_error(exc: BaseException, what: str, fix: str) -> str:
+    """The message for a failed capture: the first error of the chain, the user line that raised it, the fix."""
+    first = _first_error(exc)
+    where = _user_frame(first)
+    text = f"{type(first).__name__}: {str(first).strip().splitlines()[0] if str(first).strip() else ''}"
+    hint = ""
+    if any(s in str(first) for s in _HOST_SYNC):
+        hint = (" The step needs the host there: a host sync (.item(), .cpu(), .tolist(), bool(tensor), "
+                "boolean-mask indexing, torch.nonzero, printing a tensor) or a CPU tensor cannot be captured.")
+    return (f"cuda_graphs=True could not capture {what}: {text}"
+            f"{f' at {where}' if where else ''}.{hint} {fix} Or train with cuda_graphs=False.")
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The error that started it: ``capture_end`` re-raises a failed capture from ``__exit__``."""
+    seen = {id(exc)}
+    while exc.__context__ is not None and id(exc.__context__) not in seen:
+        exc = exc.__context__
+        seen.add(id(exc))
+    return exc
+
+
+def _user_frame(exc: BaseException) -> Optional[str]:
+    """``file:line in function: `code``` of the innermost frame outside torch, contextlib and this module."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(_INTERNAL) and f.filename != __file__]
+    if not frames:
+        return None
+    f = frames[-1]
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f"{f.filename}:{f.lineno} in {f.name}:{code}"

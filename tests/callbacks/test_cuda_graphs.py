@@ -1,0 +1,232 @@
+"""cuda_graphs=True on the CPU: every setup-time refusal, the error for a failed capture, and the wiring.
+
+The capture itself needs a GPU (tests/gpu/test_cuda_graphs.py).  Here the graphed forward and the
+graphed optimizer step run their eager (warm-up) path inside a real ``lightning.Trainer`` fit, which
+must train exactly like the plain plugin, and their checks (inputs, calls, hooks, hyperparameters) fire.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+from _models import Classifier, classification_data, mlp
+from mptrain.callbacks.compile_model import CompileModel
+from mptrain.callbacks.cuda_graphs import CudaGraphs, check_last_batch, check_optimizers, check_trainer
+from mptrain.callbacks.fp32_finetune import Fp32Finetune
+from mptrain.callbacks.graphed_forward import GraphedForward, _refuse_hooks
+from mptrain.precision import MasterPrecision
+from mptrain.precision.graph_capture import CudaGraphError, describe_capture_error
+from mptrain.precision.graphed_step import GraphedStep, _check_hyperparameters, _hyperparameters
+
+
+def _loader(n=96, bs=16, **kw):
+    return torch.utils.data.DataLoader(classification_data(n=n), batch_size=bs, **kw)
+
+
+def _fit(model, callbacks=(), plugin=None, **kw):
+    for k, v in dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=4,
+                     enable_checkpointing=False, enable_model_summary=False).items():
+        kw.setdefault(k, v)
+    plugin = plugin or MasterPrecision("bf16-master")
+    trainer = L.Trainer(plugins=[plugin], callbacks=list(callbacks), **kw)
+    trainer.fit(model, _loader())
+    return trainer
+
+
+class Manual(Classifier):
+    def __init__(self):
+        super().__init__(mlp())
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize("case,kw,match", [
+    ("cpu", {}, r"trains on cpu.*accelerator='cuda'"),
+    ("manual", {}, r"manual optimization"),
+    ("accumulation", dict(accumulate_grad_batches=2), r"gradient accumulation \(accumulate_grad_batches=2"),
+    ("accumulation scheduler", dict(callbacks=[GradientAccumulationScheduler({0: 1})]), r"GradientAccumulationScheduler"),
+    ("fp32 finetune", dict(callbacks=[Fp32Finetune(steps=2)]), r"Fp32Finetune.*changes parameter dtypes"),
+    ("compile reduce-overhead", dict(callbacks=[CompileModel(mode="reduce-overhead")]), r"cudagraph trees"),
+    ("detect_anomaly", dict(detect_anomaly=True), r"detect_anomaly=True"),
+])
+def test_refused_at_setup_before_any_step(case, kw, match):
+    model = Manual() if case == "manual" else Classifier(mlp())
+    before = [p.detach().clone() for p in model.parameters()]
+    callbacks = [CudaGraphs()] + kw.pop("callbacks", [])
+    with pytest.raises(CudaGraphError, match=match) as err:
+        _fit(model, callbacks=callbacks, **kw)
+    assert "cuda_graphs=False" in str(err.value)
+    assert all(torch.equal(a, b.float()) for a, b in zip(before, model.parameters()))  # no step was taken
+
+
+def test_refuses_several_devices():
+    model = Classifier(mlp())
+    trainer = L.Trainer(plugins=[MasterPrecision("bf16-master")], accelerator="cpu", devices=2, strategy="ddp",
+                        logger=False, enable_progress_bar=False)
+    with pytest.raises(CudaGraphError, match=r"DDPStrategy on 2 device\(s\).*devices=1"):
+        check_trainer(trainer, model, trainer.precision_plugin)
+
+
+def test_needs_an_mptrain_precision_plugin():
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=1,
+                        callbacks=[CudaGraphs()])
+    with pytest.raises(TypeError, match="CudaGraphs needs one of mptrain's precision plugins"):
+        trainer.fit(Classifier(mlp()), _loader())
+
+
+def test_warmup_steps_must_be_positive():
+    with pytest.raises(ValueError, match=r"warmup_steps=0.*integer >= 1"):
+        CudaGraphs(warmup_steps=0)
+
+
+def _params():
+    return [torch.nn.Parameter(torch.randn(3))]
+
+
+@pytest.mark.parametrize("make,ok", [
+    (lambda: torch.optim.AdamW(_params()), False),
+    (lambda: torch.optim.AdamW(_params(), fused=True), False),
+    (lambda: torch.optim.SGD(_params(), lr=0.1, fused=True), False),
+    (lambda: torch.optim.AdamW(_params(), fused=True, capturable=True), True),
+])
+def test_optimizer_must_skip_on_the_device_and_be_capturable(make, ok):
+    if ok:
+        check_optimizers([make()])
+        return
+    with pytest.raises(CudaGraphError, match=r"torch\.optim\.\w+\.\w+ \(fused=\w+, capturable=\w+\).*fused=True, "
+                                             r"capturable=True"):
+        check_optimizers([make()])
+
+
+def test_mptrain_fused_optimizers_pass_and_one_optimizer_only():
+    from mptrain.optim import FusedAdamW
+
+    check_optimizers([FusedAdamW(_params())])
+    with pytest.raises(CudaGraphError, match="one optimizer, got 2"):
+        check_optimizers([FusedAdamW(_params()), FusedAdamW(_params())])
+
+
+@pytest.mark.parametrize("n,drop_last,max_steps,refused", [
+    (100, False, -1, True), (100, True, -1, False), (96, False, -1, False), (100, False, 6, False),
+])
+def test_short_last_batch_refused_when_reached(n, drop_last, max_steps, refused):
+    loader = _loader(n=n, drop_last=drop_last)
+    trainer = SimpleNamespace(train_dataloader=loader, num_training_batches=len(loader), max_steps=max_steps)
+    if not refused:
+        check_last_batch(trainer)
+        return
+    with pytest.raises(CudaGraphError, match=r"last batch holds 4 samples \(100 samples, batch_size=16\).*drop_last"):
+        check_last_batch(trainer)
+
+
+def _user_line():
+    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
+def test_capture_error_names_the_first_error_the_user_line_and_the_fix():
+    try:
+        try:
+            _user_line()
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as exc:
+        msg = describe_capture_error(exc, "the training forward", "Move it to training_step.")
+    assert msg.startswith("cuda_graphs=True could not capture the training forward: RuntimeError: CUDA error: "
+                          "operation not permitted when stream is capturing at ")
+    assert "test_cuda_graphs.py" in msg and "in _user_line: `raise RuntimeError(" in msg
+    assert ".item()" in msg and msg.endswith("Move it to training_step. Or train with cuda_graphs=False.")
+
+
+def test_only_mptrain_module_hooks_may_be_graphed():
+    net = mlp()
+    MasterPrecision("bf16-master").convert_module(net)  # fp32 LayerNorm: mptrain's own hooks
+    _refuse_hooks(net)
+    net[4].register_forward_hook(lambda m, a, out: None)
+    with pytest.raises(CudaGraphError, match=r"module '4' has a forward hook \(.*<lambda>\).*run once, at capture"):
+        _refuse_hooks(net)
+
+
+def test_hyperparameters_other_than_lr_are_fixed_after_capture():
+    opt = torch.optim.AdamW(_params(), lr=1e-3)
+    captured = _hyperparameters(opt)
+    opt.param_groups[0]["lr"] = 5e-4  # followed through the lr buffer
+    _check_hyperparameters(captured, opt)
+    opt.param_groups[0]["betas"] = (0.8, 0.999)
+    with pytest.raises(CudaGraphError, match=r"param group 0's 'betas' changed from \(0\.9, 0\.999\) to \(0\.8"):
+        _check_hyperparameters(captured, opt)
+
+
+class Eager(Callback):
+    """The graphed forward and step of cuda_graphs=True, wired as CudaGraphs wires them, kept in warm-up."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.forward = GraphedForward(pl_module)
+        self.step = GraphedStep(trainer.precision_plugin, warmup_steps=10**6)
+        self.step.around_closure = self.forward.training_step
+        self.forward.install()
+        self.step.install()
+
+    def teardown(self, trainer, pl_module, stage):
+        self.forward.uninstall()
+        self.step.uninstall()
+
+
+@pytest.mark.parametrize("precision,scaler", [("bf16-master", None), ("16-master", {"init_scale": 2.0**10})])
+def test_warm_up_path_trains_exactly_like_the_plugin(precision, scaler):
+    runs = []
+    for wired in (False, True):
+        torch.manual_seed(0)
+        model = Classifier(mlp(), inf_at_steps={2})
+        plugin = MasterPrecision(precision, loss_scaler=scaler)
+        trainer = _fit(model, callbacks=[Eager()] if wired else [], plugin=plugin, max_steps=5)
+        runs.append((torch.stack(model.losses), [p.detach().clone() for p in model.parameters()],
+                     plugin.skipped_steps, trainer.global_step, model))
+    (l0, w0, s0, g0, _), (l1, w1, s1, g1, m1) = runs
+    assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(w0, w1))
+    assert (s0, g0) == (s1, g1) == (1, 5)
+    assert "forward" not in m1.__dict__ and "optimizer_step" not in trainer.precision_plugin.__dict__  # uninstalled
+
+
+class TwoCalls(Classifier):
+    def training_step(self, batch, batch_idx):
+        self(batch[0])
+        return super().training_step(batch, batch_idx)
+
+
+class NoCall(Classifier):
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+
+class ShapeChange(Classifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx == 2:
+            x, y = x[:8], y[:8]
+        return super().training_step((x, y), batch_idx)
+
+
+@pytest.mark.parametrize("cls,match", [
+    (TwoCalls, r"one forward call per training step; TwoCalls\.training_step called self\(\.\.\.\) again"),
+    (NoCall, r"graphs NoCall\.forward, but training_step did not call it"),
+    (ShapeChange, r"at step 2 forward input args\[0\] is a torch\.bfloat16 tensor of shape \(8, 16\) on cpu; the "
+                  r"first steps had a torch\.bfloat16 tensor of shape \(16, 16\).*drop_last=True"),
+])
+def test_forward_checks_fire_during_warm_up(cls, match):
+    with pytest.raises(CudaGraphError, match=match):
+        _fit(cls(mlp()), callbacks=[Eager()])
+
+
+def test_forward_outside_the_training_step_is_the_original():
+    model = Classifier(mlp())
+    graphed = GraphedForward(model)
+    graphed.install()
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(model(x), model.net(x))
+    assert graphed.calls == 0
+    graphed.uninstall()
+    assert "forward" not in model.__dict__
