@@ -6,7 +6,9 @@ Trainer converts the train loader after Lightning has prepared it (distributed s
 included).  A shuffled loader keeps torch's exact order: ``ResumableRandomSampler`` runs
 torch's own ``RandomSampler`` code on a generator whose state it records at the start of
 each epoch, so a run gives the same batches as under ``lightning.Trainer`` and a resume
-replays the rest of the epoch bitwise, a seeded ``generator=`` included.  Other samplers
+replays the rest of the epoch bitwise, a seeded ``generator=`` included.  With loader
+workers, each worker's RNG (what per-sample augmentation draws from) is part of the
+worker state that torchdata snapshots with every batch, so it resumes too.  Other samplers
 are fast-forwarded by torchdata (their order must depend only on the epoch, as
 ``DistributedSampler``'s does).  Loaders of other classes and iterable datasets are left as
 they are: Lightning warns when it resumes such a loader mid-epoch.
@@ -18,8 +20,10 @@ import itertools
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, get_worker_info
+from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
+
+from mptrain.callbacks.resume_state import rng_state, set_rng_state
 
 
 class ResumableRandomSampler(RandomSampler):
@@ -71,6 +75,38 @@ class _ResumableOrder(Iterator[int]):
         self.yielded = state["yielded"]
 
 
+class WorkerRngDataset(Dataset):
+    """A map-style dataset whose state (saved in each loader worker) is that worker's RNG state.
+
+    Attribute reads go to the wrapped dataset; a Stateful dataset's own state is kept too.
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.dataset[index]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling in a worker): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        own = self.dataset.state_dict() if isinstance(self.dataset, Stateful) else None
+        # in the main process the RNG is ResumeState's, restored after the loader is rebuilt
+        return {"rng": rng_state() if get_worker_info() is not None else None, "dataset": own}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["rng"] is not None:
+            set_rng_state(state["rng"])
+        if state["dataset"] is not None:
+            self.dataset.load_state_dict(state["dataset"])
+
+
 def to_resumable(loader: Any) -> Any:
     """A ``StatefulDataLoader`` equivalent to a plain ``DataLoader``; anything else is returned as is."""
     if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
@@ -90,14 +126,14 @@ def to_resumable(loader: Any) -> Any:
         persistent_workers=loader.persistent_workers,
         pin_memory_device=loader.pin_memory_device,
     )
+    dataset = WorkerRngDataset(loader.dataset) if loader.num_workers > 0 else loader.dataset
     batches = loader.batch_sampler
     if batches is None:  # automatic batching off
-        return StatefulDataLoader(loader.dataset, batch_size=None, sampler=sampler, **common)
+        return StatefulDataLoader(dataset, batch_size=None, sampler=sampler, **common)
     if type(batches) is BatchSampler and batches.sampler is loader.sampler:  # the loader's own batching
-        return StatefulDataLoader(
-            loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, sampler=sampler, **common
-        )
-    return StatefulDataLoader(loader.dataset, batch_sampler=batches, **common)
+        return StatefulDataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, sampler=sampler,
+                                  **common)
+    return StatefulDataLoader(dataset, batch_sampler=batches, **common)
 
 
 def make_train_loader_resumable(trainer: Any) -> None:

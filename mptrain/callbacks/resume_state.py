@@ -33,7 +33,7 @@ class ResumeState(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self._trainer is None:
             return {}
-        return {"rng": _gather(_rng_state()), "layout": _layout(self._trainer)}
+        return {"rng": _gather(rng_state()), "layout": _layout(self._trainer)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = state_dict
@@ -44,7 +44,7 @@ class ResumeState(Callback):
         saved, self._loaded = self._loaded, None
         _check_layout(saved["layout"], _layout(trainer))
         rngs = saved["rng"]
-        _set_rng_state(rngs[trainer.global_rank % len(rngs)])
+        set_rng_state(rngs[trainer.global_rank % len(rngs)])
 
 
 def _layout(trainer) -> dict[str, int]:
@@ -71,7 +71,8 @@ def _check_layout(saved: dict[str, int], now: dict[str, int]) -> None:
         )
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This process's torch (CPU, and CUDA once initialized), NumPy and Python RNG states, checkpointable."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
@@ -83,7 +84,8 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
     torch.set_rng_state(state["torch"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
