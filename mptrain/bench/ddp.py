@@ -1,13 +1,17 @@
-"""`mptrain bench ddp`: data-parallel scaling of the recipes through ``launch/torchrun.sh``.
+"""`mptrain bench ddp`: data-parallel scaling of the e2e benchmark's models under Lightning's DDP,
+launched by torchrun (``mptrain.bench.ddp_lightning`` is one rank).
 
-For each recipe, the same synthetic-data run (the recipe's per-GPU batch) is launched with 1
-and with N processes; a ``Probe`` callback in every rank times ``steps`` optimizer steps after
-``warmup`` (two ``cuda.synchronize()``), and at the end of fit writes a digest of the rank's
-parameters (and, separately, of its buffers: BatchNorm statistics differ across ranks by design).  Reported: global samples/s for 1 and N GPUs, scaling efficiency
-``rate_N / (N * rate_1)`` (target >= 0.9), and whether every rank ended with identical weights.
+For each model, the same synthetic-data run (the e2e per-GPU batch) is launched with 1 and with
+N processes, under ``mptrain.Trainer`` (default) or a plain ``lightning.Trainer``; a ``Probe``
+callback in every rank times ``steps`` optimizer steps after ``warmup`` (two
+``cuda.synchronize()``), and at the end of fit writes a digest of the rank's parameters (and,
+separately, of its buffers: BatchNorm statistics differ across ranks by design).  Reported:
+global samples/s for 1 and N GPUs, scaling efficiency ``rate_N / (N * rate_1)`` (target >= 0.9),
+and whether every rank ended with identical weights.
 
-    python -m mptrain.bench.ddp --nproc 2 --json ddp.json          # on a 2-GPU machine
-    python -m mptrain.bench.ddp --nproc 2 --cpu --recipes quickstart   # gloo smoke test
+    python -m mptrain.bench.ddp --nproc 2 --json ddp.json                     # 2 GPUs, bf16-master
+    python -m mptrain.bench.ddp --nproc 2 --trainer lightning --precision bf16-mixed
+    python -m mptrain.bench.ddp --nproc 2 --cpu --quick --models bert         # gloo smoke test
 """
 from __future__ import annotations
 
@@ -24,18 +28,13 @@ from pathlib import Path
 
 import torch
 
-try:  # Lightning's Trainer accepts only its Callback subclasses; mptrain's takes any object
-    from lightning.pytorch import Callback as _CallbackBase
-except ImportError:  # pragma: no cover - lightning is a core dependency
-    _CallbackBase = object
+from lightning.pytorch import Callback
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_RECIPES = ("resnet50", "bert_base")
 
 
-class Probe(_CallbackBase):
-    """Trainer callback (the hook names of mptrain and Lightning): step timing and a weights
-    digest per rank.  After the timed steps, optionally:
+class Probe(Callback):
+    """Step timing and a weights digest per rank.  After the timed steps, optionally:
 
     * ``syncs`` steps under ``torch.cuda.set_sync_debug_mode("warn")``: every host-device
       synchronization in them, with the Python stack that caused it (``syncs_rank{r}.txt``).
@@ -146,37 +145,26 @@ class Probe(_CallbackBase):
         Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def launch(recipe: str, nproc: int, out_dir: str, probe: dict, cpu: bool, extra: list[str],
-           lightning: str | None = None) -> dict:
-    """One torchrun launch (mptrain's recipe, or with ``lightning`` a plain Lightning Trainer in
-    that precision on the same model); ``probe`` holds the Probe's arguments but ``out_dir``.
-    Returns the per-rank records and the text reports the probes wrote."""
+def launch(model: str, nproc: int, out_dir: str, probe: dict, args) -> dict:
+    """One torchrun launch of ``nproc`` ranks (``mptrain.bench.ddp_lightning``); ``probe`` holds
+    the Probe's arguments but ``out_dir``.  Returns the per-rank records and the probes' reports."""
     os.makedirs(out_dir, exist_ok=True)
-    total = Probe(out_dir, **probe).total_steps
-    if lightning:
-        if cpu:
-            raise ValueError("--lightning runs on GPUs only")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
-               "-m", "mptrain.bench.ddp_lightning", "--model", recipe, "--precision", lightning, "--out", out_dir,
-               "--probe", json.dumps(probe)]
-    else:
-        init = ", ".join(f"{k}: {v}" for k, v in {"out_dir": out_dir, **probe}.items())
-        cb = f"[{{class_path: mptrain.bench.ddp.Probe, init_args: {{{init}}}}}]"
-        cmd = ["bash", str(ROOT / "launch" / "torchrun.sh"), str(ROOT / "recipes" / f"{recipe}.yaml"), str(nproc),
-               "--data.synthetic=true", f"--trainer.max_steps={total}", "--trainer.max_epochs=-1",
-               "--trainer.logger=none", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
-               f"--trainer.default_root_dir={out_dir}", f"--trainer.callbacks={cb}",
-               *(["--trainer.accelerator=cpu"] if cpu else []), *extra]
-    env = dict(os.environ, PYTHON=sys.executable)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
+           "-m", "mptrain.bench.ddp_lightning", "--trainer", args.trainer, "--model", model,
+           "--precision", args.precision, "--out", out_dir, "--probe", json.dumps(probe),
+           *(["--cpu"] if args.cpu else []), *(["--quick"] if args.quick else [])]
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if args.cpu:  # torchrun gives each rank one OpenMP thread unless told otherwise
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     start = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if r.returncode != 0:
-        raise RuntimeError(f"{recipe} x{nproc} failed (rc={r.returncode}):\n{r.stderr[-3000:]}")
+        raise RuntimeError(f"{model} x{nproc} failed (rc={r.returncode}):\n{r.stderr[-3000:]}")
     records = [json.loads(Path(p).read_text()) for p in sorted(glob.glob(os.path.join(out_dir, "rank*.json")))]
     if len(records) != nproc:
-        raise RuntimeError(f"{recipe} x{nproc}: {len(records)} rank reports, expected {nproc}")
+        raise RuntimeError(f"{model} x{nproc}: {len(records)} rank reports, expected {nproc}")
     r0 = next(rec for rec in records if rec["rank"] == 0)
     rate = nproc * r0["batch"] * r0["steps"] / r0["elapsed_s"]
     reports = {Path(p).name: Path(p).read_text()
@@ -187,11 +175,10 @@ def launch(recipe: str, nproc: int, out_dir: str, probe: dict, cpu: bool, extra:
             "reports": reports}
 
 
-def measure(recipe: str, nproc: int, repeat: int, tmp: str, probe: dict, args) -> dict:
-    """``repeat`` launches of one configuration; the median rate is the result (launches on a
+def measure(model: str, nproc: int, tmp: str, probe: dict, args) -> dict:
+    """``args.repeat`` launches of one configuration; the median rate is the result (launches on a
     shared host vary by several %, more than the effects we look for)."""
-    runs = [launch(recipe, nproc, f"{tmp}/{recipe}-{nproc}-{i}", probe, args.cpu, args.extra, args.lightning)
-            for i in range(repeat)]
+    runs = [launch(model, nproc, f"{tmp}/{model}-{nproc}-{i}", probe, args) for i in range(args.repeat)]
     rates = sorted(r["samples_per_s"] for r in runs)
     median = rates[len(rates) // 2] if len(rates) % 2 else 0.5 * (rates[len(rates) // 2 - 1] + rates[len(rates) // 2])
     return {**runs[0], "samples_per_s": median, "rates": [r["samples_per_s"] for r in runs],
@@ -199,29 +186,42 @@ def measure(recipe: str, nproc: int, repeat: int, tmp: str, probe: dict, args) -
             "identical_buffers": all(r["identical_buffers"] for r in runs)}
 
 
-def main(argv=None) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from mptrain.bench.e2e_models import MODELS
+
     p = argparse.ArgumentParser(prog="mptrain bench ddp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES), help="recipe names under recipes/ (comma list)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--trainer", default="mptrain", choices=("mptrain", "lightning"),
+                   help="mptrain.Trainer, or a plain lightning.Trainer as the baseline")
+    p.add_argument("--precision", default=None, help="default: bf16-master (mptrain), bf16-mixed (lightning)")
     p.add_argument("--nproc", type=int, default=2)
     # DDP samples its runtime statistics (with host syncs) in iterations 1..10: time after them.
     p.add_argument("--warmup", type=int, default=12, help="untimed steps (past DDP's 10 sampled iterations)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeat", type=int, default=1, help="launches per configuration; the median rate is reported")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke test of the path)")
+    p.add_argument("--quick", action="store_true", help="tiny models (with --cpu: a smoke test)")
     p.add_argument("--syncs", type=int, default=0,
                    help="after the timed steps, log every host-device sync of this many steps (with stacks)")
-    p.add_argument("--profile", type=int, default=0,
-                   help="then profile this many steps per rank (torch.profiler summary)")
+    p.add_argument("--profile", type=int, default=0, help="then profile this many steps per rank (torch.profiler)")
     p.add_argument("--profile-mode", default="full", choices=("full", "cuda"),
                    help="cuda: GPU activity only (no host slow-down, true GPU idle time)")
-    p.add_argument("--lightning", default=None, metavar="PRECISION",
-                   help="time a plain lightning.Trainer with its DDP in this precision instead of the recipe")
     p.add_argument("--skip-single", action="store_true",
                    help="only the N-process run (no efficiency; for comparing variants)")
     p.add_argument("--reports-out", default=None, help="copy the sync logs and profile summaries into this folder")
     p.add_argument("--json", default=None)
-    p.add_argument("extra", nargs="*", help="more --key.path=value overrides for every run (after --)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in models if m not in MODELS]
+    if bad or not models:
+        p.error(f"--models: {', '.join(bad) or 'empty'} not valid; choose from {', '.join(MODELS)}")
+    args.models = models
+    args.precision = args.precision or ("bf16-master" if args.trainer == "mptrain" else "bf16-mixed")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if not args.cpu and torch.cuda.device_count() < args.nproc:
         print(f"mptrain bench ddp: needs {args.nproc} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
@@ -229,31 +229,33 @@ def main(argv=None) -> int:
              "profile_mode": args.profile_mode}
     results, ok = {}, True
     with tempfile.TemporaryDirectory() as tmp:
-        for recipe in [r.strip() for r in args.recipes.split(",") if r.strip()]:
+        for model in args.models:
             try:
-                one = None if args.skip_single else measure(recipe, 1, args.repeat, tmp, probe, args)
-                many = measure(recipe, args.nproc, args.repeat, tmp, probe, args)
+                one = None if args.skip_single else measure(model, 1, tmp, probe, args)
+                many = measure(model, args.nproc, tmp, probe, args)
                 eff = None if one is None else many["samples_per_s"] / (args.nproc * one["samples_per_s"])
-                results[recipe] = {"single": one, "multi": many, "scaling_efficiency": eff}
+                results[model] = {"single": one, "multi": many, "scaling_efficiency": eff}
                 ok &= many["identical_weights"]
-                _print_result(recipe, args, one, many, eff)
+                _print_result(model, args, one, many, eff)
                 if args.reports_out:
-                    _copy_reports(args.reports_out, f"{recipe}{'-L' if args.lightning else ''}", (one, many))
-            except Exception as e:  # noqa: BLE001 - report and go on to the next recipe
+                    _copy_reports(args.reports_out, f"{model}-{args.trainer}", (one, many))
+            except Exception as e:  # noqa: BLE001 - report and go on to the next model
                 ok = False
-                results[recipe] = {"error": f"{type(e).__name__}: {e}"}
-                print(f"[ddp] {recipe}: ERROR {e}", flush=True)
+                results[model] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"[ddp] {model}: ERROR {e}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"nproc": args.nproc, "probe": probe, "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"nproc": args.nproc, "trainer": args.trainer,
+                                               "precision": args.precision, "probe": probe, "results": results},
+                                              indent=2))
     return 0 if ok else 1
 
 
-def _print_result(recipe: str, args, one, many, eff) -> None:
-    who = f"lightning {args.lightning}" if args.lightning else "mptrain"
+def _print_result(model: str, args, one, many, eff) -> None:
+    who = f"{args.trainer} {args.precision}"
     rates = lambda r: "/".join(f"{x:.0f}" for x in r["rates"])  # noqa: E731
     single = "" if one is None else f"1 GPU {one['samples_per_s']:.1f}/s ({rates(one)}), "
     effs = "" if eff is None else f" -> efficiency {eff:.3f}"
-    print(f"[ddp] {recipe} ({who} {' '.join(args.extra)}): {single}{args.nproc} GPUs {many['samples_per_s']:.1f}/s "
+    print(f"[ddp] {model} ({who}): {single}{args.nproc} GPUs {many['samples_per_s']:.1f}/s "
           f"({rates(many)}){effs}; identical weights on all ranks: {many['identical_weights']}", flush=True)
 
 

@@ -1,9 +1,10 @@
-"""The baseline of `mptrain bench ddp --lightning`: the same model and per-GPU batch under a plain
-``lightning.Trainer`` with its own DDP, launched by torchrun (one process per GPU).  It shares the
-``Probe`` callback with the mptrain runs, so both are timed and digested the same way.
+"""One rank of `mptrain bench ddp`, started by torchrun: the e2e benchmark's model under
+``mptrain.Trainer`` or a plain ``lightning.Trainer``, both with Lightning's DDP strategy, timed
+and digested by the ``Probe`` callback.  Each rank trains on its own synthetic device batches
+(seeded by rank, as a distributed sampler would shard a dataset).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m mptrain.bench.ddp_lightning \\
-        --model bert_base --precision bf16-mixed --out /tmp/ddp-l
+        --trainer mptrain --model bert --precision bf16-master --out /tmp/ddp
 """
 from __future__ import annotations
 
@@ -14,36 +15,55 @@ import sys
 
 import torch
 
+TRAINERS = ("mptrain", "lightning")
 
-def main(argv=None) -> int:
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from mptrain.bench.e2e_models import MODELS
+
     p = argparse.ArgumentParser(prog="mptrain.bench.ddp_lightning", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, choices=("resnet50", "bert_base"))
-    p.add_argument("--precision", default="bf16-mixed")
-    p.add_argument("--batch", type=int, default=None, help="per-GPU batch (default: the recipe's)")
+    p.add_argument("--trainer", required=True, choices=TRAINERS)
+    p.add_argument("--model", required=True, choices=MODELS)
+    p.add_argument("--precision", required=True)
+    p.add_argument("--batch", type=int, default=None, help="per-rank batch (default: the e2e benchmark's)")
     p.add_argument("--probe", default="{}", help="the Probe's arguments but out_dir, as JSON")
     p.add_argument("--out", required=True)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    p.add_argument("--quick", action="store_true", help="tiny models (CPU smoke tests)")
+    p.add_argument("--cpu", action="store_true", help="gloo on the CPU")
+    return p.parse_args(argv)
 
-    import lightning as L
 
+def build_trainer(args: argparse.Namespace, probe, total: int):
+    world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    common = dict(accelerator="cpu" if args.cpu else "cuda", devices=world, num_nodes=1,
+                  strategy="ddp" if world > 1 else "auto", max_steps=total, max_epochs=1, logger=False,
+                  enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                  limit_val_batches=0, num_sanity_val_steps=0, benchmark=not args.cpu, callbacks=[probe])
+    if args.trainer == "lightning":
+        import lightning as L
+
+        return L.Trainer(precision=args.precision, **common)
+    from mptrain import Trainer
+
+    return Trainer(precision=args.precision, channels_last=args.model == "resnet50" and not args.cpu, **common)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     from mptrain.bench.ddp import Probe
-    from mptrain.bench.e2e import DEFAULT_BATCH, build
+    from mptrain.bench.e2e import optimizer_factory
+    from mptrain.bench.e2e_models import build, use_optimizer
 
-    batch = args.batch or DEFAULT_BATCH[args.model]
-    model, loader = build(args.model, batch, 128)
-    if args.model == "resnet50":
-        model = model.to(memory_format=torch.channels_last)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     probe = Probe(args.out, **json.loads(args.probe))
     total = probe.total_steps
-    trainer = L.Trainer(precision=args.precision, accelerator="cuda", devices=world,
-                        strategy="ddp" if world > 1 else "auto", max_steps=total, logger=False,
-                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, benchmark=True, log_every_n_steps=total + 1,
-                        use_distributed_sampler=False,  # the synthetic loader shards by rank itself
-                        # no clipping: Lightning refuses it with a fused optimizer under AMP
-                        callbacks=[probe])
-    trainer.fit(model, train_dataloaders=loader)
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = "cpu" if args.cpu else f"cuda:{local_rank}"
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    module, batches, _ = build(args.model, total, device, args.quick, args.batch, seed=rank)
+    use_optimizer(module, optimizer_factory("mptrain" if args.trainer == "mptrain" else "torch-fused"))
+    if args.trainer == "lightning" and args.model == "resnet50" and not args.cpu:
+        module = module.to(memory_format=torch.channels_last)
+    build_trainer(args, probe, total).fit(module, train_dataloaders=batches)
     return 0
 
 

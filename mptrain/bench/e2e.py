@@ -125,7 +125,8 @@ class StepTimer(L.Callback):
             self._catcher = None
 
 
-def _optimizer(kind: str):
+def optimizer_factory(kind: str):
+    """AdamW as each case steps it: torch's fused kernel, or mptrain's FusedAdamW (optionally owning fp32 masters)."""
     if kind == "torch-fused":
         return lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
     from mptrain.optim import FusedAdamW
@@ -158,7 +159,7 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
     _fresh_memory()
     start = time.perf_counter()
     try:
-        use_optimizer(module, _optimizer(spec.optimizer))
+        use_optimizer(module, optimizer_factory(spec.optimizer))
         if spec.trainer == "lightning":
             module = module.to(memory_format=torch.channels_last) if model == "resnet50" else module
             module = compile_lightning_module(module, **_compile_kwargs(quick)) if spec.compile else module
