@@ -1,6 +1,8 @@
-"""The CLI: subcommands, config checking before anything is built, print_config, overrides."""
+"""``mptrain`` on LightningCLI: every config mistake is one line, exit 2, no traceback and no
+file created; a class_path of the wrong kind never runs; LightningCLI's own features work."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -8,135 +10,178 @@ from pathlib import Path
 
 import pytest
 
-from mptrain import PRECISIONS, cli
+from mptrain.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
+QUICK = str(ROOT / "recipes" / "quickstart.yaml")
+TINY = ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false"]
 
 
 @pytest.fixture
-def nothing_built(monkeypatch):
-    """Fail the test if the CLI gets as far as instantiating a model or data module."""
-    def boom(*a, **k):
-        raise AssertionError("a model or data module was built despite a bad config")
-
-    monkeypatch.setattr(cli, "_instantiate", boom)
-
-
-def test_help_lists_subcommands(capsys):
-    assert cli.main(["--help"]) == 0
-    out = capsys.readouterr().out
-    for name in ("fit", "validate", "bench", "doctor", "numerics"):
-        assert f"  {name}" in out
+def workdir(tmp_path, monkeypatch):
+    """An empty current directory: recipes write under ./runs, so any created file shows."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    return tmp_path
 
 
-def test_python_dash_m_is_the_same_program():
-    r = subprocess.run([sys.executable, "-m", "mptrain", "--help"], capture_output=True, text=True, env=_env(), timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "fit" in r.stdout and "numerics" in r.stdout
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
-def test_unknown_subcommand_fails(capsys):
-    assert cli.main(["train"]) == 2
-    assert "valid: fit, validate, bench, doctor, numerics" in capsys.readouterr().err
+def files_under(path: Path) -> set[str]:
+    return {str(p.relative_to(path)) for p in path.rglob("*")}
 
 
-def test_bench_dispatch_rejects_unknown_benchmark(capsys):
-    assert cli.main(["bench", "nosuch"]) == 2
-    assert "gemm, kernels, e2e, ddp" in capsys.readouterr().err
+def assert_config_error(capsys, workdir, argv, *expected: str) -> str:
+    before = files_under(workdir)
+    rc, out, err = run(capsys, *argv)
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("Seed set")]
+    assert rc == 2, (out, err)
+    assert len(lines) == 1 and lines[0].startswith("mptrain"), err
+    assert "Traceback" not in out + err
+    for text in expected:
+        assert text in lines[0], lines[0]
+    assert files_under(workdir) == before, files_under(workdir) - before
+    return lines[0]
 
 
-def test_bench_dispatch_calls_the_module(monkeypatch):
-    seen = {}
-    import mptrain.bench.e2e as e2e
-
-    monkeypatch.setattr(e2e, "main", lambda argv: seen.setdefault("argv", argv) and 0)
-    assert cli.main(["bench", "e2e", "--steps", "3"]) == 0
-    assert seen["argv"] == ["--steps", "3"]
-
-
-@pytest.mark.parametrize("override, must_contain", [
-    ("--trainer.precision=bf17-mixed", ["'trainer.precision'", "'bf17-mixed'", *PRECISIONS]),
-    ("--trainer.max_step=2", ["'trainer.max_step'", "2", "Did you mean 'max_steps'", "max_epochs"]),
-    ("--trainer.logger=mlflow", ["'trainer.logger'", "'mlflow'", "csv", "tensorboard", "wandb", "none"]),
-    ("--trainer.accelerator=gpux", ["'trainer.accelerator'", "'gpux'", "cpu", "cuda"]),
-    ("--model.hiden=3", ["'model.init_args.hiden'", "3", "num_classes"]),
-    ("--model.optimizer=adam", ["'model.init_args.optimizer'", "'adam'", "sgd", "adamw"]),
-    ("--data.batch_size=x", ["'data.init_args.batch_size'", "'x'", "int"]),
-    ("--trainer.max_steps=abc", ["'trainer.max_steps'", "'abc'", "int"]),
-    ("--trainerx.foo=1", ["'trainerx'", "trainer", "model", "data"]),
-    ("--model=NoSuchModel", ["model.class_path", "NoSuchModel", "ImageClassifier"]),
-])
-def test_bad_key_or_value_exits_before_building(override, must_contain, capsys, nothing_built):
-    rc = cli.main(["fit", "--config", QUICKSTART, override])
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    for text in must_contain:
-        assert text in err, f"{text!r} missing from: {err}"
+MISTAKES = {
+    "max_steps": (["--trainer.max_steps=-5"], "trainer.max_steps", "-5", ">= 0"),
+    "max_epochs_forever": (["--trainer.max_epochs=-1", "--trainer.max_steps=-1"], "trainer.max_epochs=-1", "max_steps"),
+    "accumulate": (["--trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", ">= 1"),
+    "clip": (["--trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val", ">= 0"),
+    "batch_size": (["--data.batch_size=0"], "data.batch_size", ">= 1"),
+    "lr": (["--model.lr=-1"], "model.lr", "> 0"),
+    "arch": (["--model.arch=digits_cnnn"], "digits_cnnn", "digits_cnn", "resnet50"),
+    "scaler_key": (["--trainer.loss_scaler={init_scal: 2}"], "init_scal", "init_scale"),
+    "scaler_value": (["--trainer.loss_scaler={init_scale: -2}"], "init_scale=-2", "> 0"),
+    "fallback_op": (["--trainer.fp32_fallback=[softmaxx]"], "softmaxx", "softmax"),
+    "precision": (["--trainer.precision=bf16-mastr"], "bf16-mastr", "bf16-master"),
+    "unknown_trainer_key": (["--trainer.max_stepz=3"], "trainer.max_stepz", "Did you mean 'max_steps'"),
+    "unknown_model_key": (["--model.lrr=3"], "model.lrr", "Did you mean 'lr'"),
+    "unknown_top_key": (["--max_steps=3"], "max_steps"),
+    "ckpt_missing": (["--ckpt_path=missing.ckpt"], "missing.ckpt", "does not exist"),
+}
 
 
-def test_bad_key_in_a_recipe_file(tmp_path, capsys, nothing_built):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(Path(QUICKSTART).read_text().replace("max_epochs: 8", "max_epoch: 8"))
-    assert cli.main(["fit", "--config", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert "'trainer.max_epoch'" in err and "max_epochs" in err
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_config_mistake_is_one_line_exit_2_and_creates_nothing(case, workdir, capsys):
+    argv, *expected = MISTAKES[case]
+    assert_config_error(capsys, workdir, ["fit", "--config", QUICK, *TINY, *argv], *expected)
 
 
-def test_bad_value_fails_the_console_script_with_nonzero_status():
-    r = subprocess.run([sys.executable, "-m", "mptrain", "fit", "--config", QUICKSTART, "--trainer.precision=fp8"],
-                       capture_output=True, text=True, env=_env(), timeout=120)
-    assert r.returncode == 2
-    assert "trainer.precision" in r.stderr and "'fp8'" in r.stderr and "bf16-master" in r.stderr
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU machine")
+def test_gpu_accelerator_without_a_gpu(workdir, capsys):
+    assert_config_error(capsys, workdir, ["fit", "--config", QUICK, "--trainer.accelerator=gpu"],
+                        "trainer.accelerator", "'gpu'", "cpu")
 
 
-def test_print_config_applies_overrides(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["fit", "--config", QUICKSTART, "--trainer.precision=32-true", "--data.batch_size=7", "--print_config"])
-    assert e.value.code in (0, None)
-    out = capsys.readouterr().out
-    assert "precision: 32-true" in out and "batch_size: 7" in out and "class_path: mptrain.models.ImageClassifier" in out
+def test_missing_ckpt_path_for_validate(workdir, capsys):
+    assert_config_error(capsys, workdir, ["validate", "--config", QUICK, "--ckpt_path=nope/last.ckpt"],
+                        "validate --ckpt_path='nope/last.ckpt'", "does not exist")
 
 
-def test_merge_raw_config_maps_short_overrides_to_init_args(tmp_path):
-    raw = cli.merge_raw_config(["--config", QUICKSTART, "--model.lr=0.5", "--trainer.max_steps", "3",
-                                "--data=mptrain.data.DigitsDataModule"])
-    assert raw["model"]["init_args"]["lr"] == 0.5
-    assert raw["trainer"]["max_steps"] == 3
-    assert raw["data"]["class_path"] == "mptrain.data.DigitsDataModule"
+RECIPE_FILES = {
+    "tabs": (b"trainer:\n\tmax_steps: 2\n", "line 2", "tab"),
+    "syntax": (b"trainer: {max_steps: 2\nmodel: [\n", "YAML syntax error", "line"),
+    "binary": (bytes(range(256)) * 4, "binary content"),
+    "python_tag": (b"trainer:\n  callbacks: !!python/object/apply:os.system ['touch FLAG']\n", "line 2", "Python tag"),
+    "not_a_mapping": (b"- 1\n- 2\n", "YAML mapping"),
+}
 
 
-def test_ckpt_auto_starts_fresh_without_a_checkpoint(tmp_path):
-    # --ckpt_path is passed to Trainer.fit as is; "auto" is resolved by the checkpoint module.
-    from mptrain.checkpoint import resolve_ckpt_path
-
-    ckpt_dir = tmp_path / "checkpoints"
-    assert resolve_ckpt_path("auto", ckpt_dir) is None
-    ckpt_dir.mkdir()
-    (ckpt_dir / "last.ckpt").write_bytes(b"x")
-    assert str(resolve_ckpt_path("auto", ckpt_dir)).endswith("last.ckpt")
-    assert resolve_ckpt_path("last", ckpt_dir) == ckpt_dir / "last.ckpt"
+@pytest.mark.parametrize("case", list(RECIPE_FILES))
+def test_bad_recipe_file_is_one_line(case, workdir, capsys):
+    content, *expected = RECIPE_FILES[case]
+    path = workdir / f"{case}.yaml"
+    path.write_bytes(content)
+    assert_config_error(capsys, workdir, ["fit", "--config", str(path)], f"{case}.yaml", *expected)
+    assert not (workdir / "FLAG").exists()
 
 
-def test_jsonargparse_is_not_imported_by_mptrain():
-    code = "import sys, mptrain, mptrain.cli, mptrain.bench.e2e; print('jsonargparse' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "False"
+def test_missing_recipe_file(workdir, capsys):
+    assert_config_error(capsys, workdir, ["fit", "--config", "nowhere.yaml"], "nowhere.yaml", "cannot read")
 
 
-def test_runs_a_recipe_without_jsonargparse(tmp_path, monkeypatch, capsys):
-    """The GPU machine has no jsonargparse: recipes still run (names and choices still checked)."""
-    monkeypatch.setattr(cli, "_has_jsonargparse", lambda: False)
-    assert cli.main(["fit", "--config", QUICKSTART, "--trainer.precision=bf17"]) == 2
-    rc = cli.main(["fit", "--config", QUICKSTART, "--data.synthetic=true", "--data.batch_size=2",
-                   "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}"])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err
-    assert '"global_step": 2' in captured.out and "without type coercion" in captured.err
+CODE_FROM_YAML = {
+    "function": "{class_path: os.system, init_args: {command: 'touch FLAG'}}",
+    "non_callback_class": "{class_path: subprocess.Popen, init_args: {args: [touch, FLAG]}}",
+}
+
+
+@pytest.mark.parametrize("case", list(CODE_FROM_YAML))
+def test_class_path_of_the_wrong_kind_never_runs(case, workdir, capsys):
+    recipe = workdir / "evil.yaml"
+    recipe.write_text(Path(QUICK).read_text() + f"\n# appended\n")
+    evil = workdir / "evil_override.yaml"
+    evil.write_text(f"trainer:\n  callbacks:\n  - {CODE_FROM_YAML[case]}\n")
+    line = assert_config_error(capsys, workdir, ["fit", "--config", str(recipe), "--config", str(evil), *TINY],
+                               "trainer.callbacks[0].class_path", "refused", "Callback")
+    assert not (workdir / "FLAG").exists(), line
+
+
+def test_class_path_of_the_wrong_kind_for_the_logger_and_model(workdir, capsys):
+    assert_config_error(capsys, workdir, ["fit", "--config", QUICK, "--trainer.logger={class_path: subprocess.Popen, "
+                                          "init_args: {args: [touch, FLAG]}}"], "trainer.logger", "subprocess.Popen")
+    assert not (workdir / "FLAG").exists()
+
+
+def test_tiny_fit_writes_into_its_own_version_dir(workdir, capsys):
+    dirs = []
+    for _ in range(2):
+        rc, out, err = run(capsys, "fit", "--config", QUICK, *TINY, "--trainer.log_every_n_steps=1")
+        assert rc == 0, err[-3000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["subcommand"] == "fit" and result["global_step"] == 2
+        log_dir = Path(result["log_dir"])
+        assert (log_dir / "config.yaml").is_file() and (log_dir / "metrics.csv").is_file()
+        dirs.append(log_dir)
+    assert dirs[0] != dirs[1] and dirs[0].parent == dirs[1].parent  # version_0, version_1: nothing overwritten
+
+
+def test_tensorboard_files_land_in_the_printed_log_dir(workdir, capsys):
+    rc, out, err = run(capsys, "fit", "--config", QUICK, *TINY, "--trainer.log_every_n_steps=1",
+                       "--trainer.logger={class_path: lightning.pytorch.loggers.TensorBoardLogger, "
+                       "init_args: {save_dir: tb}}")
+    assert rc == 0, err[-3000:]
+    log_dir = Path(json.loads(out.strip().splitlines()[-1])["log_dir"])
+    assert log_dir.resolve().is_relative_to((workdir / "tb").resolve())
+    assert list(log_dir.glob("events.out.tfevents.*")), sorted(files_under(workdir))
+
+
+def test_help_print_config_model_help_and_class_switch(workdir, capsys):
+    rc, out, _ = run(capsys, "--help")
+    assert rc == 0 and all(c in out for c in ("fit", "validate", "test", "predict", "doctor", "numerics", "bench"))
+    rc, out, _ = run(capsys, "fit", "--help")
+    assert rc == 0 and "--trainer.precision" in out and "--trainer.fp32_finetune_epochs" in out
+    rc, out, _ = run(capsys, "fit", "--config", QUICK, "--model.help", "mptrain.models.ImageClassifier")
+    assert rc == 0 and "--model.lr" in out and "--model.arch" in out
+    rc, out, _ = run(capsys, "fit", "--config", QUICK, "--trainer.max_steps=7", "--print_config")
+    assert rc == 0 and "max_steps: 7" in out and "class_path: mptrain.models.ImageClassifier" in out
+    rc, out, err = run(capsys, "fit", "--config", QUICK, "--model=mptrain.models.LSTMLanguageModel",
+                       "--model.vocab_size=50", "--print_config")
+    assert rc == 0, err
+    assert "class_path: mptrain.models.LSTMLanguageModel" in out and "arch:" not in out
+    assert files_under(workdir) == set()
+
+
+def test_tools_share_the_flag_style(workdir, capsys):
+    rc, out, _ = run(capsys, "numerics", "--help")
+    assert rc == 0 and "--max_samples" in out and "--config" in out
+    rc, out, _ = run(capsys, "doctor", "--help")
+    assert rc == 0 and "--json" in out
+    line = assert_config_error(capsys, workdir, ["numerics", "--config", QUICK, "--max_sampels=3"], "max_sampels")
+    assert "max_samples" in line
+    assert_config_error(capsys, workdir, ["bench", "nope"], "nope", "gemm")
+
+
+def test_python_dash_m_is_the_same_program(workdir):
+    r = subprocess.run([sys.executable, "-m", "mptrain", "fit", "--config", QUICK, "--trainer.max_steps=-5"],
+                       capture_output=True, text=True, cwd=workdir, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("mptrain fit: error: invalid value for 'trainer.max_steps'")

@@ -13,6 +13,7 @@ one line and exit 2 before anything is created:
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
@@ -74,15 +75,7 @@ class MptrainCLI(LightningCLI):
         """Group -> its keys in the chosen subcommand's parser (for did-you-mean)."""
         sub = next((a for a in (args or []) if a in self.subcommands()), None)
         parser = self._subcommand_parsers.get(sub) if sub else None
-        if parser is None:
-            return {"": list(self.subcommands())}
-        keys: dict[str, list[str]] = {"": []}
-        for action in parser._actions:
-            dest = getattr(action, "dest", "")
-            group, _, name = dest.partition(".")
-            if not dest.endswith(".help"):
-                keys.setdefault(group if name else "", []).append(name or group)
-        return keys
+        return parser_keys(parser) if parser is not None else {"": list(self.subcommands())}
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -93,11 +86,31 @@ class MptrainCLI(LightningCLI):
         check_trainer_values(plain.get("trainer") or {})
         check_ckpt_path(plain.get("ckpt_path"), self.subcommand or "")
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's run, then one machine-readable line: step, log dir, the run's metrics."""
+        super()._run_subcommand(subcommand)
+        trainer = self.trainer
+        if trainer.is_global_zero:
+            metrics = {k: round(float(v), 6) for k, v in sorted(trainer.callback_metrics.items()) if v.numel() == 1}
+            print(json.dumps({"subcommand": subcommand, "global_step": trainer.global_step, "log_dir": trainer.log_dir,
+                              "metrics": metrics}), flush=True)
+
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
         except CONSTRUCTION_ERRORS as e:
             raise ConfigError(one_line(innermost_error(str(e)))) from None
+
+
+def parser_keys(parser) -> dict[str, list[str]]:
+    """Group ("" for top-level keys) -> the keys a jsonargparse parser accepts."""
+    keys: dict[str, list[str]] = {"": []}
+    for action in parser._actions:
+        dest = getattr(action, "dest", "")
+        group, _, name = dest.partition(".")
+        if dest and not dest.endswith(".help") and dest != "help":
+            keys.setdefault(group if name else "", []).append(name or group)
+    return keys
 
 
 def _vocab_size(data: Any) -> Any:

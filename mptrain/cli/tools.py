@@ -41,7 +41,9 @@ def run_tool(name: str, argv: list[str]) -> int:
     except Exception as e:  # jsonargparse's ArgumentError (exit_on_error=False)
         if type(e).__name__ != "ArgumentError":
             raise
-        raise ConfigError(explain_parse_error(str(e))) from None
+        from mptrain.cli.lightning_cli import parser_keys
+
+        raise ConfigError(explain_parse_error(str(e), parser_keys(tool_parser(name)))) from None
 
 
 def _bench(argv: list[str]) -> int:

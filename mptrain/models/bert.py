@@ -100,7 +100,9 @@ class BertMLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss_sum, _, _, count = self(batch)
-        return loss_sum / count.clamp_min(1)
+        loss = loss_sum / count.clamp_min(1)
+        self.log("train/loss", loss.detach(), prog_bar=True)
+        return loss
 
     def validation_step(self, batch, batch_idx):
         loss_sum, logits, target, count = self(batch)

@@ -56,6 +56,7 @@ class ImageClassifier(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss, _, _ = self._loss(batch)
+        self.log("train/loss", loss.detach(), prog_bar=True)
         return loss
 
     def validation_step(self, batch, batch_idx):

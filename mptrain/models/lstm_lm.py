@@ -73,7 +73,9 @@ class LSTMLanguageModel(L.LightningModule):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction=reduction)
 
     def training_step(self, batch, batch_idx):
-        return self._loss(batch)
+        loss = self._loss(batch)
+        self.log("train/loss", loss.detach(), prog_bar=True)
+        return loss
 
     def validation_step(self, batch, batch_idx):
         loss_sum = self._loss(batch, "sum").detach()
