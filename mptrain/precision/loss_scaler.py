@@ -107,9 +107,18 @@ class DynamicLossScaler:
         raise TypeError(f"loss_scaler must be None, a DynamicLossScaler or a dict of its arguments, got {type(spec).__name__}")
 
     # -- device state ----------------------------------------------------
+    _STATE = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_consecutive_skips", "_total_skips")
+
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled in a spawned process (ddp_spawn): torch shares pickled CPU tensors through shared
+        # memory, which would make every rank update the same scale. Each rank gets its own copy.
+        self.__dict__.update(state)
+        for name in self._STATE:
+            setattr(self, name, getattr(self, name).clone())
+
     def to(self, device: torch.device | str) -> "DynamicLossScaler":
         device = torch.device(device)
-        for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_consecutive_skips", "_total_skips"):
+        for name in self._STATE:
             setattr(self, name, getattr(self, name).to(device))
         return self
 

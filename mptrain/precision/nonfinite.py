@@ -49,6 +49,12 @@ class NonFiniteGuard:
         if skips >= self.max_consecutive_skips:
             raise NonFiniteError(describe(skips))
 
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled in a spawned process (ddp_spawn): torch shares pickled CPU tensors through shared
+        # memory, which would make every rank count into the same counters. Each gets its own.
+        self.__dict__.update(state)
+        self.consecutive, self.total = self.consecutive.clone(), self.total.clone()
+
     def state_dict(self) -> dict:
         return {"consecutive": self.consecutive.detach().cpu().clone(), "total": self.total.detach().cpu().clone(),
                 "max_consecutive_skips": self.max_consecutive_skips, "steps": self.steps}
