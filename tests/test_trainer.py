@@ -225,3 +225,10 @@ def test_channels_last_converts_module_and_4d_inputs():
     trainer.fit(model, _loader(image_data(n=32), 8))
     assert model.net[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert all(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() for x in model.inputs)
+
+
+@pytest.mark.parametrize("limits", [dict(max_epochs=-1, max_steps=5), dict(max_epochs=3)])
+def test_an_empty_train_loader_is_an_error_not_zero_steps(limits):
+    loader = torch.utils.data.DataLoader(classification_data(n=4), batch_size=8, drop_last=True)
+    with pytest.raises(ValueError, match="yields no batch.*4 samples, batch_size=8, drop_last=True"):
+        quiet_trainer(**limits).fit(Classifier(mlp()), loader)

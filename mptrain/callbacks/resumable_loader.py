@@ -140,7 +140,8 @@ def make_train_loader_resumable(trainer: Any) -> None:
     """Convert the train loader right after Lightning prepares it (sampler injection included).
 
     Lightning has no public hook between preparing a loader and iterating it, so this wraps the
-    trainer's data connector method that does the preparing; other stages are left alone.
+    trainer's data connector method that does the preparing; other stages are left alone.  An
+    empty train loader is refused here: Lightning would return from ``fit`` after 0 steps.
     """
     from lightning.pytorch.trainer.states import RunningStage
 
@@ -149,6 +150,24 @@ def make_train_loader_resumable(trainer: Any) -> None:
 
     def prepare_resumable(dataloader: Any, shuffle: bool, mode: RunningStage) -> Any:
         prepared = prepare(dataloader, shuffle=shuffle, mode=mode)
-        return to_resumable(prepared) if mode == RunningStage.TRAINING else prepared
+        if mode != RunningStage.TRAINING:
+            return prepared
+        _check_not_empty(prepared)
+        return to_resumable(prepared)
 
     connector._prepare_dataloader = prepare_resumable
+
+
+def _check_not_empty(loader: Any) -> None:
+    try:
+        batches = len(loader)
+    except TypeError:  # an iterable without a length: its end is its own business
+        return
+    if batches == 0:
+        dataset = getattr(loader, "dataset", None)
+        samples = len(dataset) if hasattr(dataset, "__len__") else "?"
+        raise ValueError(
+            f"the train dataloader yields no batch (dataset of {samples} samples, batch_size="
+            f"{getattr(loader, 'batch_size', '?')}, drop_last={getattr(loader, 'drop_last', '?')}): fit would train "
+            f"0 steps. Give it data, a smaller batch_size or drop_last=False; limit_train_batches=0 skips training."
+        )

@@ -18,6 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from mptrain.checkpoint import CheckpointError
 
 
 class ResumeState(Callback):
@@ -40,8 +43,14 @@ class ResumeState(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if not self._loaded:
+            if trainer.ckpt_path is not None:
+                rank_zero_warn(f"checkpoint {trainer.ckpt_path!r} holds no ResumeState (not written by mptrain's "
+                               f"Trainer): the RNG is not restored, so this run will not repeat the original one")
             return
         saved, self._loaded = self._loaded, None
+        if not isinstance(saved.get("rng"), list) or not saved["rng"] or not isinstance(saved.get("layout"), dict):
+            raise CheckpointError(f"checkpoint {trainer.ckpt_path!r}: its ResumeState entry is damaged (keys "
+                                  f"{sorted(saved)}; expected a non-empty 'rng' list and a 'layout' dict)")
         _check_layout(saved["layout"], _layout(trainer))
         rngs = saved["rng"]
         set_rng_state(rngs[trainer.global_rank % len(rngs)])

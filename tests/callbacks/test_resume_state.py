@@ -79,3 +79,21 @@ def test_mid_epoch_resume_with_another_epoch_layout_is_refused(tmp_path, change,
     _fit(tmp_path, SAVE_AT)
     with pytest.raises(ValueError, match=f"cannot resume mid-epoch.*{message}"):
         _fit(tmp_path, STEPS, ckpt_path="last", **change)
+
+
+def test_a_damaged_resume_entry_is_a_checkpoint_error(tmp_path):
+    from mptrain import CheckpointError
+
+    _fit(tmp_path, SAVE_AT)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    state = torch.load(last, weights_only=True)
+    state["callbacks"]["ResumeState"] = {"layout": {}}
+    torch.save(state, last)
+    with pytest.raises(CheckpointError, match="last.ckpt.*ResumeState entry is damaged"):
+        _fit(tmp_path, STEPS, ckpt_path="last")
+
+
+def test_a_checkpoint_without_resume_state_warns(tmp_path):
+    _fit(tmp_path, SAVE_AT, trainer_cls=L.Trainer)
+    with pytest.warns(UserWarning, match="holds no ResumeState"):
+        _fit(tmp_path, SAVE_AT + 1, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
