@@ -108,7 +108,8 @@ def check_trainer(trainer, pl_module, plugin) -> None:
         raise _refuse(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}"
                       f"{', a GradientAccumulationScheduler' if accumulation else ''}) is not supported: the captured "
                       "backward writes the gradients of one batch", "Use a larger batch instead")
-    for cls, arg in ((Fp32Finetune, "fp32_finetune_epochs/fp32_finetune_steps"), (AutoFp32Fallback, "auto_fp32_fallback")):
+    for cls, arg in ((Fp32Finetune, "fp32_finetune_epochs/fp32_finetune_steps"),
+                     (AutoFp32Fallback, "auto_fp32_fallback")):
         if any(isinstance(c, cls) for c in trainer.callbacks):
             raise _refuse(f"{arg} ({cls.__name__}) changes parameter dtypes during the run, which the captured "
                           "graphs cannot follow", f"Leave {arg} unset")
@@ -134,6 +135,11 @@ def check_optimizers(optimizers: list) -> None:
     if len(optimizers) != 1:
         raise _refuse(f"it graphs the step of one optimizer, got {len(optimizers)}", "Return one optimizer")
     opt = optimizers[0]
+    hooks = [getattr(h, "__qualname__", repr(h)) for kind in ("pre", "post")
+             for h in getattr(opt, f"_optimizer_step_{kind}_hooks", {}).values()]
+    if hooks:
+        raise _refuse(f"{type(opt).__name__} has step hooks ({', '.join(hooks)}), which would run once, at capture",
+                      "Remove the optimizer's step hooks")
     if is_mptrain_fused(opt):
         return
     fused = accepts_device_found_inf(opt)

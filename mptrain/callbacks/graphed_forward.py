@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from mptrain.callbacks.graph_safety import refuse_logging, refuse_module_hooks
 from mptrain.precision.graph_capture import CudaGraphError, capture
 
 _FIX = ("forward must be a function of its tensor inputs and the parameters: do host reads and logging in "
@@ -107,7 +108,7 @@ class GraphedForward:
 
     # -- capture and replay ---------------------------------------------------------
     def _capture_forward(self, leaves: list, spec: Any) -> None:
-        _refuse_hooks(self.module)
+        refuse_module_hooks(self.module)
         for (path, m) in self.signature[1]:
             if m[0] == "tensor" and (m[3] or m[2].type != "cuda"):
                 raise CudaGraphError(f"cuda_graphs=True: forward input {path} is {_show(m)}; graphed inputs must be "
@@ -116,7 +117,7 @@ class GraphedForward:
         args, kwargs = tree_unflatten([s if s is not None else x for s, x in zip(self.static_in, leaves)], spec)
         self.pool = torch.cuda.graph_pool_handle()
         self.fwd = torch.cuda.CUDAGraph()
-        with _no_logging(self.module), capture(self.fwd, self.pool, "the training forward", _FIX):
+        with refuse_logging(self.module), capture(self.fwd, self.pool, "the training forward", _FIX):
             out = self.eager(*args, **kwargs)
         self.static_out, self.out_spec = tree_flatten(out)
         for o in self.static_out:
@@ -128,10 +129,11 @@ class GraphedForward:
         self.anchor = torch.zeros((), device=torch.device("cuda", torch.cuda.current_device()), requires_grad=True)
 
     def _outputs(self) -> Any:
-        outs = [o.detach().clone() if isinstance(o, torch.Tensor) else o for o in self.static_out]
-        if self.diff:
+        outs = list(self.static_out)
+        if self.diff:  # copied by _Backward, which replays the backward graph
             for i, t in zip(self.diff, _Backward.apply(self, self.anchor)):
                 outs[i] = t
+        outs = [o.detach().clone() if isinstance(o, torch.Tensor) and not o.requires_grad else o for o in outs]
         return tree_unflatten(outs, self.out_spec)
 
     def backward(self, grads: tuple) -> None:
@@ -190,7 +192,9 @@ class _Backward(torch.autograd.Function):
 def _meta(x: Any) -> tuple:
     if isinstance(x, torch.Tensor):
         return ("tensor", tuple(x.shape), x.device, x.requires_grad, x.dtype)
-    return ("value" if isinstance(x, _CONSTANT) else "object", type(x).__name__, x if isinstance(x, _CONSTANT) else id(x))
+    if isinstance(x, _CONSTANT):
+        return ("value", type(x).__name__, x)
+    return ("object", type(x).__name__, id(x))
 
 
 def _show(meta: tuple) -> str:
@@ -203,34 +207,3 @@ def _outside(name: str) -> str:
     return (f"cuda_graphs=True: parameter {name!r} got a gradient outside the graphed forward before the graphed "
             "backward wrote its own (it is also used in training_step or a hook); use it only inside forward, or "
             "train with cuda_graphs=False")
-
-
-def _refuse_hooks(module: torch.nn.Module) -> None:
-    """Module hooks run once, at capture: only mptrain's own (device-only by design) may be graphed."""
-    from torch.nn.modules import module as torch_module
-
-    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    sources = [(f"torch has a global {k[1:-1].replace('_', ' ')}", getattr(torch_module, f"_global{k}", {}))
-               for k in kinds]
-    sources += [(f"module {name or '<root>'!r} has a {k[1:-1].replace('_', ' ')}", getattr(m, k))
-                for name, m in module.named_modules() for k in kinds]
-    for where, hooks in sources:
-        for hook in hooks.values():
-            fn = getattr(hook, "func", hook)
-            if not getattr(fn, "__module__", "").startswith("mptrain."):
-                raise CudaGraphError(f"cuda_graphs=True: {where} ({getattr(fn, '__qualname__', fn)}); module hooks "
-                                     "would run once, at capture, not every step. Remove the hook or use "
-                                     "cuda_graphs=False")
-
-
-@contextlib.contextmanager
-def _no_logging(module: torch.nn.Module):
-    """``self.log`` inside a captured forward would log once, at capture: refuse it."""
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise CudaGraphError("cuda_graphs=True: forward calls self.log, which would log only at capture; log "
-                             "in training_step instead")
-    module.log = module.log_dict = refuse
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict

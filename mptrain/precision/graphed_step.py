@@ -46,6 +46,7 @@ class GraphedStep:
         self.warmup_steps = warmup_steps
         self.around_closure: Callable[[bool], Any] = lambda capture: contextlib.nullcontext()
         self.steps = 0  # optimizer_step calls so far
+        self.stepped = 0  # eager optimizer steps taken: the optimizer state exists before its step is captured
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.prepare: Optional[torch.cuda.CUDAGraph] = None
         self.update: Optional[torch.cuda.CUDAGraph] = None
@@ -74,7 +75,7 @@ class GraphedStep:
         elif optimizer is not self.optimizer:
             raise CudaGraphError("cuda_graphs=True graphs the step of one optimizer; the run stepped "
                                  f"{type(self.optimizer).__name__} and now {type(optimizer).__name__}")
-        capture_now = not self.captured and self.steps >= self.warmup_steps
+        capture_now = not self.captured and self.steps >= self.warmup_steps and self.stepped > 0
         with self.around_closure(capture_now or self.captured):
             result = closure()
         self.steps += 1
@@ -89,6 +90,7 @@ class GraphedStep:
             plugin._prepare(optimizer)
             plugin._after_closure(model, optimizer)
             plugin._step(optimizer)
+            self.stepped += 1
         return result
 
     # -- capture and replay ---------------------------------------------------------
@@ -111,7 +113,6 @@ class GraphedStep:
         self.prepare.replay()
         plugin._after_closure(model, optimizer)
         self.clip = getattr(plugin, "_fused_clip", {}).get(key)  # the captured step pops it
-        self.hyper = _hyperparameters(optimizer)
         update = torch.cuda.CUDAGraph()
         with _lr_tensors(optimizer, self.lrs), \
                 capture(update, pool, "the optimizer step and the loss-scale update", _FIX):
@@ -119,6 +120,7 @@ class GraphedStep:
             if plugin.loss_scaler is not None:
                 plugin.loss_scaler.update(self.found)
         self.update = update
+        self.hyper = _hyperparameters(optimizer)
         self.update.replay()
         self._finish(optimizer)
 

@@ -18,7 +18,8 @@ from _models import Classifier, classification_data, mlp
 from mptrain.callbacks.compile_model import CompileModel
 from mptrain.callbacks.cuda_graphs import CudaGraphs, check_last_batch, check_optimizers, check_trainer
 from mptrain.callbacks.fp32_finetune import Fp32Finetune
-from mptrain.callbacks.graphed_forward import GraphedForward, _refuse_hooks
+from mptrain.callbacks.graph_safety import refuse_module_hooks
+from mptrain.callbacks.graphed_forward import GraphedForward
 from mptrain.precision import MasterPrecision
 from mptrain.precision.graph_capture import CudaGraphError, describe_capture_error
 from mptrain.precision.graphed_step import GraphedStep, _check_hyperparameters, _hyperparameters
@@ -48,7 +49,8 @@ class Manual(Classifier):
     ("cpu", {}, r"trains on cpu.*accelerator='cuda'"),
     ("manual", {}, r"manual optimization"),
     ("accumulation", dict(accumulate_grad_batches=2), r"gradient accumulation \(accumulate_grad_batches=2"),
-    ("accumulation scheduler", dict(callbacks=[GradientAccumulationScheduler({0: 1})]), r"GradientAccumulationScheduler"),
+    ("accumulation scheduler", dict(callbacks=[GradientAccumulationScheduler({0: 1})]),
+     r"GradientAccumulationScheduler"),
     ("fp32 finetune", dict(callbacks=[Fp32Finetune(steps=2)]), r"Fp32Finetune.*changes parameter dtypes"),
     ("compile reduce-overhead", dict(callbacks=[CompileModel(mode="reduce-overhead")]), r"cudagraph trees"),
     ("detect_anomaly", dict(detect_anomaly=True), r"detect_anomaly=True"),
@@ -144,10 +146,10 @@ def test_capture_error_names_the_first_error_the_user_line_and_the_fix():
 def test_only_mptrain_module_hooks_may_be_graphed():
     net = mlp()
     MasterPrecision("bf16-master").convert_module(net)  # fp32 LayerNorm: mptrain's own hooks
-    _refuse_hooks(net)
+    refuse_module_hooks(net)
     net[4].register_forward_hook(lambda m, a, out: None)
     with pytest.raises(CudaGraphError, match=r"module '4' has a forward hook \(.*<lambda>\).*run once, at capture"):
-        _refuse_hooks(net)
+        refuse_module_hooks(net)
 
 
 def test_hyperparameters_other_than_lr_are_fixed_after_capture():
@@ -230,3 +232,21 @@ def test_forward_outside_the_training_step_is_the_original():
     assert graphed.calls == 0
     graphed.uninstall()
     assert "forward" not in model.__dict__
+
+
+def test_self_log_refused_inside_a_captured_forward_only():
+    from mptrain.callbacks.graph_safety import refuse_logging
+
+    model = Classifier(mlp())
+    with refuse_logging(model), pytest.raises(CudaGraphError, match="forward calls self.log.*log in training_step"):
+        model.log("x", 1.0)
+    assert "log" not in model.__dict__ and "log_dict" not in model.__dict__
+
+
+def test_optimizer_step_hooks_refused():
+    from mptrain.optim import FusedAdamW
+
+    opt = FusedAdamW(_params())
+    opt.register_step_post_hook(lambda o, a, k: None)
+    with pytest.raises(CudaGraphError, match=r"FusedAdamW has step hooks \(.*<lambda>\), which would run once"):
+        check_optimizers([opt])
