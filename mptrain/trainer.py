@@ -17,6 +17,7 @@ from lightning.pytorch.plugins.precision import Precision
 from mptrain.callbacks.auto_fp32_fallback import AutoFp32Fallback
 from mptrain.callbacks.channels_last import ChannelsLast
 from mptrain.callbacks.compile_model import CompileModel
+from mptrain.callbacks.cuda_graphs import CudaGraphs
 from mptrain.callbacks.fp32_finetune import Fp32Finetune
 from mptrain.callbacks.resumable_loader import make_train_loader_resumable
 from mptrain.callbacks.resume_state import ResumeState
@@ -44,7 +45,8 @@ class Trainer(pl.Trainer):
         auto_fp32_fallback: Promote modules whose output overflows to fp32, and log which.
         fused: ``"auto"`` uses the fused CUDA kernels where available, ``True`` requires them,
             ``False`` uses the PyTorch references only.
-        cuda_graphs: Graph-captured train step. Not implemented yet: ``True`` raises.
+        cuda_graphs: Capture the train step in CUDA graphs and replay it (the ``CudaGraphs``
+            callback; one CUDA GPU, no accumulation; what it cannot capture is refused at setup).
         checkpoint_every_n_steps: Add ``ModelCheckpoint(every_n_train_steps=N, save_last=True)``.
         channels_last: Convert the module and every 4-D input batch to ``torch.channels_last``.
         seed: ``seed_everything(seed, workers=True)`` at the start of ``fit``.
@@ -84,7 +86,7 @@ class Trainer(pl.Trainer):
         # ours first (a user's epoch-start hook sees the new phase); ResumeState last: it restores the RNG
         # after every other on_train_start hook, the moment the uninterrupted run was at
         ours = _our_callbacks(fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback, checkpoint_every_n_steps,
-                              channels_last, compile)
+                              channels_last, compile, cuda_graphs)
         callbacks = ours + _as_list(callbacks) + [ResumeState()]
         self._mptrain_seed = seed
         super().__init__(plugins=plugins, callbacks=callbacks, **kwargs)
@@ -107,7 +109,7 @@ class Trainer(pl.Trainer):
 
 
 def _our_callbacks(fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback, checkpoint_every_n_steps,
-                   channels_last, compile) -> list:
+                   channels_last, compile, cuda_graphs) -> list:
     callbacks: list = []
     if fp32_finetune_epochs or fp32_finetune_steps:
         callbacks.append(Fp32Finetune(epochs=fp32_finetune_epochs, steps=fp32_finetune_steps))
@@ -119,6 +121,8 @@ def _our_callbacks(fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback
         callbacks.append(ChannelsLast())
     if compile:
         callbacks.append(CompileModel(**({} if compile is True else compile)))
+    if cuda_graphs:
+        callbacks.append(CudaGraphs())
     return callbacks
 
 
@@ -133,11 +137,6 @@ def _check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed,
             raise ValueError(f"{name}={value!r} is not valid; valid values: True, False")
     if not isinstance(compile, (bool, dict)):
         raise ValueError(f"compile={compile!r} is not valid; valid values: True, False, or a dict of torch.compile arguments")
-    if cuda_graphs:
-        raise NotImplementedError(
-            "cuda_graphs=True is not implemented yet; use cuda_graphs=False, or compile={'mode': 'reduce-overhead'} "
-            "for torch.compile's CUDA graphs"
-        )
 
 
 def _check_finetune(epochs, steps, lightning_kwargs) -> None:

@@ -109,7 +109,6 @@ def test_fp32_finetune_steps_in_a_step_based_run():
     (dict(precision="64-true"), ValueError, "precision='64-true'"),
     (dict(fused="yes"), ValueError, "fused='yes'.*'auto', True, False"),
     (dict(loss_scaler={"init_scal": 2}), ValueError, "init_scal"),
-    (dict(cuda_graphs=True), NotImplementedError, "cuda_graphs=True.*cuda_graphs=False"),
     (dict(cuda_graphs="yes"), ValueError, "cuda_graphs='yes'.*True, False"),
     (dict(fp32_finetune_epochs=-1), ValueError, "fp32_finetune_epochs=-1.*integer >= 0"),
     (dict(max_epochs=2, fp32_finetune_epochs=3), ValueError, "fp32_finetune_epochs=3 is more than max_epochs=2"),
@@ -232,3 +231,16 @@ def test_an_empty_train_loader_is_an_error_not_zero_steps(limits):
     loader = torch.utils.data.DataLoader(classification_data(n=4), batch_size=8, drop_last=True)
     with pytest.raises(ValueError, match="yields no batch.*4 samples, batch_size=8, drop_last=True"):
         quiet_trainer(**limits).fit(Classifier(mlp()), loader)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_cuda_graphs_is_wired_and_refused_at_setup_without_cuda():
+    from mptrain.callbacks.cuda_graphs import CudaGraphs
+
+    trainer = quiet_trainer(precision="bf16-master", cuda_graphs=True, max_steps=1)
+    assert sum(isinstance(c, CudaGraphs) for c in trainer.callbacks) == 1
+    model = Classifier(mlp())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="cuda_graphs=True.*cuda_graphs=False"):
+        trainer.fit(model, _loader(classification_data(n=16), 8))
+    assert all(torch.equal(a, b.float()) for a, b in zip(before, model.parameters()))
