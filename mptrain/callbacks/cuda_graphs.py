@@ -64,6 +64,7 @@ class CudaGraphs(Callback):
         self.warmup_steps = warmup_steps
         self.forward: GraphedForward | None = None
         self.step: GraphedStep | None = None
+        self.replayed_steps = 0  # optimizer steps of the last fit run from the graphs
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":
@@ -90,6 +91,8 @@ class CudaGraphs(Callback):
         for part in (self.forward, self.step):
             if part is not None:
                 part.uninstall()
+        if self.step is not None:
+            self.replayed_steps = self.step.replays
         self.forward = self.step = None  # the graphs and their memory go with them
 
 

@@ -47,6 +47,7 @@ class GraphedStep:
         self.around_closure: Callable[[bool], Any] = lambda capture: contextlib.nullcontext()
         self.steps = 0  # optimizer_step calls so far
         self.stepped = 0  # eager optimizer steps taken: the optimizer state exists before its step is captured
+        self.replays = 0  # steps run from the graphs (the capturing step included)
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.prepare: Optional[torch.cuda.CUDAGraph] = None
         self.update: Optional[torch.cuda.CUDAGraph] = None
@@ -122,6 +123,7 @@ class GraphedStep:
         self.update = update
         self.hyper = _hyperparameters(optimizer)
         self.update.replay()
+        self.replays += 1
         self._finish(optimizer)
 
     def _replay(self, optimizer: torch.optim.Optimizer, model: Any) -> None:
@@ -141,6 +143,7 @@ class GraphedStep:
         _check_hyperparameters(self.hyper, optimizer)
         self._load_lrs(optimizer)
         self.update.replay()
+        self.replays += 1
         self._finish(optimizer)
 
     def _point_grads(self, optimizer: torch.optim.Optimizer) -> None:
