@@ -94,12 +94,13 @@ class OverflowMonitor(Callback):
             row = torch.zeros(4, dtype=torch.float64, device=self._grad_acc.device)
             for name in params:
                 if name.startswith(prefix) and "." not in name[len(prefix):] and name in grads:
-                    row += self._grad_counts(grads[name], params[name].dtype, scale).to(row.device)
+                    row += self._grad_counts(grads[name], scale).to(row.device)
             rows.append(row)
         if rows:
             self._grad_acc += torch.stack(rows)
 
-    def _grad_counts(self, g: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    def _grad_counts(self, g: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        dtype = self._plugin.compute_dtype  # where the grads are (or were) computed
         g = g.detach().float()
         scaled = (g * scale.to(g.device)).abs() if scale is not None else g.abs()
         bad = (~torch.isfinite(g)).sum()
