@@ -166,7 +166,7 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
         trainer = _trainer(spec, precision, model, timer, total, quick)
         trainer.fit(module, train_dataloaders=batches)
         _record(res, timer, steps, getattr(trainer, "skipped_steps", None))
-    except NotImplementedError as e:  # the trainer refuses the feature: say so, never fall back
+    except _refusals() as e:  # the trainer refuses the feature for this model: say why, never fall back
         res.status, res.message = "not supported", str(e)
     except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
         res.status, res.message = "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
@@ -174,6 +174,15 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
         timer.abandon()
         res.wall_s = time.perf_counter() - start
     return res
+
+
+def _refusals() -> tuple:
+    """The errors that mean "this trainer cannot do this case" rather than a failure."""
+    try:
+        from mptrain.precision.graph_capture import CudaGraphError
+    except ImportError:  # a trainer without CUDA-graph support refuses with NotImplementedError
+        return (NotImplementedError,)
+    return (NotImplementedError, CudaGraphError)
 
 
 def _record(res: Result, timer: StepTimer, steps: int, skipped) -> None:
@@ -281,8 +290,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("mptrain bench e2e: needs a CUDA GPU (none visible); --quick runs tiny models on the CPU",
               file=sys.stderr)
         return 2
-    from mptrain.bench.common import device_meta
-
     results: list[Result] = []
     for model in args.models:
         for name in sorted(args.cases, key=lambda n: CASES[n].precision == "best"):  # "best" after the modes
@@ -292,16 +299,23 @@ def main(argv: Optional[list[str]] = None) -> int:
             results.append(res)
             done = f"{res.samples_per_s:.1f}/s" if res.status == "ok" else f"{res.status}: {res.message.splitlines()[0]}"
             print(f"[e2e] {model} {name} ({precision}): {done} ({res.wall_s:.1f} s)", flush=True)
+            _write_json(args, results)  # after every case: a run cut short keeps what it measured
     print(format_table(results))
-    summary = {m: summarize(results, m) for m in args.models}
-    for m, s in summary.items():
-        print(f"{m}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in s["ratios"].items()))
-    if args.out:
-        payload = {"meta": {**device_meta(), "warmup": args.warmup, "steps": args.steps, "quick": args.quick},
-                   "summary": summary, "results": [asdict(r) for r in results]}
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=2)
+    for model in args.models:
+        ratios = summarize(results, model)["ratios"]
+        print(f"{model}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in ratios.items()))
     return 1 if any(r.status == "error" for r in results) else 0
+
+
+def _write_json(args: argparse.Namespace, results: list[Result]) -> None:
+    if not args.out:
+        return
+    from mptrain.bench.common import device_meta
+
+    payload = {"meta": {**device_meta(), "warmup": args.warmup, "steps": args.steps, "quick": args.quick},
+               "summary": {m: summarize(results, m) for m in args.models}, "results": [asdict(r) for r in results]}
+    with open(args.out, "w") as f:
+        json.dump(payload, f, indent=2)
 
 
 if __name__ == "__main__":
