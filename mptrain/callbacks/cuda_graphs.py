@@ -119,10 +119,10 @@ def check_trainer(trainer, pl_module, plugin) -> None:
     if plugin.auto is not None or plugin.precision != plugin.initial_precision:
         raise _refuse(f"the precision plugin has switched or promotes modules ({plugin!r})", "Start a fresh plugin")
     for c in trainer.callbacks:
-        mode = getattr(c, "compile_kwargs", {}).get("mode") if isinstance(c, CompileModel) else None
-        if mode in _GRAPHING_COMPILE_MODES:
-            raise _refuse(f"compile={{'mode': {mode!r}}} captures CUDA graphs itself (cudagraph trees), and a "
-                          "graph cannot be captured inside another", "Use compile=True (default mode) with it")
+        kw = c.compile_kwargs if isinstance(c, CompileModel) else {}
+        if kw.get("mode") in _GRAPHING_COMPILE_MODES or (kw.get("options") or {}).get("triton.cudagraphs"):
+            raise _refuse(f"compile={kw!r} captures CUDA graphs itself (cudagraph trees), and a graph cannot be "
+                          "captured inside another", "Use compile=True (default mode) with it")
     if getattr(trainer, "_detect_anomaly", False):
         raise _refuse("detect_anomaly=True checks every backward op on the host", "Set detect_anomaly=False")
     if trainer.world_size != 1 or trainer.num_devices != 1 or not isinstance(trainer.strategy, SingleDeviceStrategy):

@@ -53,6 +53,8 @@ class Manual(Classifier):
      r"GradientAccumulationScheduler"),
     ("fp32 finetune", dict(callbacks=[Fp32Finetune(steps=2)]), r"Fp32Finetune.*changes parameter dtypes"),
     ("compile reduce-overhead", dict(callbacks=[CompileModel(mode="reduce-overhead")]), r"cudagraph trees"),
+    ("compile cudagraphs option", dict(callbacks=[CompileModel(options={"triton.cudagraphs": True})]),
+     r"compile=\{'options': \{'triton.cudagraphs': True\}\} captures CUDA graphs itself"),
     ("detect_anomaly", dict(detect_anomaly=True), r"detect_anomaly=True"),
 ])
 def test_refused_at_setup_before_any_step(case, kw, match):
@@ -250,3 +252,31 @@ def test_optimizer_step_hooks_refused():
     opt.register_step_post_hook(lambda o, a, k: None)
     with pytest.raises(CudaGraphError, match=r"FusedAdamW has step hooks \(.*<lambda>\), which would run once"):
         check_optimizers([opt])
+
+
+def _graphed_step_with(grads: dict) -> GraphedStep:
+    step = GraphedStep(SimpleNamespace(), warmup_steps=1)
+    step.grads = grads
+    return step
+
+
+def test_replayed_step_points_each_grad_at_its_captured_tensor():
+    p, q, m = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    opt = torch.optim.SGD([p, q, m], lr=0.1)
+    gp, gq, gm = torch.ones(2), torch.zeros(2), torch.zeros(2)
+    step = _graphed_step_with({id(p): (gp, False), id(q): (gq, False), id(m): (gm, True)})
+    eager = torch.full((2,), 3.0)
+    p.grad, q.grad, m.grad = gp, eager, None  # written by the graphed backward / made eagerly / cleared by zero_grad
+    step._point_grads(opt)
+    assert p.grad is gp and q.grad is gq and m.grad is gm
+    assert torch.equal(gq, eager)  # the eager grad is copied into the tensor the captured step reads
+
+
+@pytest.mark.parametrize("missing", [True, False])
+def test_replayed_step_refuses_a_changed_set_of_parameters_with_grads(missing):
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    step = _graphed_step_with({id(p): (torch.zeros(2), False)} if missing else {})
+    p.grad = None if missing else torch.zeros(2)
+    with pytest.raises(CudaGraphError, match=f"shape \\(2,\\) {'has no gradient' if missing else 'has a gradient'}"):
+        step._point_grads(opt)

@@ -70,11 +70,11 @@ def _optimizer(name):
     return lambda ps: FusedAdamW(ps, lr=1e-2)
 
 
-def _run(make_model, loader, precision, graphs, **kw):
+def _run(make_model, loader, precision, graphs, callbacks=(), **kw):
     torch.manual_seed(0)
     model = make_model()
     weights, inf_grad = Weights(), InfGrad(step=8)
-    trainer, cb = _fit(model, loader, precision, graphs, callbacks=[weights, inf_grad], **kw)
+    trainer, cb = _fit(model, loader, precision, graphs, callbacks=[weights, inf_grad, *callbacks], **kw)
     return model, trainer, cb, weights
 
 
@@ -131,6 +131,29 @@ def test_tiny_bert_bf16_master_with_fused_layernorm_and_lr_schedule():
     torch.testing.assert_close(torch.stack(m1.losses), torch.stack(m0.losses), rtol=1e-2, atol=1e-3)
     for (name, a), b in zip(m0.state_dict().items(), m1.state_dict().values()):
         torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=2e-3, msg=name)
+
+
+def test_compile_default_mode_is_captured_too():
+    from mptrain.callbacks.compile_model import CompileModel
+    from mptrain.optim import FusedAdamW
+
+    class M(Classifier):
+        def __init__(self):
+            super().__init__(mlp(), inf_at_steps={5})
+            self.model = self.net  # what compile=True compiles
+
+        def forward(self, x):
+            return self.model(x)
+
+        def configure_optimizers(self):
+            return FusedAdamW(self.parameters(), lr=1e-2)
+
+    loader = _device_loader(classification_data(n=32 * STEPS), 32)
+    (m0, t0, _, _), (m1, t1, cb, w1) = (_run(M, loader, "bf16-master", g, callbacks=[CompileModel()] if g else [])
+                                        for g in (False, True))
+    assert isinstance(m1.model, torch._dynamo.eval_frame.OptimizedModule) and cb.replayed_steps == STEPS - WARMUP
+    assert t1.precision_plugin.skipped_steps == 2 and w1.unchanged(5) and w1.unchanged(8)
+    torch.testing.assert_close(torch.stack(m1.losses), torch.stack(m0.losses), rtol=2e-2, atol=2e-3)
 
 
 class SyncGuard(Callback):
