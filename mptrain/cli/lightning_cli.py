@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from mptrain.cli.class_paths import check_class_paths
 from mptrain.cli.errors import ConfigError, explain_parse_error, innermost_error, one_line
 from mptrain.cli.trainer_values import check_ckpt_path, check_trainer_values
+from mptrain.cli.vocab import fill_vocab_size
 
 #: errors of a class's constructor that mean "this config cannot work"
 CONSTRUCTION_ERRORS = (ValueError, TypeError, MisconfigurationException)
@@ -46,10 +47,6 @@ class MptrainCLI(LightningCLI):
         kwargs.setdefault("exit_on_error", False)  # main() turns the error into one line
         kwargs.setdefault("prog", "mptrain")
         return super().init_parser(**kwargs)
-
-    def add_arguments_to_parser(self, parser) -> None:
-        # A model built with vocab_size=None takes the data module's (a tokenizer trained at start).
-        parser.link_arguments("data", "model.init_args.vocab_size", compute_fn=_vocab_size, apply_on="instantiate")
 
     def _add_subcommands(self, parser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
@@ -85,6 +82,10 @@ class MptrainCLI(LightningCLI):
                            if k in plain}, trainer_class)
         check_trainer_values(plain.get("trainer") or {})
         check_ckpt_path(plain.get("ckpt_path"), self.subcommand or "")
+        try:
+            fill_vocab_size(config)
+        except CONSTRUCTION_ERRORS as e:
+            raise ConfigError(one_line(innermost_error(str(e)))) from None
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's run, then one machine-readable line: step, log dir, the run's metrics."""
@@ -111,7 +112,3 @@ def parser_keys(parser) -> dict[str, list[str]]:
         if dest and not dest.endswith(".help") and dest != "help":
             keys.setdefault(group if name else "", []).append(name or group)
     return keys
-
-
-def _vocab_size(data: Any) -> Any:
-    return getattr(data, "vocab_size", None)

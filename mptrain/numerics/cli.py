@@ -60,8 +60,6 @@ def numerics_parser():
     parser.add_class_arguments(Trainer, "trainer", instantiate=False, fail_untyped=False)
     parser.add_subclass_arguments(pl.LightningModule, "model", required=True)
     parser.add_subclass_arguments(pl.LightningDataModule, "data", required=True)
-    parser.link_arguments("data", "model.init_args.vocab_size", compute_fn=lambda d: getattr(d, "vocab_size", None),
-                          apply_on="instantiate")
     parser.add_argument("--precision", type=Optional[str], default=None,
                         help="precision to compare against fp32; null: the recipe's trainer.precision")
     parser.add_argument("--device", type=Optional[str], default=None, help="null: cuda if available, else cpu")
@@ -120,7 +118,10 @@ def build_model_and_batch(parser, cfg) -> tuple[Any, Any]:
     check_class_paths({k: plain.get(k) for k in ("model", "data")}, object)
     if cfg.seed_everything is not False:
         pl.seed_everything(None if cfg.seed_everything is True else int(cfg.seed_everything), verbose=False)
+    from mptrain.cli.vocab import fill_vocab_size
+
     try:
+        fill_vocab_size(cfg)
         built = parser.instantiate_classes(cfg)
     except CONSTRUCTION_ERRORS as e:
         raise ConfigError(one_line(innermost_error(str(e)))) from None
