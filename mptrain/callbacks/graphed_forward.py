@@ -11,8 +11,9 @@ steps run eagerly and record the inputs' structure, shapes and dtypes; then one 
   parameter's ``.grad`` (the same tensors each step, pointed back at after ``zero_grad(set_to_none=True)``).
 
 The loss computed from the outputs in ``training_step``, logging and every hook stay eager.  A change
-of the inputs' shapes, dtypes or structure, a second forward call in one step, or a parameter that
-already holds a gradient when the graphed backward writes its own, raise :class:`CudaGraphError`.
+of the inputs' shapes, dtypes or structure, a second forward call in one step, or a loss built from
+other outputs than at capture raise :class:`CudaGraphError`.  The gradients are those of one step:
+Lightning's ``zero_grad`` before each backward (accumulation is refused at setup).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class GraphedForward:
         self.signature: Optional[tuple] = None  # (input spec, [(path, meta)]) of the first step
         self.fwd: Optional[torch.cuda.CUDAGraph] = None
         self.bwd: Optional[torch.cuda.CUDAGraph] = None
-        self.grads: list = []  # (name, param, the .grad the backward graph writes)
+        self.grads: list = []  # (param, the grad tensor the backward graph writes)
 
     def install(self) -> None:
         self.module.forward = functools.wraps(self.eager)(lambda *args, **kwargs: self(*args, **kwargs))
@@ -148,29 +149,25 @@ class GraphedForward:
         for buf, g in zip(self.grad_out, (g for g in grads if g is not None)):
             buf.copy_(g)
         self.bwd.replay()
-        for name, p, g in self.grads:
-            if p.grad is None:
+        for p, g in self.grads:
+            if p.grad is None:  # zero_grad(set_to_none=True) since the last step
                 p.grad = g
-            elif p.grad is not g:
-                raise CudaGraphError(_outside(name))
+            elif p.grad is not g:  # the parameter is also used outside forward and its eager grad came first
+                g.add_(p.grad)
+                p.grad = g
 
     def _capture_backward(self, present: tuple) -> None:
         self.present = present
         outs = [self.static_out[i] for i, used in zip(self.diff, present) if used]
         self.grad_out = [torch.empty_like(o) for o in outs]
-        params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        held = {n: p.grad for n, p in params if p.grad is not None}  # zeros after zero_grad(set_to_none=False)
-        for _, p in params:
-            p.grad = None
+        params = [p for p in self.module.parameters() if p.requires_grad]
         self.bwd = torch.cuda.CUDAGraph()
         with capture(self.bwd, self.pool, "the training backward", _FIX):
-            torch.autograd.backward(outs, self.grad_out)
-        self.grads = [(n, p, p.grad) for n, p in params if p.grad is not None]
-        for n, p in params:
-            if n in held and p.grad is None:
-                p.grad = held[n]  # not reached by the graphed backward: its eager grad stays
-            elif n in held and bool(held[n].ne(0).any()):  # one host read, at capture only
-                raise CudaGraphError(_outside(n))
+            grads = torch.autograd.grad(outs, params, self.grad_out, allow_unused=True)
+            # each grad laid out like its parameter, as autograd's accumulation would (no expanded views)
+            grads = [g if g is None or g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+                     for p, g in zip(params, grads)]
+        self.grads = [(p, g) for p, g in zip(params, grads) if g is not None]
         self.static_out = [o.detach() if isinstance(o, torch.Tensor) else o for o in self.static_out]
 
 
@@ -202,8 +199,3 @@ def _show(meta: tuple) -> str:
         return f"a {meta[4]} tensor of shape {meta[1]} on {meta[2]}{' requiring grad' if meta[3] else ''}"
     return f"the {meta[1]} {meta[2]!r}"
 
-
-def _outside(name: str) -> str:
-    return (f"cuda_graphs=True: parameter {name!r} got a gradient outside the graphed forward before the graphed "
-            "backward wrote its own (it is also used in training_step or a hook); use it only inside forward, or "
-            "train with cuda_graphs=False")
