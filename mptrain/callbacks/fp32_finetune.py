@@ -60,12 +60,10 @@ class Fp32Finetune(Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._maybe_switch(trainer, pl_module)
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.steps:
-            self._maybe_switch(trainer, pl_module)
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.log("precision_is_fp32", float(self._plugin.phase == "fp32"), on_step=True, on_epoch=False)
+        if self.steps:  # right after the window's step: the next batch is converted for fp32 already
+            self._maybe_switch(trainer, pl_module)
 
     def _maybe_switch(self, trainer, pl_module) -> None:
         if self._plugin.phase == "fp32" and self._plugin.precision == "32-true" or not self._due(trainer):

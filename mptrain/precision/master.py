@@ -99,6 +99,9 @@ class MasterPrecision(MptrainPrecision):
                 else:
                     self._fp32_init[id(p)] = v.detach().to(p.device, torch.float32, copy=True)
 
+    def _release_fp32_init(self) -> None:
+        self._fp32_init.clear()
+
     # -- optimizer ---------------------------------------------------------------
     def _init_for(self, p: torch.Tensor) -> torch.Tensor:
         init = self._fp32_init.pop(id(p), None)

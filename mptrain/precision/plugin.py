@@ -166,9 +166,24 @@ class MptrainPrecision(_LightningPrecision):
         self._lightning = True
         if self._module is None:
             self._module = getattr(model, "module", model)
+        self.check_device(self._device())
         for opt in optimizers:
             self._ensure_ready(opt)
+        self._release_fp32_init()
         return model, optimizers, lr_schedulers
+
+    def check_device(self, device: torch.device) -> None:
+        """Before any training: bf16 on a GPU without it, ``fused=True`` without a built extension."""
+        from mptrain.precision.factory import check_device_supports
+
+        check_device_supports(self.initial_precision, device)
+        if self.fused is True and device.type == "cuda":
+            from mptrain import ops
+
+            ops.get_extension(required=True)  # raises naming the failing source, the log and the fix
+
+    def _release_fp32_init(self) -> None:
+        """Masters were built: fp32 copies kept for params no optimizer holds would only cost memory."""
 
     def _ensure_ready(self, optimizer: torch.optim.Optimizer) -> None:
         if id(optimizer) in self._ready:

@@ -67,8 +67,8 @@ def test_last_epoch_runs_in_fp32_with_optimizer_state_kept(name, tmp_path):
 def test_steps_switch_in_a_step_based_run():
     torch.manual_seed(0)
     log = PhaseLog()
-    t = trainer(MasterPrecision("bf16-master"), max_epochs=-1, max_steps=6, callbacks=[Fp32Finetune(steps=2), log])
-    t.fit(Classifier(mlp()), loader(n=64, bs=16))
+    t = trainer(MasterPrecision("bf16-master"), max_epochs=-1, max_steps=6, callbacks=[log, Fp32Finetune(steps=2)])
+    t.fit(Classifier(mlp()), loader(n=96, bs=16))  # 6 batches an epoch: the switch is mid-epoch
     assert [r[1] for r in log.rows] == ["bf16-master"] * 4 + ["32-true"] * 2
 
 
