@@ -91,9 +91,10 @@ class MptrainCLI(LightningCLI):
         """Lightning's run, then one machine-readable line: step, log dir, the run's metrics."""
         super()._run_subcommand(subcommand)
         trainer = self.trainer
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank asks
         if trainer.is_global_zero:
             metrics = {k: round(float(v), 6) for k, v in sorted(trainer.callback_metrics.items()) if v.numel() == 1}
-            print(json.dumps({"subcommand": subcommand, "global_step": trainer.global_step, "log_dir": trainer.log_dir,
+            print(json.dumps({"subcommand": subcommand, "global_step": trainer.global_step, "log_dir": log_dir,
                               "metrics": metrics}), flush=True)
 
     def instantiate_classes(self) -> None:
