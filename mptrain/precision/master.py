@@ -17,6 +17,7 @@ fp32 values into the masters bitwise.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -44,9 +45,22 @@ class MasterPrecision(MptrainPrecision):
         self._fused_norm: dict[int, torch.Tensor] = {}  # optimizer id -> norm of the unscaled grads
         self._fused_clip: dict[int, float] = {}  # optimizer id -> max_norm folded into grad_scale
         self._fused_unscaled: set[int] = set()  # optimizer ids whose half grads Fabric had unscaled
+        self._converted: weakref.WeakSet = weakref.WeakSet()  # modules already converted
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_converted"] = None  # a WeakSet does not pickle (ddp_spawn pickles the plugin)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._converted = weakref.WeakSet()
 
     # -- module ------------------------------------------------------------------
     def _convert(self, module: nn.Module) -> nn.Module:
+        if module in self._converted:
+            return module  # validate/test after fit set the module up again: hooks once
+        self._converted.add(module)
         for m in module.modules():
             if is_norm_module(m):
                 m.float()
