@@ -110,10 +110,11 @@ class GraphedForward:
     # -- capture and replay ---------------------------------------------------------
     def _capture_forward(self, leaves: list, spec: Any) -> None:
         refuse_module_hooks(self.module)
+        device = next(self.module.parameters()).device
         for (path, m) in self.signature[1]:
-            if m[0] == "tensor" and (m[3] or m[2].type != "cuda"):
+            if m[0] == "tensor" and (m[3] or m[2] != device):
                 raise CudaGraphError(f"cuda_graphs=True: forward input {path} is {_show(m)}; graphed inputs must be "
-                                     "CUDA tensors that do not require grad (compute such inputs inside forward)")
+                                     f"tensors on {device} that do not require grad (compute such inputs in forward)")
         self.static_in = [x.detach().clone() if isinstance(x, torch.Tensor) else None for x in leaves]
         args, kwargs = tree_unflatten([s if s is not None else x for s, x in zip(self.static_in, leaves)], spec)
         self.pool = torch.cuda.graph_pool_handle()
@@ -127,7 +128,7 @@ class GraphedForward:
                                      "cannot look into; return tensors, or tuples, lists or dicts of them")
         self.diff = [i for i, o in enumerate(self.static_out) if isinstance(o, torch.Tensor) and o.requires_grad]
         # a leaf that requires grad makes the outputs require grad; its own grad is always None
-        self.anchor = torch.zeros((), device=torch.device("cuda", torch.cuda.current_device()), requires_grad=True)
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
 
     def _outputs(self) -> Any:
         outs = list(self.static_out)

@@ -20,7 +20,7 @@ from mptrain.callbacks.cuda_graphs import CudaGraphs, check_last_batch, check_op
 from mptrain.callbacks.fp32_finetune import Fp32Finetune
 from mptrain.callbacks.graph_safety import refuse_module_hooks
 from mptrain.callbacks.graphed_forward import GraphedForward
-from mptrain.precision import MasterPrecision
+from mptrain.precision import MasterPrecision, precision_plugin
 from mptrain.precision.graph_capture import CudaGraphError, describe_capture_error
 from mptrain.precision.graphed_step import GraphedStep, _check_hyperparameters, _hyperparameters
 
@@ -164,12 +164,16 @@ def test_hyperparameters_other_than_lr_are_fixed_after_capture():
         _check_hyperparameters(captured, opt)
 
 
-class Eager(Callback):
-    """The graphed forward and step of cuda_graphs=True, wired as CudaGraphs wires them, kept in warm-up."""
+class Wired(Callback):
+    """The graphed forward and step of cuda_graphs=True, wired as CudaGraphs wires them (without its
+    setup checks, which refuse the CPU)."""
+
+    def __init__(self, warmup_steps: int = 10**6):
+        self.warmup_steps, self.replays = warmup_steps, None
 
     def on_fit_start(self, trainer, pl_module):
         self.forward = GraphedForward(pl_module)
-        self.step = GraphedStep(trainer.precision_plugin, warmup_steps=10**6)
+        self.step = GraphedStep(trainer.precision_plugin, warmup_steps=self.warmup_steps)
         self.step.around_closure = self.forward.training_step
         self.forward.install()
         self.step.install()
@@ -177,6 +181,7 @@ class Eager(Callback):
     def teardown(self, trainer, pl_module, stage):
         self.forward.uninstall()
         self.step.uninstall()
+        self.replays = self.step.replays
 
 
 @pytest.mark.parametrize("precision,scaler", [("bf16-master", None), ("16-master", {"init_scale": 2.0**10})])
@@ -186,7 +191,7 @@ def test_warm_up_path_trains_exactly_like_the_plugin(precision, scaler):
         torch.manual_seed(0)
         model = Classifier(mlp(), inf_at_steps={2})
         plugin = MasterPrecision(precision, loss_scaler=scaler)
-        trainer = _fit(model, callbacks=[Eager()] if wired else [], plugin=plugin, max_steps=5)
+        trainer = _fit(model, callbacks=[Wired()] if wired else [], plugin=plugin, max_steps=5)
         runs.append((torch.stack(model.losses), [p.detach().clone() for p in model.parameters()],
                      plugin.skipped_steps, trainer.global_step, model))
     (l0, w0, s0, g0, _), (l1, w1, s1, g1, m1) = runs
@@ -222,7 +227,7 @@ class ShapeChange(Classifier):
 ])
 def test_forward_checks_fire_during_warm_up(cls, match):
     with pytest.raises(CudaGraphError, match=match):
-        _fit(cls(mlp()), callbacks=[Eager()])
+        _fit(cls(mlp()), callbacks=[Wired()])
 
 
 def test_forward_outside_the_training_step_is_the_original():
@@ -280,3 +285,65 @@ def test_replayed_step_refuses_a_changed_set_of_parameters_with_grads(missing):
     p.grad = None if missing else torch.zeros(2)
     with pytest.raises(CudaGraphError, match=f"shape \\(2,\\) {'has no gradient' if missing else 'has a gradient'}"):
         step._point_grads(opt)
+
+
+class InfGrad(Callback):
+    """Writes an inf into one gradient after the backward of ``step`` (the loss stays finite)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == self.step:
+            next(p for p in pl_module.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+
+
+class Scheduled(Classifier):
+    """AdamW (mptrain's fused, or torch's fused) with an LR that changes every step; at ``inf_loss_at`` the
+    loss is inf while the gradients stay finite (only the loss's non-finite flag can skip that step)."""
+
+    def __init__(self, opt: str, inf_loss_at: int):
+        super().__init__(mlp())
+        self.opt, self.inf_loss_at = opt, inf_loss_at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + float("inf") if self.trainer.global_step == self.inf_loss_at else loss
+
+    def configure_optimizers(self):
+        from mptrain.optim import FusedAdamW
+
+        opt = FusedAdamW(self.parameters(), lr=1e-2) if self.opt == "mptrain" else \
+            torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.parametrize("precision,opt,clip", [
+    ("bf16-master", "mptrain", None), ("16-master", "mptrain", 0.5), ("bf16-master", "torch", 0.5),
+    ("32-true", "torch", None),
+])
+def test_emulated_replays_train_exactly_like_eager(monkeypatch, precision, opt, clip):
+    """Captured at step 2 and replayed on a CPU emulation of CUDA graphs (tests/callbacks/_graph_emulator.py):
+    the same losses, weights, skips (an inf loss at step 4, an inf grad at step 6), LR schedule and clipping."""
+    from _graph_emulator import emulate_cuda_graphs
+
+    runs = []
+    for graphs in (False, True):
+        if graphs:
+            emulate_cuda_graphs(monkeypatch)
+        torch.manual_seed(0)
+        model = Scheduled(opt, inf_loss_at=4)
+        wired = Wired(warmup_steps=2)
+        plugin = precision_plugin(precision, **({"loss_scaler": {"init_scale": 2.0**10}} if precision == "16-master"
+                                                else {}))
+        trainer = _fit(model, callbacks=[InfGrad(6)] + ([wired] if graphs else []), plugin=plugin, max_steps=9,
+                       gradient_clip_val=clip)
+        runs.append((model, trainer, wired))
+    (m0, t0, _), (m1, t1, wired) = runs
+    assert wired.replays == 9 - 2
+    assert t0.precision_plugin.skipped_steps == t1.precision_plugin.skipped_steps == 2
+    assert torch.equal(torch.stack(m0.losses), torch.stack(m1.losses))
+    for (name, a), b in zip(m0.state_dict().items(), m1.state_dict().values()):
+        # torch's fused AdamW rounds a tensor lr (the captured step's) and a float lr one ulp apart
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
