@@ -5,7 +5,8 @@ import textwrap
 import pytest
 import torch
 
-from mptrain.numerics.cli import batch_to_input, doctor_main, instantiate, load_recipe, numerics_main
+from mptrain.cli import main
+from mptrain.numerics.cli import batch_to_input, doctor_main, numerics_main
 from mptrain.numerics.hardware import TENSOR_CORE_MIN_CC, doctor_report, format_doctor, recommend
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
@@ -21,7 +22,7 @@ def test_doctor_runs_without_a_gpu(tmp_path, capsys):
     text = format_doctor(report)
     assert "GPU: none visible" in text and "recommendation:" in text
     out = tmp_path / "doctor.json"
-    assert doctor_main(["--json", str(out), "--no-build"]) == 0
+    assert doctor_main(["--json", str(out), "--build=false"]) == 0
     assert json.loads(out.read_text())["gpus"] == []
     assert "mptrain doctor" in capsys.readouterr().out
 
@@ -68,11 +69,12 @@ data:
 @pytest.fixture
 def recipe(tmp_path, monkeypatch):
     (tmp_path / "numerics_recipe_fixtures.py").write_text(textwrap.dedent('''
+        import lightning as L
         import torch
         from torch import nn
         from torch.utils.data import DataLoader, TensorDataset
 
-        class TinyClassifier(nn.Module):
+        class TinyClassifier(L.LightningModule):
             def __init__(self, hidden=8):
                 super().__init__()
                 self.body = nn.Linear(6, hidden)
@@ -85,8 +87,9 @@ def recipe(tmp_path, monkeypatch):
             def forward(self, x):
                 return x * 1e5
 
-        class TinyData:
+        class TinyData(L.LightningDataModule):
             def __init__(self, batch_size=4):
+                super().__init__()
                 self.batch_size = batch_size
                 self.ready = False
             def setup(self, stage):
@@ -110,26 +113,31 @@ def test_numerics_cli_runs_the_recipe(recipe, tmp_path, capsys):
     assert "layerwise fp32 vs 16-true" in text  # the recipe's precision
     data = json.loads(out.read_text())
     assert data["first_bad"] == "boom" and data["worst"][0] == "boom"
-    assert numerics_main(["--config", str(recipe), "--precision", "bf16-mixed", "--device", "cpu", "--backward"]) == 0
+    assert numerics_main(["--config", str(recipe), "--precision", "bf16-mixed", "--device", "cpu", "--backward=true"]) == 0
     assert "layerwise fp32 vs bf16-mixed" in capsys.readouterr().out
 
 
 def test_numerics_cli_reports_bad_recipes(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  class_path: no.such.Module\n")
-    assert numerics_main(["--config", str(bad)]) == 2
-    assert "cannot be imported" in capsys.readouterr().err
-    assert numerics_main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    bad.write_text("model:\n  class_path: no.such.Module\ndata:\n  class_path: no.such.Data\n")
+    assert main(["numerics", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model" in err[0] and "Traceback" not in err[0]
+    assert main(["numerics", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
 
 
-def test_recipe_helpers(tmp_path):
-    p = tmp_path / "r.yaml"
-    p.write_text("fit:\n  model:\n    class_path: torch.nn.Linear\n    init_args: {in_features: 3, out_features: 2}\n")
-    cfg = load_recipe(str(p))
-    lin = instantiate(cfg["model"])
-    assert isinstance(lin, torch.nn.Linear) and lin.out_features == 2
-    with pytest.raises(ValueError, match="package.module.Class"):
-        instantiate({"class_path": "Linear"})
+def test_numerics_refuses_a_class_path_of_the_wrong_kind(tmp_path, capsys):
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(f"model:\n  class_path: subprocess.Popen\n  init_args: {{args: [touch, {tmp_path / 'FLAG'}]}}\n"
+                    "data:\n  class_path: mptrain.data.DigitsDataModule\n")
+    assert main(["numerics", "--config", str(evil)]) == 2
+    assert not (tmp_path / "FLAG").exists()
+    assert "subprocess.Popen" in capsys.readouterr().err
+
+
+def test_batch_to_input():
+    lin = torch.nn.Linear(2, 2)
     assert batch_to_input(lin, (torch.ones(2), torch.zeros(2))).sum() == 2
     assert set(batch_to_input(lin, {"input_ids": 1, "labels": 2})) == {"input_ids"}
 
