@@ -2,9 +2,9 @@
 # DDP scaling on nvidia-h200-x2, with the evidence for where a step's time goes: each
 # configuration launched --repeat times (median), then per rank a log of every host-device
 # sync in 2 steady-state steps and a GPU-only profile (compute / NCCL / idle ms per step).
-# Usage: tests/gpu/ddp_diag.sh [part ...]   parts: bert lightning resnet (default: all).
+# Usage: dev/ddp_diag.sh [part ...]   parts: bert lightning resnet (default: all).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mptrain-ddp-diag}
 mkdir -p "$OUT/reports"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"

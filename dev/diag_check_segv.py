@@ -1,5 +1,5 @@
 """Diagnostic (not a test): on the GPU machine a TORCH_CHECK raised from our extension
-segfaulted when its message streams a number (run 8).  Builds one tiny extension with the
+segfaulted when its message streams a number.  Builds one tiny extension with the
 same check in a .cpp (g++) and a .cu (nvcc) and raises each in a subprocess."""
 import os
 import subprocess

@@ -1,6 +1,6 @@
 """Driver for an ncu profile of the LayerNorm kernels at one shape (not a test).
 
-    ncu --clock-control none -k regex:ln_ python3 tests/gpu/diag_layer_norm.py 16384 1024
+    ncu --clock-control none -k regex:ln_ python3 dev/diag_layer_norm.py 16384 1024
 
 Calls the extension's forward and backward directly, ITERS times each, on inputs larger
 than L2 in rotation so every launch reads from DRAM as in the benchmark."""

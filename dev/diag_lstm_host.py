@@ -2,7 +2,7 @@
 
 Prints host microseconds per call (perf_counter over N calls, one sync at the end) for
 building blocks, ours and nn.LSTMCell; the GPU time of the pointwise backward with the
-fused bias gradient against the plain kernel + dg.sum(0) (run 8); then a torch.profiler
+fused bias gradient against the plain kernel + dg.sum(0); then a torch.profiler
 CPU table of each cell."""
 import sys
 from functools import partial
@@ -134,7 +134,7 @@ for b in (256, 1024):
     fused = [lambda s=s: ext.lstm_cell_backward(s[0], s[1], s[5], s[5], s[2], wih, whh, s[4], s[3], need)
              for s in sets]
     print(f"B={b:5d}: plain kernel {gpu_us(plain):7.2f}   plain + dg.sum(0) (before) {gpu_us(plain_sum):7.2f}   "
-          f"fused db (run 8) {gpu_us(fused):7.2f}")
+          f"fused db {gpu_us(fused):7.2f}")
     print(f"         host: plain + dg.sum(0) {host_us(plain_sum[0]):7.2f}   fused db {host_us(fused[0]):7.2f}")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402

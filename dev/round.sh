@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One kernel round on the GPU machine: build (timed; cached in .build/ while the machine is
 # warm), the CUDA tests of the given test files, then the given benchmark families.
-#   tests/gpu/round.sh "test_layer_norm.py test_optim.py" "norm,optim,softmax" [pytest -k expr]
+#   dev/round.sh "test_layer_norm.py test_optim.py" "norm,optim,softmax" [pytest -k expr]
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mptrain-round}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
