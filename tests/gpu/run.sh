@@ -46,7 +46,7 @@ t = time.perf_counter()
 get_extension(required=True)
 print(f\"warm load: {time.perf_counter() - t:.2f} s\")"'
 stage tests 180 python3 -m pytest tests/gpu -q -rfE --timeout=120 --maxfail=30 -p no:cacheprovider -o addopts=""
-stage kernels 150 python3 -m mptrain.bench.kernels --json "$OUT/kernels.json"
+stage kernels 150 python3 -m mptrain.bench.kernels --no-host --json "$OUT/kernels.json"
 stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
 stage e2e 540 python3 -m mptrain.bench.e2e --json "$OUT/e2e.json"
 
