@@ -3,7 +3,7 @@
 // Why: on the GPU machine (torch 2.11 pip wheel, the system's g++), an extension whose
 // TORCH_CHECK message streams a number or a Device through c10::str's std::ostringstream
 // segfaults instead of raising -- g++ .cpp and nvcc .cu alike, torch's own load_inline
-// included (tests/gpu/diag_check_segv.py, run 8b).  A message that reaches TORCH_CHECK as
+// included (reproduced by dev/diag_check_segv.py).  A message that reaches TORCH_CHECK as
 // one std::string is passed through untouched and raises normally, so every part is
 // converted to text here (std::to_string, Device::str, toString(ScalarType)).  The message
 // is still built only when the check fails.

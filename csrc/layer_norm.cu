@@ -1,73 +1,42 @@
 // LayerNorm and RMSNorm, forward and backward, over the last `H` elements of a row.
 //
 // What is fused and why:
-//  * forward: one read of x, one write of y.  The row stays in registers between the
-//    mean, variance and output passes (two-pass variance in fp32: exact, no Welford),
-//    and mean / rstd (fp32) are saved for backward.  torch's kernel is far from the
-//    floor on these shapes (18-36% at 16384x1024..4096 bf16).
+//  * forward (ln_fwd_kernel): one read of x, one write of y.  The row stays in registers
+//    between the mean, variance and output passes (two-pass variance in fp32: exact, no
+//    Welford), and mean / rstd (fp32) are saved for backward.  torch's kernel is far from
+//    the bandwidth floor on these shapes (18-36% at 16384x1024..4096 bf16).  Rows of one
+//    warp (<= 128 vectors) take two rows per warp, so a warp keeps twice the bytes in flight.
 //  * backward: one read of x and dy, one write of dx.  The same kernel accumulates the
 //    dgamma / dbeta partial sums: each thread always owns the same columns, so it sums
-//    dy*xhat and dy over every row it visits in fp32 registers; a persistent grid of
-//    one or two blocks per SM (see BwdShape) keeps the [blocks, H] partial buffer small,
-//    and a second tiny kernel reduces it in a fixed order (deterministic, no float
-//    atomics); the split4 backward (the default at rows <= 1024 bf16) instead has its
-//    last blocks do that reduction themselves (fold_finish, since run 8); with
-//    MPT_LN_BWD=coop, the same kernel does it after a grid-wide barrier (cooperative
-//    launch).  The next row's x / dy are loaded before the current row is reduced
-//    (software pipelining) where registers allow, to keep enough bytes in flight with
-//    one block per SM.
-//  * backward of rows <= 128 vectors (<= 1024 bf16), the default since run 6 (split4):
-//    one 16-byte vector per thread and ceil(nvec/32) warps per row, so the per-thread
-//    accumulators are small and the registers go to 4 rows of x and dy loaded ahead
-//    (ln_bwd_split_kernel).
-//  * MPT_LN_PDL=1 (sm_90+, the default since run 5): the forward, backward and finish
-//    kernels are launched with programmatic dependent launch, so each one's launch and
-//    block start-up overlap the previous kernel's tail (pdl_wait() in every block before
-//    its first memory access).
+//    dy*xhat and dy over every row it visits in fp32 registers; a persistent grid keeps
+//    the [blocks, H] partial buffer small, and the partials are reduced in a fixed order
+//    (deterministic, no float atomics).
+//  * backward of rows <= 128 vectors (<= 1024 bf16), ln_bwd_split_kernel: one 16-byte
+//    vector per thread and ceil(nvec/32) warps per row, so the per-thread accumulators are
+//    small and the registers go to 4 rows of x and dy loaded ahead.  Its last blocks sum
+//    the partials themselves (fold_finish), so the backward is one kernel.
+//  * longer rows (ln_bwd_kernel): a row group of up to 512 threads with 2-4 vectors each,
+//    the next row's x / dy loaded before the current row is reduced where registers allow;
+//    a small second kernel (ln_param_finish) reduces the partials.
+//  * on sm_90+ the forward, backward and finish kernels are launched with programmatic
+//    dependent launch (launch.cuh), so each one's launch and block start-up overlap the
+//    previous kernel's tail.
 //  * storage fp32 / fp16 / bf16; gamma / beta either the input's dtype or fp32 (the
 //    `*-master` precisions keep normalization weights in fp32 under half activations).
 //  * rows that are misaligned (storage offset), not a multiple of the 16-byte vector or
 //    longer than the register cache take the generic kernels: scalar loads and re-reads
 //    (served by L1/L2), and a separate column reduction for dgamma / dbeta.
+// Measured figures and the variants that lost: docs/kernels/norm.md.
+#include "launch.cuh"
 #include "row_reduce.cuh"
 #include "type_shim.h"
 
-#include <cooperative_groups.h>
-
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 #include <vector>
 
 namespace {
 
 using namespace mpt;
-
-// Kept here rather than in row_reduce.cuh so that the other row kernels' translation units
-// (softmax.cu) are not affected while only this file uses them.
-// ---- programmatic dependent launch (Hopper, sm_90+) ---------------------------------
-// A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization may start
-// (launch, become resident, run its prologue) while the previous kernel in the stream
-// is still draining; it must execute pdl_wait() before touching memory that kernel may
-// write.  pdl_wait returns once the previous grid has completed and its writes are
-// visible; it is a no-op in a kernel launched without the attribute.
-// pdl_launch_dependents() lets the next (PDL-launched) kernel start launching once every
-// block of this grid has executed it (or exited); calling it first thing is safe because
-// the dependent still waits for this grid's completion in its own pdl_wait().
-// Every kernel that is ever launched with the attribute must call pdl_wait() in every
-// block before it exits: that keeps "grid completed" transitive along a chain of PDL
-// launches.  Compiled out below sm_90 (the host never sets the attribute there: see
-// pdl_supported() below).
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // The forward zeroes the backward's finish counter (see fold_finish): the counter is a word
 // of the statistics buffer this forward returns, so every forward hands its backward a
@@ -84,13 +53,12 @@ __device__ __forceinline__ void group_barrier(int id, int nthreads) {
 
 // ============================== forward ================================================
 
-// R rows per row group (R = 2 at warp-per-row shapes, the default since run 7): all R
-// rows' vectors are loaded before the first reduction, so a warp keeps R times the bytes
-// in flight and the R rows' shuffle reductions interleave.  Why: ncu at 16384x1024 bf16
-// (run 7) showed the R = 1 kernel at 20.5 us with DRAM reads at ~1.6 TB/s, latency-bound
-// (one row's loads per warp, then reductions and stores with nothing in flight).  H200,
-// run 7, fwd alone: R = 2 73.2% / 86.9% of floor at 16384x1024 / 65536x768 against R = 1's
-// 72.3% / 85.1%; R = 4 (113 registers, half the warps) lost at both (67.7% / 82.7%).
+// R rows per row group (R = 2 where a row is one warp's, i.e. <= 128 vectors; 1 for wider
+// row groups): all R rows' vectors are loaded before the first reduction, so a warp keeps
+// R times the bytes in flight and the R rows' shuffle reductions interleave.  Why: with
+// one row per warp the kernel is latency-bound (one row's loads per warp, then reductions
+// and stores with nothing in flight; ncu at 16384x1024 bf16: DRAM reads at ~1.6 TB/s).
+// R = 4 needs ~113 registers, which halves the resident warps, and was slower.
 template <typename T, typename W, int TPR, int NV, int BLOCK, int R>
 __global__ void __launch_bounds__(BLOCK)
 ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma, const W* __restrict__ beta,
@@ -312,10 +280,9 @@ __device__ __forceinline__ void store_block_partial(const float (&dg)[NV][VEC], 
 // Sums partial rows [0, P) of columns [tile * COLS, tile * COLS + COLS) and writes
 // dgamma / dbeta there.  Block: COLS columns x LANES = BLOCK / COLS partial lanes; `s` is
 // [2][LANES][COLS + 1] floats of shared memory.  The lanes' sums meet in a fixed-order tree
-// (deterministic).  COLS = 8 (the standalone finish since run 7): H / 8 blocks, so a
-// 1024-wide row fills 128 SMs instead of 32, and each thread has only P / 64 partials to
-// load -- one L2 round trip at P = 256.  ncu, run 7: the COLS = 32 finish took 5.0 us of
-// the 56 us fwd+bwd at 16384x1024 (32 blocks, 420 GB/s from L2).
+// (deterministic).  COLS = 8 below 2048 columns: H / 8 blocks, so a 1024-wide row fills
+// 128 SMs instead of 32, and each thread has only P / 64 partials to load (one L2 round
+// trip at P = 256); 32-column tiles already make 64+ blocks from 2048 columns on.
 // BAR: 0 syncs the whole block (__syncthreads); 1..15, a named barrier over the first
 // BLOCK threads only (fold_finish in a block wider than BLOCK).  The partials are read
 // through L2 (__ldcg): in fold_finish other blocks of the same grid wrote them.
@@ -368,11 +335,11 @@ __device__ __forceinline__ void param_finish_tile(const float* dg_part, const fl
   sync();  // `s` is reused by the next tile
 }
 
-// ---- dgamma / dbeta finished inside the split backward (MPT_LN_FOLD=1, default since run 8) ----
-// Why: the separate finish kernel took 5.0 us of the ~54 us fwd+bwd at 16384x1024 (ncu,
-// run 7), mostly launch, ramp and tail, against a 39.5 us floor for the whole step.  Here
-// the last F blocks to finish their rows sum the partials themselves, one 8-column tile
-// each (F = min(grid, tiles)), while the rest of the grid exits.
+// ---- dgamma / dbeta finished inside the split backward (fold_finish) ----------------
+// Why: a separate finish kernel costs ~5 us at 16384x1024 (mostly launch, ramp and tail)
+// against a ~40 us floor for the whole forward + backward.  Here the last F blocks to
+// finish their rows sum the partials themselves, one 8-column tile each
+// (F = min(grid, tiles)), while the rest of the grid exits.
 // Protocol, on one counter word `work` (zeroed by the forward, see zero_fold_counter):
 //  * every block makes its partial row visible (__threadfence) and takes a ticket with
 //    atomicInc(work, P + F - 1) -- the first P tickets are 0 .. P - 1;
@@ -420,17 +387,14 @@ __device__ __forceinline__ void fold_finish(const float* dg_part, const float* d
   if (threadIdx.x == 0) atomicInc(work, P + F - 1);
 }
 
-// FUSED_FINISH (MPT_LN_BWD=coop): after writing its partial row, the grid meets at a
-// grid-wide barrier (cooperative launch; the grid is the resident one anyway) and the
-// blocks then sum the partials tile by tile themselves, in the same fixed order as
-// ln_param_finish.  Saves the finish kernel's launch, ramp and tail and the gap before
-// it, a few microseconds that matter at 16384x1024 (whole fwd+bwd floor 39.5 us).
-template <typename T, typename W, int TPR, int NV, int BLOCK, int MINB, bool PREFETCH, bool FUSED_FINISH>
+// The backward of rows of 129..2048 vectors: a row group of TPR threads with NV vectors
+// each; PREFETCH loads the next row's x / dy and statistics before the current row is
+// reduced.  Writes this block's [H] dgamma / dbeta partial row; ln_param_finish sums them.
+template <typename T, typename W, int TPR, int NV, int BLOCK, int MINB, bool PREFETCH>
 __global__ void __launch_bounds__(BLOCK, MINB)
 ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
               const float* __restrict__ rstd, const W* __restrict__ gamma, T* __restrict__ dx,
-              float* dg_part, float* db_part, int64_t rows, int H,
-              bool rms, W* dgamma, W* dbeta) {
+              float* dg_part, float* db_part, int64_t rows, int H, bool rms) {
   constexpr int VEC = Vec16<T>::n, RPB = BLOCK / TPR;
   __shared__ float red[2][BLOCK / 32 * 2];
   pdl_launch_dependents();
@@ -520,26 +484,17 @@ ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __
     __shared__ float acc[2 * TPR * NV * VEC];
     store_block_partial<TPR, NV, VEC, BLOCK>(dg, db, dg_part, db_part, H, acc);
   }
-  if constexpr (FUSED_FINISH) {
-    __shared__ float fin[2 * (BLOCK / 32) * 33];  // param_finish_tile<W, BLOCK, 32>
-    __threadfence();
-    cooperative_groups::this_grid().sync();
-    const int P = static_cast<int>(gridDim.x);
-    for (int tile = blockIdx.x; tile * 32 < H; tile += gridDim.x)
-      param_finish_tile<W, BLOCK, 32>(dg_part, db_part, P, H, tile, dgamma, dbeta, fin);
-  }
 }
 
-// ---- split rows (MPT_LN_BWD=split4, the default at <= 128 vectors) ------------------
+// ---- split rows: the backward of rows <= 128 vectors ---------------------------------
 // One 16-byte vector of x and of dy per thread per row (NV = 1): a row of <= 128 vectors
 // (1024 bf16) is spread over TPR = 32 * ceil(nvec / 32) threads (768 bf16: 3 warps, 1024:
 // 4), so the per-thread cost of the dgamma / dbeta accumulators and gamma is small, and
-// the registers left go to DEPTH rows of x / dy loaded ahead.  Why: the b256 / b512
-// kernels hold 1-2 rows per row group at ~120 registers (~32 KB in flight per SM, and not
+// the registers left go to DEPTH = 4 rows of x / dy loaded ahead.  Why: ln_bwd_kernel
+// holds 1-2 rows per row group at ~120 registers (~32 KB in flight per SM, and not
 // continuously), under what HBM needs (Little's law: ~4.25 TB/s x ~0.9 us / 132 SMs
-// ~ 29 KB of reads in flight *at all times*).  In flight per SM at DEPTH 4 (split4):
-// 16-18 warps x 4 rows x 32 B per lane (~60 KB).  DEPTH 3 and DEPTH 6 with the sums in
-// shared memory lost to it on the H200 (run 6) and were removed.
+// ~ 29 KB of reads in flight *at all times*).  In flight per SM at DEPTH 4: 16-18 warps
+// x 4 rows x 32 B per lane (~60 KB).
 // The row slots rotate by unrolling the row loop DEPTH + 1 times (slot indices are
 // compile-time), since copying a prefetched register would wait for its load.
 // A row group's warps meet at a named barrier (id 1 + group, TPR threads), not at
@@ -710,9 +665,7 @@ ln_bwd_split_kernel(const T* __restrict__ dy, const T* __restrict__ x, const flo
     __shared__ float acc[2 * TPR * VEC];
     store_block_partial<TPR, 1, VEC, BLOCK>(dg, db, dg_part, db_part, H, acc);
   }
-  if constexpr (BLOCK >= 256) {
-    if (work != nullptr) fold_finish<W, BLOCK>(dg_part, db_part, H, work, dgamma, dbeta);
-  }
+  if (work != nullptr) fold_finish<W, BLOCK>(dg_part, db_part, H, work, dgamma, dbeta);
 }
 
 // dx for any H / alignment: the row sums in one pass, dx in a second (re-read from L1/L2).
@@ -801,124 +754,17 @@ ln_param_finish(const float* __restrict__ dg_part, const float* __restrict__ db_
 constexpr const char* kFwd = "mptrain layer_norm forward";
 constexpr const char* kBwd = "mptrain layer_norm backward";
 
-int num_sms() {
-  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-}
-
 template <typename W>
 const W* opt_ptr(const at::Tensor& t) {
   return t.defined() ? reinterpret_cast<const W*>(t.data_ptr()) : nullptr;
 }
 
-// Launch variants are read from the environment on every call (so one process can
-// benchmark them all; a CUDA graph keeps the variant it captured).
-const char* env_value(const char* name) {
-  const char* v = std::getenv(name);
-  return (v == nullptr || *v == 0) ? nullptr : v;
-}
-
-// $MPT_LN_PDL=1: launch the forward, backward and finish kernels with programmatic
-// dependent launch (Hopper): each may launch and become resident while the kernel before
-// it in the stream drains, and waits in pdl_wait() before touching memory.  Only where
-// the device is sm_90+ and the kernels were compiled for it (a binary JIT-compiled from
-// older PTX has no griddepcontrol.wait in it, and the attribute would then be unsafe).
-bool pdl_requested() {
-  // On by default since run 5 (H200: +1-2 points of floor at every shape, never slower).
-  const char* v = env_value("MPT_LN_PDL");
-  if (v == nullptr) return true;
-  if (std::strcmp(v, "0") == 0) return false;
-  MPT_CHECK(std::strcmp(v, "1") == 0, "MPT_LN_PDL=", v, " is not a valid setting; use 0 or 1");
-  return true;
-}
-bool pdl_supported() {
-  if (at::cuda::getCurrentDeviceProperties()->major < 9) return false;
-  static const bool compiled_for_sm90 = [] {
-    cudaFuncAttributes a{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(ln_param_finish<float, 8>)));
-    return a.ptxVersion >= 90;
-  }();
-  return compiled_for_sm90;
-}
-bool use_pdl() { return pdl_requested() && pdl_supported(); }
-
-// Launches `kernel` on `stream`, with the programmatic-dependent-launch attribute when
-// `pdl` (stream capture records it as a programmatic graph edge, CUDA >= 12.3).
-template <typename... KArgs, typename... Args>
-void launch_kernel(void (*kernel)(KArgs...), int64_t grid, int block, size_t smem, cudaStream_t stream, bool pdl,
-                   Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(block);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
-}
-
-// Resident blocks per SM of `kernel` (at least 1); sets the dynamic shared memory limit
-// first when the kernel needs more than the default 48 KB.
-template <typename Kernel>
-int blocks_per_sm(Kernel kernel, int block, size_t smem) {
-  if (smem > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, smem));
-  return n < 1 ? 1 : n;
-}
-
-// Persistent grid over `groups` units of work: as many iterations per block as the
-// resident grid (`cap` blocks) needs, then the fewest blocks that cover the work in that
-// many, so the last iteration is (nearly) full instead of, e.g., 64 of 2112 rows at
-// 65536x768 on 264 blocks.  Never more than `cap` (the cooperative launch requires it).
-int64_t balanced_grid(int64_t groups, int64_t cap) {
-  const int64_t iters = (groups + cap - 1) / cap;
-  return (groups + iters - 1) / iters;
-}
-
-// $MPT_LN_FINISH: column-tile width of the dgamma / dbeta finish kernel.  "auto" (default
-// since run 7): 8 below 2048 columns, 32 from there (H200, run 7, bwd alone: 8 columns
-// 70.1% / 83.4% of floor at 1024 / 768 against 32's 67.9% / 83.0%, but 76.6% against
-// 77.8% at 4096, where 32 columns already make 128 blocks); "8" or "32" force one.
-int finish_cols(int H) {
-  const char* v = env_value("MPT_LN_FINISH");
-  if (v == nullptr || std::strcmp(v, "auto") == 0) return H < 2048 ? 8 : 32;
-  if (std::strcmp(v, "8") == 0) return 8;
-  MPT_CHECK(std::strcmp(v, "32") == 0, "MPT_LN_FINISH=", v, " is not a finish tile width; use auto, 8 or 32");
-  return 32;
-}
-
-// $MPT_LN_FOLD: "1" (default since run 8): the split4 backward finishes dgamma / dbeta
-// itself (fold_finish) when the forward's counter is passed in; "0": the separate finish
-// kernel (ln_param_finish) as before run 8.
-bool fold_enabled() {
-  const char* v = env_value("MPT_LN_FOLD");
-  if (v == nullptr || std::strcmp(v, "1") == 0) return true;
-  MPT_CHECK(std::strcmp(v, "0") == 0, "MPT_LN_FOLD=", v, " is not a valid setting; use 0 or 1");
-  return false;
-}
+// Programmatic dependent launch for the forward, backward and finish kernels wherever the
+// device and the binary support it (launch.cuh): +1-2 points of the bandwidth floor at
+// every measured shape on the H200, never slower.
+bool use_pdl() { return pdl_supported(ln_param_finish<float, 8>); }
 
 // ---- forward ----
-// $MPT_LN_FWD: "auto" (default): the register-cached ln_fwd_kernel (non-persistent), R = 2
-// rows per warp where a row is one warp's (<= 128 vectors), one row per group elsewhere.
-// "r1": one row per warp everywhere (the kernel before run 7, kept to compare).  ("ring", a
-// persistent cp.async variant, lost in run 5, "r4" in run 7; in run 8 "o8" -- R = 2 held
-// to 64 registers so 8 blocks fit an SM (1.94 waves at 16384x1024 instead of 2.2): 71.1%
-// vs 72.5% of the fwd floor -- and "split" -- the backward's split4 layout as a persistent
-// forward, DEPTH 4 rows of x ahead, two group barriers per row: 71.3% vs 73.8% at
-// 16384x1024, 82.6% vs 86.2% at 65536x768; all removed.)  A stale or misspelt setting fails
-// instead of silently running auto.
-int fwd_rows_per_group() {
-  const char* v = env_value("MPT_LN_FWD");
-  if (v == nullptr || std::strcmp(v, "auto") == 0) return 2;
-  MPT_CHECK(std::strcmp(v, "r1") == 0, "MPT_LN_FWD=", v, " is not a forward variant; use auto or r1");
-  return 1;
-}
-
 template <typename T, typename W, int TPR, int NV, int R>
 void launch_fwd_rows(const T* xp, const W* gp, const W* bp, T* yp, float* mean, float* rstd, unsigned* work,
                      int64_t rows, int H, float eps, bool rms, cudaStream_t stream, bool pdl) {
@@ -942,15 +788,10 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
   const bool aligned = H % VEC == 0 && aligned16(xp) && aligned16(yp) && aligned16(gp) && aligned16(bp);
   const RowShape shape = aligned ? pick_row_shape(H / VEC) : RowShape::Generic;
   const bool pdl = use_pdl();
-  const int R = fwd_rows_per_group();
   if (shape != RowShape::Generic) {
     MPT_ROW_SHAPE_SWITCH(shape, {
-      if constexpr (TPR == 32) {
-        if (R == 2) launch_fwd_rows<T, W, TPR, NV, 2>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
-        else launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
-      } else {
-        launch_fwd_rows<T, W, TPR, NV, 1>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
-      }
+      constexpr int R = TPR == 32 ? 2 : 1;  // two rows per warp where a row is one warp's
+      launch_fwd_rows<T, W, TPR, NV, R>(xp, gp, bp, yp, mean, rstd, work, rows, H, eps, rms, stream, pdl);
     });
   } else if (H <= 1024) {
     const int64_t grid = (rows + 3) / 4;
@@ -963,56 +804,28 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, a
 }
 
 // ---- backward ----
-// The (TPR, NV) shapes of the backward kernel: NV = 2 with prefetch where the row fits,
-// so the per-thread dgamma/dbeta accumulators plus two rows of vectors stay in registers.
-// Launch families, chosen per call by $MPT_LN_BWD:
-//  * "b512": 512-thread blocks, one per SM, the W* table below (the first design).
-//  * "b256": for rows of <= 128 vectors (1024 bf16), one warp per row with
-//    NV = ceil(nvec / 32) (768 bf16 = 96 vectors = 32 x 3: no idle slots, no barriers),
-//    256-thread blocks, two per SM (__launch_bounds__(256, 2): <= 128 registers).  NV 3-4
-//    without prefetch: with it ptxas spilled 84-92 B/thread at the 128-register cap.
-//    Longer rows use the b512 table.
-//  * "auto" (default): the faster of the two as measured on the H200 (run 2, graph-timed
-//    fwd+bwd): b256 up to 96 vectors (65536x768: 77.0% vs 74.0% of floor), b512 above
-//    (16384x1024: 66.0% vs 56.0%; 4096 is the same kernel in both).
-//  * "coop": auto's shapes, with dgamma / dbeta finished inside the backward kernel
-//    after a grid-wide barrier (FUSED_FINISH): one kernel instead of two.
-//  * "split4" (run 6): for rows of <= 128 vectors, ln_bwd_split_kernel (one vector per
-//    thread, ceil(nvec / 32) warps per row, named barrier per row group, 4 rows ahead in
-//    registers); see launch_bwd_split4_wpg.  Longer rows use auto's table.
-//  Removed after run 6, having lost on the H200: "ring" (shared-memory row ring, run 5)
-//  and "split" / "split6" (DEPTH 3 / DEPTH 6 with shared-memory sums, run 6).
-enum class BwdShape { W32x2, W64x2, W128x2, W256x2, W512x2, W512x4, N32x1, N32x2, N32x3, N32x4, Generic };
-enum class BwdFamily { Auto, B256, B512, Coop, Split4 };
-BwdFamily bwd_family() {
-  // The default ("auto") since run 6: split4 (H200 bwd 65536x768 83.2% vs 72.1%,
-  // 16384x1024 68.0% vs 62.7%); rows over 128 vectors and misaligned rows take the run-5 table (b256 at <= 96
-  // vectors, b512 above: still selectable by name).
-  const char* v = env_value("MPT_LN_BWD");
-  if (v == nullptr || std::strcmp(v, "auto") == 0) return BwdFamily::Split4;
-  if (std::strcmp(v, "b256") == 0) return BwdFamily::B256;
-  if (std::strcmp(v, "b512") == 0) return BwdFamily::B512;
-  if (std::strcmp(v, "split4") == 0) return BwdFamily::Split4;
-  MPT_CHECK(std::strcmp(v, "coop") == 0, "MPT_LN_BWD=", v,
-              " is not a backward variant; use auto, b256, b512, coop or split4");
-  return BwdFamily::Coop;
-}
-BwdShape pick_bwd_shape(int64_t nvec, BwdFamily family) {
-  const int64_t narrow_max = family == BwdFamily::B256 ? 128 : family == BwdFamily::B512 ? 0 : 96;
-  if (nvec <= narrow_max) {
-    if (nvec <= 32) return BwdShape::N32x1;
-    if (nvec <= 64) return BwdShape::N32x2;
-    if (nvec <= 96) return BwdShape::N32x3;
-    return BwdShape::N32x4;
-  }
-  if (nvec <= 64) return BwdShape::W32x2;
-  if (nvec <= 128) return BwdShape::W64x2;
+// By row length in 16-byte vectors (aligned rows):
+//  * <= 128 (1024 bf16): ln_bwd_split_kernel (launch_bwd_split4), which also finishes
+//    dgamma / dbeta itself when the forward's counter is passed in;
+//  * 129..2048: ln_bwd_kernel in 512-thread blocks, one per SM, the (TPR, NV) shapes
+//    below: NV = 2 with the next row prefetched up to 1024 vectors (the accumulators plus
+//    two rows of vectors fit the registers: 112-127, no spills), NV = 4 without prefetch
+//    above (128 registers, ~70 B spilled: only H in 8193..16384 half / 4097..8192 fp32);
+//  * longer or misaligned rows: the generic kernels.
+enum class BwdShape { Split, W128x2, W256x2, W512x2, W512x4, Generic };
+BwdShape pick_bwd_shape(int64_t nvec) {
+  if (nvec <= 128) return BwdShape::Split;
   if (nvec <= 256) return BwdShape::W128x2;
   if (nvec <= 512) return BwdShape::W256x2;
   if (nvec <= 1024) return BwdShape::W512x2;
   if (nvec <= 2048) return BwdShape::W512x4;
   return BwdShape::Generic;
 }
+
+// Column-tile width of the finish kernel: 8 below 2048 columns (more blocks for short
+// rows: H200 bwd alone 70.1% / 83.4% of the floor at 1024 / 768 against 67.9% / 83.0%
+// with 32), 32 from there (76.6% against 77.8% with 8 at 4096).
+int finish_cols(int H) { return H < 2048 ? 8 : 32; }
 
 // Everything one backward launch of the row-cached kernels needs.
 template <typename T, typename W>
@@ -1030,11 +843,11 @@ struct BwdArgs {
   at::TensorOptions fopts;
   at::Tensor* dg_part;  // [grid, H] fp32 partials, allocated by the launch
   at::Tensor* db_part;
-  W* dgamma;  // filled by the kernel itself only under FUSED (coop) or with `work` (split4)
+  W* dgamma;  // filled by the split kernel itself when `work` is set
   W* dbeta;
   cudaStream_t stream;
   bool pdl;
-  unsigned* work;  // the forward's zeroed finish counter: split4 finishes dgamma / dbeta itself
+  unsigned* work;  // the forward's zeroed finish counter: the split kernel finishes dgamma / dbeta itself
 
   void alloc_partials(int64_t grid) const {
     if (want_dg) *dg_part = at::empty({grid, H}, fopts);
@@ -1044,43 +857,18 @@ struct BwdArgs {
   float* dbq() const { return want_db ? db_part->data_ptr<float>() : nullptr; }
 };
 
-// One backward launch of the row-cached kernel; fills dgamma / dbeta itself when
-// FUSED (cooperative launch), else leaves [grid, H] partials for ln_param_finish.
-template <typename T, typename W, int TPR, int NV, bool PREFETCH, int BLOCK, int MINB, bool FUSED>
-void launch_bwd_kernel(const BwdArgs<T, W>& a) {
-  constexpr int RPB = BLOCK / TPR;
-  auto kernel = ln_bwd_kernel<T, W, TPR, NV, BLOCK, MINB, PREFETCH, FUSED>;
-  static const int per_sm = blocks_per_sm(kernel, BLOCK, 0);
+// One backward launch of the row-cached kernel on a persistent grid; leaves [grid, H]
+// partials for ln_param_finish.
+template <typename T, typename W, int TPR, int NV, bool PREFETCH>
+void launch_bwd_cached(const BwdArgs<T, W>& a) {
+  constexpr int BLOCK = 512, MINB = 1, RPB = BLOCK / TPR;
+  auto kernel = ln_bwd_kernel<T, W, TPR, NV, BLOCK, MINB, PREFETCH>;
+  static const int per_sm = blocks_per_sm(kernel, BLOCK);
   const int64_t grid = balanced_grid((a.rows + RPB - 1) / RPB, int64_t(num_sms()) * per_sm);
   a.alloc_partials(grid);
-  float* dgq = a.dgq();
-  float* dbq = a.dbq();
-  if constexpr (FUSED) {
-    const T *dyp = a.dy, *xp = a.x;
-    const float *mean = a.mean, *rstd = a.rstd;
-    const W* gp = a.gamma;
-    T* dxp = a.dx;
-    int64_t rows = a.rows;
-    int H = a.H;
-    bool rms = a.rms;
-    W *dgp = a.dgamma, *dbp = a.dbeta;
-    void* args[] = {(void*)&dyp, (void*)&xp, (void*)&mean, (void*)&rstd, (void*)&gp, (void*)&dxp,
-                    (void*)&dgq, (void*)&dbq, (void*)&rows, (void*)&H, (void*)&rms, (void*)&dgp, (void*)&dbp};
-    C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(grid), dim3(BLOCK), args,
-                                               0, a.stream));
-  } else {
-    launch_kernel(kernel, grid, BLOCK, 0, a.stream, a.pdl, a.dy, a.x, a.mean, a.rstd, a.gamma, a.dx, dgq, dbq, a.rows,
-                  a.H, a.rms, a.dgamma, a.dbeta);
-  }
+  launch_kernel(kernel, grid, BLOCK, 0, a.stream, a.pdl, a.dy, a.x, a.mean, a.rstd, a.gamma, a.dx, a.dgq(), a.dbq(),
+                a.rows, a.H, a.rms);
   MPT_CHECK_LAUNCH(kBwd);
-}
-
-template <typename T, typename W, int TPR, int NV, bool PREFETCH, int BLOCK = 512, int MINB = 1>
-void launch_bwd_cached(bool fused, const BwdArgs<T, W>& a) {
-  if (fused)
-    launch_bwd_kernel<T, W, TPR, NV, PREFETCH, BLOCK, MINB, true>(a);
-  else
-    launch_bwd_kernel<T, W, TPR, NV, PREFETCH, BLOCK, MINB, false>(a);
 }
 
 // The split kernel for rows of TPR / 32 warps (one vector per thread).
@@ -1088,7 +876,7 @@ template <typename T, typename W, int TPR, int BLOCK, int MINB, int DEPTH>
 void launch_bwd_split(const BwdArgs<T, W>& a) {
   constexpr int G = BLOCK / TPR;
   auto kernel = ln_bwd_split_kernel<T, W, TPR, BLOCK, MINB, DEPTH>;
-  static const int per_sm = blocks_per_sm(kernel, BLOCK, 0);
+  static const int per_sm = blocks_per_sm(kernel, BLOCK);
   const int64_t grid = balanced_grid((a.rows + G - 1) / G, int64_t(num_sms()) * per_sm);
   a.alloc_partials(grid);
   launch_kernel(kernel, grid, BLOCK, 0, a.stream, a.pdl, a.dy, a.x, a.mean, a.rstd, a.gamma, a.dx, a.dgq(),
@@ -1096,10 +884,10 @@ void launch_bwd_split(const BwdArgs<T, W>& a) {
   MPT_CHECK_LAUNCH(kBwd);
 }
 
-// split4 (DEPTH 4): blocks of 256 threads (8 / 4 / 2 row groups of 1 / 2 / 4 warps), two
-// per SM (<= 128 registers); 3-warp rows (768 bf16): one block of 480 (5 groups of 3
-// warps) per SM (288 x 2 per SM spilled at its 113 registers).  ptxas (sm_90a, bf16): DEPTH 4 ~118
-// registers; DEPTH 2 needed ~90 (spilled at an 80 cap), DEPTH 3 ~104.
+// DEPTH 4: blocks of 256 threads (8 / 4 / 2 row groups of 1 / 2 / 4 warps), two per SM
+// (<= 128 registers); 3-warp rows (768 bf16): one block of 480 (5 groups of 3 warps) per
+// SM (288 x 2 per SM spilled at its 113 registers).  ptxas (sm_90a, bf16): ~118 registers
+// at DEPTH 4, no spills.
 template <typename T, typename W, int WPG>
 void launch_bwd_split4_wpg(const BwdArgs<T, W>& a) {
   constexpr int TPR = 32 * WPG;
@@ -1115,10 +903,30 @@ void launch_bwd_split4(int64_t nvec, const BwdArgs<T, W>& a) {
   else launch_bwd_split4_wpg<T, W, 4>(a);
 }
 
-// The narrow (warp-per-row) shapes of b256 / auto: prefetch only at NV <= 2 (see above).
-template <typename T, typename W, int NV>
-void launch_bwd_narrow(bool fused, const BwdArgs<T, W>& a) {
-  launch_bwd_cached<T, W, 32, NV, (NV <= 2), 256, 2>(fused, a);
+// Misaligned or very long rows: dx row by row, then dgamma / dbeta partials by a
+// column-reduction kernel over row chunks (into `dg_part` / `db_part`).
+template <typename T, typename W>
+void launch_bwd_generic(const BwdArgs<T, W>& a) {
+  auto stream = a.stream;
+  if (a.H <= 1024) {
+    ln_bwd_dx_generic<T, W, 32, 128><<<(a.rows + 3) / 4, 128, 0, stream>>>(a.dy, a.x, a.mean, a.rstd, a.gamma, a.dx,
+                                                                           a.rows, a.H, a.rms);
+  } else {
+    ln_bwd_dx_generic<T, W, 512, 512><<<a.rows, 512, 0, stream>>>(a.dy, a.x, a.mean, a.rstd, a.gamma, a.dx, a.rows,
+                                                                  a.H, a.rms);
+  }
+  MPT_CHECK_LAUNCH(kBwd);
+  if (!a.want_dg && !a.want_db) return;
+  // Enough row chunks to fill the GPU, each at least 8 rows.
+  const int64_t col_blocks = (a.H + 31) / 32;
+  int64_t parts = std::max<int64_t>(1, int64_t(num_sms()) * 8 / col_blocks);
+  parts = std::min<int64_t>(parts, std::max<int64_t>(1, (a.rows + 7) / 8));
+  const int64_t rpp = (a.rows + parts - 1) / parts;
+  parts = (a.rows + rpp - 1) / rpp;
+  a.alloc_partials(parts);
+  ln_param_part_generic<T><<<dim3(col_blocks, parts), 256, 0, stream>>>(a.dy, a.x, a.mean, a.rstd, a.dgq(), a.dbq(),
+                                                                        a.rows, a.H, rpp, a.rms);
+  MPT_CHECK_LAUNCH(kBwd);
 }
 
 template <typename T, typename W>
@@ -1132,70 +940,35 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& x, const float* mean, co
   T* dxp = reinterpret_cast<T*>(dx.data_ptr());
   const W* gp = opt_ptr<W>(w);
   const bool want_dg = dgamma.defined(), want_db = dbeta.defined();
-  const auto fopts = x.options().dtype(at::kFloat);
   at::Tensor dg_part, db_part;
   const bool aligned = H % VEC == 0 && aligned16(dyp) && aligned16(xp) && aligned16(dxp) && aligned16(gp);
-  const BwdFamily family = bwd_family();
-  const int fin_cols = finish_cols(H);  // read (and checked) on every call, like the family
-  const BwdShape shape = aligned ? pick_bwd_shape(H / VEC, family) : BwdShape::Generic;
-  const bool fused = family == BwdFamily::Coop && shape != BwdShape::Generic && (want_dg || want_db);
-  const bool split = family == BwdFamily::Split4 && shape != BwdShape::Generic && H / VEC <= 128;
-  const bool fold_on = fold_enabled();  // read (and checked) on every call, like the family
-  const bool fold = split && work != nullptr && (want_dg || want_db) && fold_on;
+  const BwdShape shape = aligned ? pick_bwd_shape(H / VEC) : BwdShape::Generic;
+  const bool fold = shape == BwdShape::Split && work != nullptr && (want_dg || want_db);
   const bool pdl = use_pdl();
   W* dgp = want_dg ? reinterpret_cast<W*>(dgamma.data_ptr()) : nullptr;
   W* dbp = want_db ? reinterpret_cast<W*>(dbeta.data_ptr()) : nullptr;
-  const BwdArgs<T, W> a{dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, fopts,
+  const BwdArgs<T, W> a{dyp, xp, mean, rstd, gp, dxp, want_dg, want_db, rows, H, rms, x.options().dtype(at::kFloat),
                         &dg_part, &db_part, dgp, dbp, stream, pdl, fold ? work : nullptr};
-  if (split) launch_bwd_split4<T, W>(H / VEC, a);
-  else switch (shape) {
-    case BwdShape::W32x2: launch_bwd_cached<T, W, 32, 2, true>(fused, a); break;
-    case BwdShape::W64x2: launch_bwd_cached<T, W, 64, 2, true>(fused, a); break;
-    case BwdShape::W128x2: launch_bwd_cached<T, W, 128, 2, true>(fused, a); break;
-    case BwdShape::W256x2: launch_bwd_cached<T, W, 256, 2, true>(fused, a); break;
-    case BwdShape::W512x2: launch_bwd_cached<T, W, 512, 2, true>(fused, a); break;
-    case BwdShape::W512x4: launch_bwd_cached<T, W, 512, 4, false>(fused, a); break;
-    case BwdShape::N32x1: launch_bwd_narrow<T, W, 1>(fused, a); break;
-    case BwdShape::N32x2: launch_bwd_narrow<T, W, 2>(fused, a); break;
-    case BwdShape::N32x3: launch_bwd_narrow<T, W, 3>(fused, a); break;
-    case BwdShape::N32x4: launch_bwd_narrow<T, W, 4>(fused, a); break;
-    default: {
-      if (H <= 1024) {
-        ln_bwd_dx_generic<T, W, 32, 128><<<(rows + 3) / 4, 128, 0, stream>>>(dyp, xp, mean, rstd, gp, dxp, rows, H, rms);
-      } else {
-        ln_bwd_dx_generic<T, W, 512, 512><<<rows, 512, 0, stream>>>(dyp, xp, mean, rstd, gp, dxp, rows, H, rms);
-      }
-      MPT_CHECK_LAUNCH(kBwd);
-      if (!want_dg && !want_db) break;
-      // Enough row chunks to fill the GPU, each at least 8 rows.
-      const int64_t col_blocks = (H + 31) / 32;
-      int64_t parts = std::max<int64_t>(1, int64_t(num_sms()) * 8 / col_blocks);
-      parts = std::min<int64_t>(parts, std::max<int64_t>(1, (rows + 7) / 8));
-      const int64_t rpp = (rows + parts - 1) / parts;
-      parts = (rows + rpp - 1) / rpp;
-      if (want_dg) dg_part = at::empty({parts, H}, fopts);
-      if (want_db) db_part = at::empty({parts, H}, fopts);
-      ln_param_part_generic<T><<<dim3(col_blocks, parts), 256, 0, stream>>>(
-          dyp, xp, mean, rstd, want_dg ? dg_part.data_ptr<float>() : nullptr,
-          want_db ? db_part.data_ptr<float>() : nullptr, rows, H, rpp, rms);
-      MPT_CHECK_LAUNCH(kBwd);
-    }
+  switch (shape) {
+    case BwdShape::Split: launch_bwd_split4<T, W>(H / VEC, a); break;
+    case BwdShape::W128x2: launch_bwd_cached<T, W, 128, 2, true>(a); break;
+    case BwdShape::W256x2: launch_bwd_cached<T, W, 256, 2, true>(a); break;
+    case BwdShape::W512x2: launch_bwd_cached<T, W, 512, 2, true>(a); break;
+    case BwdShape::W512x4: launch_bwd_cached<T, W, 512, 4, false>(a); break;
+    default: launch_bwd_generic<T, W>(a); break;
   }
-  if ((!want_dg && !want_db) || fused || fold) return;
-  const at::Tensor& any = want_dg ? dg_part : db_part;
-  const int P = static_cast<int>(any.size(0));
-  // PDL here too: the finish kernel's blocks launch while the backward drains (only after
-  // a PDL-capable backward; the generic path's kernels are plain launches, and a PDL launch
-  // after a plain one simply waits for it).
+  if ((!want_dg && !want_db) || fold) return;
+  const int P = static_cast<int>((want_dg ? dg_part : db_part).size(0));
+  // PDL here too: the finish kernel's blocks launch while the backward drains (the generic
+  // path's kernels are plain launches, and a PDL launch after a plain one simply waits).
   float* dgq = want_dg ? dg_part.data_ptr<float>() : nullptr;
   float* dbq = want_db ? db_part.data_ptr<float>() : nullptr;
-  if (fin_cols == 8)
+  if (finish_cols(H) == 8)
     launch_kernel(ln_param_finish<W, 8>, (H + 7) / 8, 512, 0, stream, pdl, dgq, dbq, P, H, dgp, dbp);
   else
     launch_kernel(ln_param_finish<W, 32>, (H + 31) / 32, 512, 0, stream, pdl, dgq, dbq, P, H, dgp, dbp);
   MPT_CHECK_LAUNCH(kBwd);
 }
-
 // Checks shared by forward and backward; returns the number of rows.
 int64_t check_inputs(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                      int64_t H, bool rms) {

@@ -33,23 +33,22 @@ struct AdamArgs {
 
 // lists: 0 grad (G), 1 param (P), 2 exp_avg (S), 3 exp_avg_sq (S), 4 step (float, one value),
 //        5 fp32 master weight (MASTER only)
-// ILP x V elements per thread per chunk, STREAM: streaming cache hints on the vector
-// accesses (see adam_master_launch for the combinations in use).
-template <typename G, typename P, typename S, bool MASTER, int ILP = 2, int V = kVec, bool STREAM = false>
+// ILP x V elements per thread per chunk (see adam_master_launch for the master-weight shape).
+template <typename G, typename P, typename S, bool MASTER, int ILP = 2, int V = kVec>
 struct AdamOp {
   static constexpr int kILP = ILP;
   static constexpr int kVecElems = V;
   // Four fp32 streams of ILP * V floats each are live at once, beside the double
   // bias-correction math that runs while they are in flight: 8 floats per stream need
-  // ~70 registers (64 spilled 120 B), i.e. 3 blocks of 256 per SM, which run-1's
-  // blocks/SM sweep also found fastest; 16 floats need ~128 (125 for 2 x 8), i.e. 2 blocks.
+  // ~70 registers (64 spilled 120 B), i.e. 3 blocks of 256 per SM, which a blocks/SM
+  // sweep on the H200 also found fastest; 16 floats need ~128, i.e. 2 blocks.
   static constexpr int kMinBlocks = ILP * V > 8 ? 2 : 3;
   static constexpr int kDepth = MASTER ? 6 : 5;
   AdamArgs a;
 
   __device__ bool skip() const { return a.found_inf != nullptr && *a.found_inf != 0.f; }
 
-  // Queue launches (variants 5, 6): the last block advances the step counts, after every
+  // Queue launch (master weights): the last block advances the step counts, after every
   // block has read them, so the step needs no step_increment launch of its own.
   __device__ void last_block(const TensorListMeta<kDepth>& meta) const {
     for (int t = threadIdx.x; t < meta.ntensors; t += blockDim.x) *static_cast<float*>(meta.addr[4][t]) += 1.f;
@@ -74,11 +73,11 @@ struct AdamOp {
     // Loads first: the step count, lr and scale reads and the double-precision bias
     // corrections below then run while the chunk's bytes are in flight.
     float rg[ILP][V], rw[ILP][V], rm[ILP][V], rv[ILP][V];
-    load_frag<FULL, STREAM>(rg, g, n, vec);
-    if (MASTER) load_frag<FULL, STREAM>(rw, master, n, vec);
-    else load_frag<FULL, STREAM>(rw, p, n, vec);
-    load_frag<FULL, STREAM>(rm, m, n, vec);
-    load_frag<FULL, STREAM>(rv, v, n, vec);
+    load_frag<FULL>(rg, g, n, vec);
+    if (MASTER) load_frag<FULL>(rw, master, n, vec);
+    else load_frag<FULL>(rw, p, n, vec);
+    load_frag<FULL>(rm, m, n, vec);
+    load_frag<FULL>(rv, v, n, vec);
     const float step = *static_cast<const float*>(meta.addr[4][t]) + 1.f;
     const float lr = read_or(a.lr_ptr, a.lr);
     const float step_size = static_cast<float>(lr / bias_correction(a.log_beta1, step));
@@ -102,62 +101,24 @@ struct AdamOp {
         rv[k][j] = vk;
       }
     }
-    if (MASTER) store_frag<FULL, STREAM>(master, rw, n, vec);
-    store_frag<FULL, STREAM>(p, rw, n, vec);
-    store_frag<FULL, STREAM>(m, rm, n, vec);
-    store_frag<FULL, STREAM>(v, rv, n, vec);
+    if (MASTER) store_frag<FULL>(master, rw, n, vec);
+    store_frag<FULL>(p, rw, n, vec);
+    store_frag<FULL>(m, rm, n, vec);
+    store_frag<FULL>(v, rv, n, vec);
   }
 };
 
-// Variants of the master-weight kernel (multi_tensor_set_variant; the benchmark
-// sweeps them). Shapes: 2 x 4 = 2 groups of 4 (8-byte half / 16-byte fp32 accesses,
-// 2048-element chunks, 80 registers, 3 blocks/SM); 4 x 4 (twice the bytes in flight
-// per thread, 2 blocks/SM); 2 x 8 (16-byte half accesses, two 16-byte accesses per
-// fp32 group, 4096-element chunks, 125 registers, 2 blocks/SM).
-//   0 (default since run 5) = 6 = 1 x 8 in the queue kernel (multi_tensor_apply_queue: the
-//                 resident grid takes chunks from an atomic counter, its last block advances
-//                 the step counts): 2.310 ms = 95.7% of floor on the H200 (run 5)
-//   5 = 2 x 8 in the queue kernel (2.358 ms)
-//   7 = 2 x 8 on a grid of 16 blocks/SM (8 waves of the 2 resident blocks), the default of
-//       runs 3-4: 2.462 ms
-//   1 = 4 x 4, persistent grid          2 = 2 x 8, persistent grid
-//   3 = 2 x 4, persistent grid (run 2's default)
-//   4 = variant 0 plus streaming cache hints (ld/st.global.cs) on every vector access
-// The Python blocks/SM override applies to all of them.
-constexpr int kAdamGridPerSm = 16;
-
+// The master-weight step (half params, fp32 masters and moments): 1 group of 8 elements
+// per thread (16-byte half / two 16-byte fp32 accesses, 80 registers, 3 blocks/SM) in the
+// queue kernel (multi_tensor_apply_queue: the resident grid takes chunks from an atomic
+// counter, and its last block advances the step counts, so the step is one launch).  H200,
+// 335M params, AdamW bf16: 2.30 ms, 96% of the bandwidth floor, against 2.35 ms for 2 x 8
+// in the queue kernel and 2.46 ms for 2 x 8 on a fixed 16 blocks/SM grid (the wave tail of
+// fixed-stride grids cost ~6%); 4 x 4 and 2 x 4 on a persistent grid and streaming cache
+// hints were slower still (docs/kernels/optim.md).
 template <typename T>
-void adam_master_switch(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& a, const char* name) {
-  switch (variant_override()) {
-    case 1:
-      return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 4, 4>{a}, name);
-    case 2:
-      return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name);
-    case 3:
-      return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 4>{a}, name);
-    case 4:
-      return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8, true>{a}, name,
-                                   kAdamGridPerSm);
-    default:  // 7: the default of runs 3-4
-      return multi_tensor_apply<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name, kAdamGridPerSm);
-  }
-}
-
-// Returns true when the launch also advanced the step counts (queue variants).
-template <typename T>
-bool adam_master_launch(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& a, const char* name) {
-  switch (variant_override()) {
-    case 0:  // the default since run 5: 2.310 ms (95.7% of floor) vs 2.462 for variant 7
-    case 6:
-      multi_tensor_apply_queue<6>(lists, 1u << 4, AdamOp<T, T, float, true, 1, 8>{a}, name);
-      return true;
-    case 5:
-      multi_tensor_apply_queue<6>(lists, 1u << 4, AdamOp<T, T, float, true, 2, 8>{a}, name);
-      return true;
-    default:
-      adam_master_switch<T>(lists, a, name);
-      return false;
-  }
+void adam_master_launch(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& a, const char* name) {
+  multi_tensor_apply_queue<6>(lists, 1u << 4, AdamOp<T, T, float, true, 1, 8>{a}, name);
 }
 
 void multi_tensor_adam(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
@@ -179,9 +140,9 @@ void multi_tensor_adam(const std::vector<at::Tensor>& grads, const std::vector<a
                             AdamOp<T, T, T, false>{a}, name));
   } else {
     const std::vector<std::vector<at::Tensor>> lists{grads, params, exp_avgs, exp_avg_sqs, steps, masters};
-    const bool stepped = pt == at::kHalf ? adam_master_launch<at::Half>(lists, a, name)
-                                         : adam_master_launch<at::BFloat16>(lists, a, name);
-    if (stepped) return;
+    if (pt == at::kHalf) adam_master_launch<at::Half>(lists, a, name);
+    else adam_master_launch<at::BFloat16>(lists, a, name);
+    return;  // the queue kernel's last block advanced the step counts
   }
   step_increment(steps, a.found_inf, name);
 }

@@ -22,9 +22,9 @@
 //   whole, aligned chunks (nearly all of them) a branch-free path (load_frag<true>):
 //   behind a per-group bounds test each load sits in its own branch, and the
 //   compiler may wait for it (to convert it) before issuing the next one.
-// * An op may choose 8 elements per access (kVecElems) for 16-byte half accesses,
-//   streaming cache hints on its vector accesses (load_frag/store_frag<.., true>),
-//   and a fixed number of blocks per SM instead of the persistent grid (grid_per_sm).
+// * An op may choose 8 elements per access (kVecElems) for 16-byte half accesses.
+// * The Adam master-weight step uses a queue kernel instead (resident grid, chunks handed
+//   out by an atomic counter): see multi_tensor_queue_kernel.
 // * A tensor whose pointers are not all aligned to the group size (a view with a
 //   storage offset) takes the same element mapping with scalar accesses.
 // * Math is fp32 whatever the storage type.
@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "launch.cuh"
 #include "type_shim.h"
 
 namespace mpt_mt {
@@ -86,63 +87,17 @@ __device__ __forceinline__ bool vec_aligned(const void* p) {
 template <int V = kVec>
 __device__ __forceinline__ int group_start(int k) { return (k * kBlock + threadIdx.x) * V; }
 
-// One vector access of a Pack. STREAM: ld.global.cs / st.global.cs (evict-first in
-// L1 and L2), for streams whose every byte is touched once per launch, so the caches
-// need not keep them; a 32-byte Pack takes two 16-byte accesses.
-template <bool STREAM, typename P>
-__device__ __forceinline__ P load_pack(const P* p) {
-  if constexpr (!STREAM) {
-    return *p;
-  } else {
-    static_assert(sizeof(P) == 8 || sizeof(P) % 16 == 0, "load_pack: 8, 16 or 32-byte packs");
-    P out;
-    if constexpr (sizeof(P) == 8) {
-      const uint2 w = __ldcs(reinterpret_cast<const uint2*>(p));
-      memcpy(&out, &w, 8);
-    } else {
-#pragma unroll
-      for (int i = 0; i < static_cast<int>(sizeof(P) / 16); ++i) {
-        const uint4 w = __ldcs(reinterpret_cast<const uint4*>(p) + i);
-        memcpy(reinterpret_cast<char*>(&out) + 16 * i, &w, 16);
-      }
-    }
-    return out;
-  }
-}
-
-template <bool STREAM, typename P>
-__device__ __forceinline__ void store_pack(P* p, const P& x) {
-  if constexpr (!STREAM) {
-    *p = x;
-  } else {
-    static_assert(sizeof(P) == 8 || sizeof(P) % 16 == 0, "store_pack: 8, 16 or 32-byte packs");
-    if constexpr (sizeof(P) == 8) {
-      uint2 w;
-      memcpy(&w, &x, 8);
-      __stcs(reinterpret_cast<uint2*>(p), w);
-    } else {
-#pragma unroll
-      for (int i = 0; i < static_cast<int>(sizeof(P) / 16); ++i) {
-        uint4 w;
-        memcpy(&w, reinterpret_cast<const char*>(&x) + 16 * i, 16);
-        __stcs(reinterpret_cast<uint4*>(p) + i, w);
-      }
-    }
-  }
-}
-
 // Loads the thread's ILP x V elements as float; elements past n read as 0.
 // FULL: the caller knows the chunk is whole and every pointer vector-aligned, so
 // the loads are straight-line code with no per-group test; the compiler then issues
 // every load of every stream before the first use (all bytes in flight at once).
-// STREAM: streaming cache hints on the vector accesses (load_pack).
-template <bool FULL = false, bool STREAM = false, typename T, int ILP, int V>
+template <bool FULL = false, typename T, int ILP, int V>
 __device__ __forceinline__ void load_frag(float (&r)[ILP][V], const T* p, int n, bool vec) {
 #pragma unroll
   for (int k = 0; k < ILP; ++k) {
     const int i = group_start<V>(k);
     if (FULL || (vec && i + V <= n)) {
-      const Pack<T, V> pk = load_pack<STREAM>(reinterpret_cast<const Pack<T, V>*>(p + i));
+      const Pack<T, V> pk = *reinterpret_cast<const Pack<T, V>*>(p + i);
 #pragma unroll
       for (int j = 0; j < V; ++j) r[k][j] = static_cast<float>(pk.v[j]);
     } else {
@@ -153,7 +108,7 @@ __device__ __forceinline__ void load_frag(float (&r)[ILP][V], const T* p, int n,
 }
 
 // Stores the elements below n, converting from float to T (round to nearest).
-template <bool FULL = false, bool STREAM = false, typename T, int ILP, int V>
+template <bool FULL = false, typename T, int ILP, int V>
 __device__ __forceinline__ void store_frag(T* p, const float (&r)[ILP][V], int n, bool vec) {
 #pragma unroll
   for (int k = 0; k < ILP; ++k) {
@@ -162,7 +117,7 @@ __device__ __forceinline__ void store_frag(T* p, const float (&r)[ILP][V], int n
       Pack<T, V> pk;
 #pragma unroll
       for (int j = 0; j < V; ++j) pk.v[j] = static_cast<T>(r[k][j]);
-      store_pack<STREAM>(reinterpret_cast<Pack<T, V>*>(p + i), pk);
+      *reinterpret_cast<Pack<T, V>*>(p + i) = pk;
     } else {
 #pragma unroll
       for (int j = 0; j < V; ++j)
@@ -271,15 +226,6 @@ __global__ void __launch_bounds__(kBlock, op_min_blocks<Op>::value)
 
 // ---------------------------------------------------------------- host side
 
-// Blocks per SM for a persistent grid; 0 = ask the occupancy calculator.
-// Settable from Python (multi_tensor_set_blocks_per_sm) so the benchmark can sweep it.
-int& blocks_per_sm_override();
-
-// Which code variant an op family runs (0 = the default); set from Python
-// (multi_tensor_set_variant) so one benchmark run can compare alternatives. Each
-// family documents its variants next to its launcher; unknown numbers mean 0.
-int& variant_override();
-
 void check_large_kernel_args_supported();
 
 // Checks every list and calls launch(meta, chunks) once per group of at most
@@ -353,60 +299,40 @@ inline int64_t count_chunks(const std::vector<at::Tensor>& list, int chunk) {
   return c;
 }
 
-// Grid size of the kernel for `total_chunks` chunks: by default as many blocks as
-// are resident at once on every SM (a persistent grid, no block waits for a slot);
-// `grid_per_sm` > 0 fixes the blocks per SM instead (several waves when it exceeds
-// the occupancy), for ops whose measured best is not the persistent grid. The
-// Python override (multi_tensor_set_blocks_per_sm) wins over both.
+// Grid size of the kernel for `total_chunks` chunks: as many blocks as are resident at
+// once on every SM (a persistent grid, no block waits for a slot), at most one per chunk.
 template <int DEPTH, typename Op>
-int persistent_grid(int total_chunks, int grid_per_sm = 0) {
-  static const int occupancy = [] {
-    int b = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, multi_tensor_kernel<DEPTH, Op>, kBlock, 0));
-    return b > 0 ? b : 1;
-  }();
-  const int per_sm = blocks_per_sm_override() > 0 ? blocks_per_sm_override()
-                     : grid_per_sm > 0             ? grid_per_sm
-                                                   : occupancy;
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int grid = sms * per_sm;
-  return total_chunks < grid ? total_chunks : grid;
+int persistent_grid(int total_chunks) {
+  static const int64_t resident = mpt::resident_blocks(multi_tensor_kernel<DEPTH, Op>, kBlock);
+  return total_chunks < resident ? total_chunks : static_cast<int>(resident);
 }
 
-// The common case: one persistent launch of `op` per group of tensors
-// (grid_per_sm: see persistent_grid).
+// The common case: one persistent launch of `op` per group of tensors.
 template <int DEPTH, typename Op>
 void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, unsigned scalar_lists, const Op& op,
-                        const char* name, int grid_per_sm = 0) {
+                        const char* name) {
   static_assert(sizeof(TensorListMeta<DEPTH>) + sizeof(Op) <= (kLargeKernelArgs ? 32764 : 4096),
                 "kernel arguments exceed the launch limit: lower kArgBudget");
   for_each_launch<DEPTH>(lists, scalar_lists, op_chunk<Op>(), name, [&](const TensorListMeta<DEPTH>& meta, int chunks) {
     if (chunks == 0) return;
-    const int grid = persistent_grid<DEPTH, Op>(chunks, grid_per_sm);
+    const int grid = persistent_grid<DEPTH, Op>(chunks);
     multi_tensor_kernel<DEPTH, Op><<<grid, kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(meta, op);
     MPT_CHECK_LAUNCH(name);
   });
 }
 
-// The queue variant of multi_tensor_apply: same lists and op (which must also provide
+// The queue form of multi_tensor_apply: same lists and op (which must also provide
 // `__device__ void last_block(const TensorListMeta<DEPTH>&) const`, run by one block after
-// all others finished), grid = the blocks resident at once (or the Python override).
+// all others finished), grid = the blocks resident at once.
 template <int DEPTH, typename Op>
 void multi_tensor_apply_queue(const std::vector<std::vector<at::Tensor>>& lists, unsigned scalar_lists,
                               const Op& op, const char* name) {
   static_assert(sizeof(TensorListMeta<DEPTH>) + sizeof(Op) + sizeof(void*) <= (kLargeKernelArgs ? 32764 : 4096),
                 "kernel arguments exceed the launch limit: lower kArgBudget");
   for_each_launch<DEPTH>(lists, scalar_lists, op_chunk<Op>(), name, [&](const TensorListMeta<DEPTH>& meta, int chunks) {
-    static const int occupancy = [] {
-      int b = 0;
-      C10_CUDA_CHECK(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, multi_tensor_queue_kernel<DEPTH, Op>, kBlock, 0));
-      return b > 0 ? b : 1;
-    }();
-    const int per_sm = blocks_per_sm_override() > 0 ? blocks_per_sm_override() : occupancy;
-    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    static const int64_t resident = mpt::resident_blocks(multi_tensor_queue_kernel<DEPTH, Op>, kBlock);
     // At least one block even for a launch of empty tensors: its last block still runs.
-    const int grid = chunks < sms * per_sm ? (chunks > 0 ? chunks : 1) : sms * per_sm;
+    const int grid = chunks < resident ? (chunks > 0 ? chunks : 1) : static_cast<int>(resident);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // Fresh zeroed counters per launch from the caching allocator: stream-ordered, private
     // to this launch (no state shared between streams, optimizers or captured graphs), and

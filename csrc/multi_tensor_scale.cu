@@ -17,16 +17,6 @@
 
 namespace mpt_mt {
 
-int& blocks_per_sm_override() {
-  static int value = 0;
-  return value;
-}
-
-int& variant_override() {
-  static int value = 0;
-  return value;
-}
-
 void check_large_kernel_args_supported() {
   if (!kLargeKernelArgs) return;
   static const int driver = [] {
@@ -44,7 +34,9 @@ void check_large_kernel_args_supported() {
 // ---------------------------------------------------------------- scale / check
 
 // lists: 0 src (Tin), 1 dst (Tout; same as src when only checking)
-// ILP x V elements per thread per chunk (see scale_launch for the choices).
+// 4 groups of 4 elements per thread (8-byte half accesses, 32 B in flight per thread,
+// 4096-element chunks), for every dtype pair: for half -> half, 16-byte accesses (4 or 2
+// groups of 8) were 7% slower on the H200.
 template <typename Tin, typename Tout, bool WRITE, int ILP = 4, int V = kVec>
 struct ScaleOp {
   static constexpr int kILP = ILP;  // two streams at most: more groups keep bytes in flight
@@ -87,24 +79,8 @@ struct ScaleOp {
   }
 };
 
-// Variants for half -> half (the loss scaler's in-place unscale_) and the read-only
-// half check (multi_tensor_set_variant; the benchmark sweeps them): 0 = 4 groups of 4
-// (8-byte accesses, 32 B in flight per thread, 4096-element chunks), 1 = 4 groups of 8
-// (16-byte accesses, 64 B in flight, 8192), 2 = 2 groups of 8 (16-byte accesses,
-// 32 B in flight, 4096: the access width alone); other numbers (the Adam family's
-// 3..6) run 0. Other dtype pairs always run 0. Run 2: 1 and 2 were 7% slower than 0.
 template <typename Tin, typename Tout, bool WRITE>
 void scale_launch(const std::vector<std::vector<at::Tensor>>& lists, const float* s, float* fi, const char* name) {
-  if constexpr (sizeof(Tin) == 2 && sizeof(Tout) == 2) {
-    switch (variant_override()) {
-      case 1:
-        return multi_tensor_apply<2>(lists, 0, ScaleOp<Tin, Tout, WRITE, 4, 8>{s, fi}, name);
-      case 2:
-        return multi_tensor_apply<2>(lists, 0, ScaleOp<Tin, Tout, WRITE, 2, 8>{s, fi}, name);
-      default:
-        break;
-    }
-  }
   multi_tensor_apply<2>(lists, 0, ScaleOp<Tin, Tout, WRITE>{s, fi}, name);
 }
 
@@ -246,16 +222,4 @@ void multi_tensor_scale(const std::vector<at::Tensor>& src, const std::vector<at
 
 std::vector<at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& tensors, bool per_tensor) {
   return mpt_mt::multi_tensor_l2norm(tensors, per_tensor);
-}
-
-void multi_tensor_set_variant(int64_t variant) {
-  MPT_CHECK(variant >= 0 && variant <= 7,
-              "multi_tensor_set_variant: variant must be 0 (default) to 7 (see multi_tensor_adam.cu), got ", variant);
-  mpt_mt::variant_override() = static_cast<int>(variant);
-}
-
-void multi_tensor_set_blocks_per_sm(int64_t blocks) {
-  MPT_CHECK(blocks >= 0 && blocks <= 64, "multi_tensor_set_blocks_per_sm: blocks must be in [0, 64] (0 = automatic), got ",
-              blocks);
-  mpt_mt::blocks_per_sm_override() = static_cast<int>(blocks);
 }

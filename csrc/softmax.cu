@@ -11,20 +11,19 @@
 //  * a fully masked row gives zeros (and zero gradient), not NaN.
 //  * backward: dx = scale * y * (dy - sum(dy * y)) from the saved output, one read of
 //    y and dy and one write of dx.
-//  * launch layout (row-group shape, persistent or not, rows per warp) per case by
-//    default, or by $MPT_SOFTMAX_SHAPE / $MPT_SOFTMAX_BWD, see pick_wide_shape: the
-//    benchmark times each variant in one process.
-//  * 16-bit rows of 512 (33..64 vectors): the forward-only "lean1" kernel, auto's forward
-//    there since run 6 (mask/causal as template arguments, masking on raw words, one FFMA
-//    + ex2 per element), see below.
+//  * launch layout by row length (launch_fwd): the row_reduce.cuh table in general; for
+//    16-bit rows of 33..64 vectors (512 bf16) the "lean" forward (mask / causal as
+//    template arguments, masking on raw words, one FFMA + ex2 per element); for masked
+//    rows of 33..64 vectors it does not take, two rows per warp sharing the mask bytes;
+//    for masked rows of 129..256 vectors (2048 bf16) a persistent grid.
 //  * rows that are misaligned, not a multiple of the 16-byte vector or longer than the
 //    register cache (32768 half / 16384 fp32 elements) use scalar kernels that re-read
 //    the row from L1/L2.
+// Measured figures and the variants that lost: docs/kernels/softmax.md.
+#include "launch.cuh"
 #include "row_reduce.cuh"
 #include "type_shim.h"
 
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -209,12 +208,12 @@ softmax_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __restr
   }
 }
 
-// ---- persistent kernels ($MPT_SOFTMAX_SHAPE=persist) ---------------------------------
+// ---- persistent forward: masked rows of 129..256 vectors -----------------------------
 // One launch of about as many blocks as fit on the GPU; each row group walks rows
-// lin, lin + stride, ... and, with PREFETCH, issues the next row's loads (x and its mask
-// bytes; y and dy) before reducing the current row, so a warp always has loads in
-// flight instead of idling through its reductions, exp and stores.  Row groups of at
-// most one warp only (no barriers: groups may run different trip counts).
+// lin, lin + stride, ...  Row groups of at most one warp only (no barriers: groups may
+// run different trip counts).  At masked 2048 bf16 it beat the one-shot row kernel
+// (H200, graph-timed fwd+bwd).  No next-row prefetch: at 8 vectors per lane the next
+// row's registers do not fit beside the current one's.
 
 // Up to 8 mask bytes (one per element, 0/1) of the VEC columns at `col`, raw.
 template <int VEC>
@@ -305,7 +304,7 @@ __device__ __forceinline__ void fwd_finish(const FwdRow<T, NV, TPR>& r, T* y, in
   }
 }
 
-template <typename T, int TPR, int NV, int BLOCK, bool PREFETCH>
+template <typename T, int TPR, int NV, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
 softmax_fwd_persist(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64_t rows, int S, float scale,
                     bool causal) {
@@ -322,87 +321,18 @@ softmax_fwd_persist(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, in
   fwd_load<T, TPR, NV>(cur, x, m, lin0, rows, S, lane);
   for (int64_t it = 0; it < iters; ++it) {
     const int64_t lin = lin0 + it * stride;
-    if constexpr (PREFETCH) {
-      FwdRow<T, NV, TPR> nxt;
-      fwd_load<T, TPR, NV>(nxt, x, m, lin + stride, rows, S, lane);
-      fwd_finish<T, TPR, NV>(cur, y, S, scale, causal, lane);
-      cur = nxt;
-    } else {
-      fwd_finish<T, TPR, NV>(cur, y, S, scale, causal, lane);
-      fwd_load<T, TPR, NV>(cur, x, m, lin + stride, rows, S, lane);
-    }
+    fwd_finish<T, TPR, NV>(cur, y, S, scale, causal, lane);
+    fwd_load<T, TPR, NV>(cur, x, m, lin + stride, rows, S, lane);
   }
 }
 
-template <typename T, int TPR, int NV, int BLOCK, bool PREFETCH>
-__global__ void __launch_bounds__(BLOCK)
-softmax_bwd_persist(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx, int64_t rows, int S,
-                    float scale) {
-  static_assert(TPR <= 32, "persistent kernels: at most one warp per row (no barriers)");
-  constexpr int VEC = Vec16<T>::n, RPB = BLOCK / TPR;
-  const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR;
-  const int nvec = S / VEC;
-  const int64_t stride = int64_t(gridDim.x) * RPB;
-  const int64_t lin0 = int64_t(blockIdx.x) * RPB + g;
-  const int64_t warp_first = int64_t(blockIdx.x) * RPB + (threadIdx.x / 32) * (32 / TPR);
-  const int64_t iters = rows > warp_first ? (rows - warp_first + stride - 1) / stride : 0;
-  auto load = [&](uint4 (&a)[NV], uint4 (&b)[NV], int64_t row) {
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int j = i * TPR + lane;
-      const bool ok = row < rows && j < nvec;
-      a[i] = ok ? load16(y + row * S + j * VEC) : make_uint4(0, 0, 0, 0);
-      b[i] = ok ? load16(dy + row * S + j * VEC) : make_uint4(0, 0, 0, 0);
-    }
-  };
-  uint4 ry[NV], rd[NV];
-  load(ry, rd, lin0);
-  for (int64_t it = 0; it < iters; ++it) {
-    const int64_t row = lin0 + it * stride;
-    uint4 ny[NV], nd[NV];
-    if constexpr (PREFETCH) load(ny, nd, row + stride);
-    float dot[1] = {0.f};
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      float a[VEC], b[VEC];
-      unpack<T>(ry[i], a);
-      unpack<T>(rd[i], b);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) dot[0] += a[k] * b[k];
-    }
-    group_allreduce<TPR, 1>(dot, nullptr, SumOp());
-    if (row < rows) {
-#pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        const int j = i * TPR + lane;
-        if (j < nvec) {
-          float a[VEC], b[VEC];
-          unpack<T>(ry[i], a);
-          unpack<T>(rd[i], b);
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) a[k] = scale * a[k] * (b[k] - dot[0]);
-          store16(dx + row * S + j * VEC, pack<T>(a));
-        }
-      }
-    }
-    if constexpr (PREFETCH) {
-#pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        ry[i] = ny[i];
-        rd[i] = nd[i];
-      }
-    } else {
-      load(ry, rd, row + stride);
-    }
-  }
-}
-
-// $MPT_SOFTMAX_SHAPE=pair: one warp per row, R consecutive launch rows per warp.  With a
-// [B, 1, Sq, Sk] mask the launch walks heads innermost, so those R rows usually share a
-// mask row: its bytes are loaded once for all of them (reused when the mask row pointer
-// is the same, reloaded otherwise).  All R rows' x loads are issued before the first
-// reduction: R times the bytes in flight per warp of the one-row kernel, with the warp's
-// full 32 lanes per row (unlike "wide", which halves the lanes).
+// Two rows per warp for masked rows of 33..64 vectors where the lean forward does not
+// apply (fp32 storage, byte-per-row masks, scale <= 0): one warp per row, R consecutive
+// launch rows per warp.  With a [B, 1, Sq, Sk] mask the launch walks heads innermost, so
+// those R rows usually share a mask row: its bytes are loaded once for all of them
+// (reused when the mask row pointer is the same, reloaded otherwise).  All R rows' x loads
+// are issued before the first reduction: R times the bytes in flight per warp of the
+// one-row kernel.
 template <typename T, int NV, int R, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
 softmax_fwd_multirow(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, int64_t rows, int S, float scale,
@@ -482,11 +412,10 @@ softmax_fwd_multirow(const T* __restrict__ x, T* __restrict__ y, MaskLayout m, i
 }
 
 // ---- lean forward for 16-bit rows of 33..64 vectors (512 bf16/fp16) -----------------
-// $MPT_SOFTMAX_SHAPE = lean1 (one row per warp; auto's forward here since run 6).  The
-// layout of "pair" (one warp per row, 2 vectors per lane), fewer instructions per element,
-// because the forward at 512 spends its time in each warp's serial load -> reduce -> exp
-// -> store chain, not in bytes in flight (run 5: quad, 4 rows per warp, with more bytes in
-// flight per SM than pair, was 15 points slower; run 6: lean1 beat the 2-row "lean" and
+// One row per warp, 2 vectors per lane, with fewer instructions per element, because the
+// forward at 512 spends its time in each warp's serial load -> reduce -> exp -> store
+// chain, not in bytes in flight (4 rows per warp, with more bytes in flight per SM, was
+// 15 points slower; 2 rows per warp and a persistent variant lost to it too):
 // the persistent "stream", both removed):
 //  * mask and causal are template parameters (no per-element runtime tests);
 //  * masking happens on the raw 16-bit words, before unpacking: the 8 mask bytes of a
@@ -731,129 +660,34 @@ bool describe_mask(const at::Tensor& m, MaskLayout& ml) {
   return true;
 }
 
-// Launch layout per call, chosen by $MPT_SOFTMAX_SHAPE (and, for the backward only,
-// $MPT_SOFTMAX_BWD when set), read on every call so one process can benchmark them all
-// (a CUDA graph keeps the one it captured):
-//  * "auto" (default): per case, the fastest measured on the H200 (run 3, graph-timed
-//    bf16 fwd+bwd, % of floor): forward "pair" for masked rows of 33..64 vectors
-//    (masked 512: pair 92.1 vs rows 89.4), "persist" for masked rows of 129..256
-//    vectors (masked 2048), "rows" otherwise (causal 512: rows 90.4 vs pair 89.8);
-//    backward "rows" (2048: masked persist/rows 96.0 vs persist/persist 92.9, causal
-//    rows/rows 89.4 vs rows/persist 87.3).  Since run 6 the forward of 16-bit rows of
-//    33..64 vectors is "lean1" wherever it applies (pick_lean_shape).
-//  * "wide": rows of 33..64 vectors (512 bf16) take half a warp with 4 vectors
-//    per thread (two rows per warp), rows of 129..256 vectors (2048 bf16) a whole warp
-//    with 8 (no shared-memory reduction, no barrier).
-//  * "rows": always the row_reduce table (run 1's layout).
-//  * "persist": rows of <= 256 vectors take one warp (NV = 1, 2, 4, 8) in the persistent
-//    kernels above, with next-row prefetch for NV <= 4; longer rows as "rows".
-//  * "pair": forward only, rows of 33..64 vectors (512 bf16) in softmax_fwd_multirow
-//    (one warp per row, two rows per warp, shared mask bytes loaded once); the backward
-//    and other lengths as "auto".
-//  * "lean1": forward only, 16-bit rows of 33..64 vectors, see pick_lean_shape.
-//  The backward's own variable takes the same names (forward-only names mean "auto" there).
-//  Removed after runs 5-6, having lost on the H200: "quad" (4 rows per warp, forward and
-//  backward), the pair/quad backward (softmax_bwd_multirow: no better than "rows"), and
-//  the "lean" (2 rows per warp) and "stream" (persistent) forwards.
-enum class WideShape { None, W16x4, W32x8, P32x1, P32x2, P32x4, P32x8, M2x2 };
+// The forward's launch layout, by row length in 16-byte vectors (aligned rows; the H200
+// measurements behind each choice are in docs/kernels/softmax.md):
+//  * Lean: 16-bit rows of 33..64 vectors with a vector-loadable mask or none and
+//    0 < scale < inf (softmax_fwd_lean: 99.5% masked / 100.6% causal of the floor at
+//    512x512x512 bf16 fwd+bwd, against 92.1% / 90.4% for the next best);
+//  * Pair: other masked rows of 33..64 vectors (softmax_fwd_multirow, two rows per warp);
+//  * Persist: masked rows of 129..256 vectors (softmax_fwd_persist, one warp per row, 8
+//    vectors per lane);
+//  * Rows: everything else that is aligned and fits the register cache (row_reduce.cuh's
+//    table, softmax_fwd_kernel).  The backward always takes the table (softmax_bwd_kernel):
+//    persistent and multi-row backwards were no faster.
+enum class FwdLayout { Lean, Pair, Persist, Rows, Generic };
 
-// The forward-only variant for 16-bit rows of 33..64 vectors (softmax_fwd_lean):
-// "lean1" (1 row per warp).  kAutoLeanMasked (forward with a mask tensor) and
-// kAutoLeanCausal (forward without one: causal or unmasked) say whether "auto" uses it;
-// None there gives back run 5's auto (pair / rows).
-enum class LeanShape { None, Lean1 };
-// Run 6 (H200, 512x512x512 bf16, fwd+bwd): lean1 masked 99.5% / causal 100.6% of floor,
-// against pair 92.1% / rows 90.4% before: lean1 is auto's forward for both.
-constexpr LeanShape kAutoLeanMasked = LeanShape::Lean1;
-constexpr LeanShape kAutoLeanCausal = LeanShape::Lean1;
-
-bool is_lean_name(const char* v) { return std::strcmp(v, "lean1") == 0; }
-
-// The lean forward for this call, or None (then pick_wide_shape decides).  It needs
-// 16-bit storage (checked by the caller), rows of 33..64 vectors, a vector-loadable mask
-// or none (mode 0/1) and scale > 0 (the max is taken before scaling).
-LeanShape pick_lean_shape(int64_t nvec, int mask_mode, bool has_mask, float scale) {
-  if (!(nvec > 32 && nvec <= 64) || (mask_mode != 0 && mask_mode != 1) || !(scale > 0.f) ||
-      !(scale < INFINITY))
-    return LeanShape::None;
-  const char* v = std::getenv("MPT_SOFTMAX_SHAPE");
-  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0) return has_mask ? kAutoLeanMasked : kAutoLeanCausal;
-  if (std::strcmp(v, "lean1") == 0) return LeanShape::Lean1;
-  return LeanShape::None;
-}
-WideShape persist_shape(int64_t nvec) {
-  if (nvec <= 32) return WideShape::P32x1;
-  if (nvec <= 64) return WideShape::P32x2;
-  if (nvec <= 128) return WideShape::P32x4;
-  if (nvec <= 256) return WideShape::P32x8;
-  return WideShape::None;
-}
-// forward: which kernel family; `masked`: the forward has a mask tensor.
-WideShape pick_wide_shape(int64_t nvec, bool forward, bool masked) {
-  const char* v = forward ? nullptr : std::getenv("MPT_SOFTMAX_BWD");
-  const char* var = "MPT_SOFTMAX_BWD";
-  if (v == nullptr || *v == 0) {
-    v = std::getenv("MPT_SOFTMAX_SHAPE");
-    var = "MPT_SOFTMAX_SHAPE";
-  }
-  const bool long_row = nvec > 128 && nvec <= 256;
+FwdLayout pick_fwd_layout(bool aligned, int vec, int64_t nvec, const MaskLayout& ml, float scale) {
+  if (!aligned || pick_row_shape(nvec) == RowShape::Generic) return FwdLayout::Generic;
   const bool row512 = nvec > 32 && nvec <= 64;
-  const bool is_pair = v != nullptr && std::strcmp(v, "pair") == 0;
-  if (forward && is_pair && row512) return WideShape::M2x2;
-  // The lean forward (pick_lean_shape) takes over before this is asked; where it does not
-  // apply (fp32, other lengths, scale <= 0, key-broadcast masks) and for the backward,
-  // its name means "auto", as "pair" does for the backward and at other lengths.
-  if (v == nullptr || *v == 0 || std::strcmp(v, "auto") == 0 || is_pair || is_lean_name(v)) {
-    if (forward && masked && row512) return WideShape::M2x2;
-    if (forward && masked && long_row) return WideShape::P32x8;
-    return WideShape::None;
-  }
-  if (std::strcmp(v, "rows") == 0) return WideShape::None;
-  if (std::strcmp(v, "persist") == 0) return persist_shape(nvec);
-  MPT_CHECK(std::strcmp(v, "wide") == 0, var, "=", v,
-              " is not a softmax variant; use auto, rows, persist, wide, pair or lean1");
-  if (nvec > 32 && nvec <= 64) return WideShape::W16x4;
-  if (long_row) return WideShape::W32x8;
-  return WideShape::None;
+  if (vec == 8 && row512 && (ml.mode == 0 || ml.mode == 1) && scale > 0.f && scale < INFINITY)
+    return FwdLayout::Lean;
+  const bool masked = ml.ptr != nullptr;
+  if (masked && row512) return FwdLayout::Pair;
+  if (masked && nvec > 128 && nvec <= 256) return FwdLayout::Persist;
+  return FwdLayout::Rows;
 }
 
-bool is_persistent(WideShape s) { return s >= WideShape::P32x1 && s <= WideShape::P32x8; }
-
-// Blocks of `kernel` that fit on the GPU at once (at least one per SM).
-template <typename K>
-int64_t resident_blocks(K kernel, int block) {
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0));
-  return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * (per_sm < 1 ? 1 : per_sm);
-}
-
-// Persistent grid for `want` blocks' worth of rows: the iterations the resident grid
-// needs, then the fewest blocks covering the rows in that many (a full last iteration).
-int64_t persistent_grid(int64_t want, int64_t cap) {
-  const int64_t iters = (want + cap - 1) / cap;
-  return (want + iters - 1) / iters;
-}
-
-// Runs the statement with constexpr TPR and NV bound to the wide shape (nothing for None).
-#define MPT_WIDE_SHAPE_SWITCH(SHAPE, ...)                                          \
-  switch (SHAPE) {                                                                 \
-    case WideShape::W16x4: { constexpr int TPR = 16, NV = 4; __VA_ARGS__; break; } \
-    case WideShape::W32x8: { constexpr int TPR = 32, NV = 8; __VA_ARGS__; break; } \
-    default: break;                                                                \
-  }
-#define MPT_PERSIST_SHAPE_SWITCH(SHAPE, ...)                                       \
-  switch (SHAPE) {                                                                 \
-    case WideShape::P32x1: { constexpr int NV = 1; __VA_ARGS__; break; }           \
-    case WideShape::P32x2: { constexpr int NV = 2; __VA_ARGS__; break; }           \
-    case WideShape::P32x4: { constexpr int NV = 4; __VA_ARGS__; break; }           \
-    case WideShape::P32x8: { constexpr int NV = 8; __VA_ARGS__; break; }           \
-    default: break;                                                                \
-  }
-
-// Launches the lean1 forward with the mask and causal flags as template arguments.
+// Launches the lean forward with the mask and causal flags as template arguments.
 template <typename T>
-void launch_lean1(const T* xp, T* yp, const MaskLayout& ml, int64_t rows, int S, float scale, bool causal,
-                  cudaStream_t stream) {
+void launch_lean(const T* xp, T* yp, const MaskLayout& ml, int64_t rows, int S, float scale, bool causal,
+                 cudaStream_t stream) {
   constexpr int BLOCK = 128;
   const float c = scale * kLog2e;
   auto go = [&](auto masked, auto is_causal) {
@@ -871,63 +705,63 @@ void launch_lean1(const T* xp, T* yp, const MaskLayout& ml, int64_t rows, int S,
   else go(N{}, N{});
 }
 
+// Sets the mask's access mode and walk order for this launch.
+void prepare_mask(MaskLayout& ml, int vec, int64_t rows) {
+  if (ml.ptr) {
+    if (ml.key_stride == 0) {
+      ml.mode = 2;
+    } else {
+      const bool vec_ok = reinterpret_cast<uintptr_t>(ml.ptr) % vec == 0 && ml.s0 % vec == 0 &&
+                          ml.s1 % vec == 0 && ml.sq_stride % vec == 0;
+      ml.mode = vec_ok ? 1 : 3;
+    }
+    ml.heads_inner = ml.s1 == 0 && ml.d1 > 1;
+  }
+  ml.idx32 = rows <= int64_t(UINT32_MAX);
+}
+
 template <typename T>
 void launch_fwd(const at::Tensor& x, at::Tensor& y, MaskLayout ml, int64_t rows, int S, float scale, bool causal) {
   constexpr int VEC = Vec16<T>::n;
   auto stream = at::cuda::getCurrentCUDAStream();
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   T* yp = reinterpret_cast<T*>(y.data_ptr());
-  if (ml.ptr) {
-    if (ml.key_stride == 0) {
-      ml.mode = 2;
-    } else {
-      const bool vec_ok = reinterpret_cast<uintptr_t>(ml.ptr) % VEC == 0 && ml.s0 % VEC == 0 &&
-                          ml.s1 % VEC == 0 && ml.sq_stride % VEC == 0;
-      ml.mode = vec_ok ? 1 : 3;
-    }
-    ml.heads_inner = ml.s1 == 0 && ml.d1 > 1;
-  }
-  ml.idx32 = rows <= int64_t(UINT32_MAX);
+  prepare_mask(ml, VEC, rows);
   const bool aligned = S % VEC == 0 && aligned16(xp) && aligned16(yp);
-  if constexpr (VEC == 8) {
-    const LeanShape lean = aligned ? pick_lean_shape(S / VEC, ml.mode, ml.ptr != nullptr, scale) : LeanShape::None;
-    if (lean == LeanShape::Lean1) return launch_lean1<T>(xp, yp, ml, rows, S, scale, causal, stream);
-  }
-  const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
-  const WideShape wide = aligned ? pick_wide_shape(S / VEC, true, ml.ptr != nullptr) : WideShape::None;
-  if (wide == WideShape::M2x2) {
-    constexpr int BLOCK = 128, R = 2, ROWS_PER_BLOCK = BLOCK / 32 * R;
-    softmax_fwd_multirow<T, 2, R, BLOCK><<<(rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, BLOCK, 0, stream>>>(
-        xp, yp, ml, rows, S, scale, causal);
-    MPT_CHECK_LAUNCH(kFwd);
-  } else if (is_persistent(wide)) {
-    MPT_PERSIST_SHAPE_SWITCH(wide, {
+  switch (pick_fwd_layout(aligned, VEC, S / VEC, ml, scale)) {
+    case FwdLayout::Lean:
+      if constexpr (VEC == 8) launch_lean<T>(xp, yp, ml, rows, S, scale, causal, stream);
+      break;
+    case FwdLayout::Pair: {
+      constexpr int BLOCK = 128, R = 2, ROWS_PER_BLOCK = BLOCK / 32 * R;
+      softmax_fwd_multirow<T, 2, R, BLOCK><<<(rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, BLOCK, 0, stream>>>(
+          xp, yp, ml, rows, S, scale, causal);
+      MPT_CHECK_LAUNCH(kFwd);
+      break;
+    }
+    case FwdLayout::Persist: {
       constexpr int BLOCK = 128, RPB = BLOCK / 32;
-      auto kernel = softmax_fwd_persist<T, 32, NV, BLOCK, (NV <= 4)>;
+      auto kernel = softmax_fwd_persist<T, 32, 8, BLOCK>;
       static const int64_t cap = resident_blocks(kernel, BLOCK);
-      const int64_t want = (rows + RPB - 1) / RPB;
-      kernel<<<persistent_grid(want, cap), BLOCK, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
+      kernel<<<balanced_grid((rows + RPB - 1) / RPB, cap), BLOCK, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
       MPT_CHECK_LAUNCH(kFwd);
-    });
-  } else if (wide != WideShape::None) {
-    MPT_WIDE_SHAPE_SWITCH(wide, {
-      constexpr int BLOCK = 128, RPB = BLOCK / TPR;
-      softmax_fwd_kernel<T, TPR, NV, BLOCK><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
+      break;
+    }
+    case FwdLayout::Rows:
+      MPT_ROW_SHAPE_SWITCH(pick_row_shape(S / VEC), {
+        constexpr int BLOCK = TPR < 128 ? 128 : TPR;
+        constexpr int RPB = BLOCK / TPR;
+        softmax_fwd_kernel<T, TPR, NV, BLOCK><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(xp, yp, ml, rows, S,
+                                                                                            scale, causal);
+        MPT_CHECK_LAUNCH(kFwd);
+      });
+      break;
+    default:
+      if (S <= 1024)
+        softmax_fwd_generic<T, 32, 128><<<(rows + 3) / 4, 128, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
+      else
+        softmax_fwd_generic<T, 512, 512><<<rows, 512, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
       MPT_CHECK_LAUNCH(kFwd);
-    });
-  } else if (shape != RowShape::Generic) {
-    MPT_ROW_SHAPE_SWITCH(shape, {
-      constexpr int BLOCK = TPR < 128 ? 128 : TPR;
-      constexpr int RPB = BLOCK / TPR;
-      softmax_fwd_kernel<T, TPR, NV, BLOCK><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
-      MPT_CHECK_LAUNCH(kFwd);
-    });
-  } else if (S <= 1024) {
-    softmax_fwd_generic<T, 32, 128><<<(rows + 3) / 4, 128, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
-    MPT_CHECK_LAUNCH(kFwd);
-  } else {
-    softmax_fwd_generic<T, 512, 512><<<rows, 512, 0, stream>>>(xp, yp, ml, rows, S, scale, causal);
-    MPT_CHECK_LAUNCH(kFwd);
   }
 }
 
@@ -940,23 +774,7 @@ void launch_bwd(const at::Tensor& dy, const at::Tensor& y, at::Tensor& dx, int64
   T* dxp = reinterpret_cast<T*>(dx.data_ptr());
   const bool aligned = S % VEC == 0 && aligned16(dyp) && aligned16(yp) && aligned16(dxp);
   const RowShape shape = aligned ? pick_row_shape(S / VEC) : RowShape::Generic;
-  const WideShape wide = aligned ? pick_wide_shape(S / VEC, false, false) : WideShape::None;
-  if (is_persistent(wide)) {
-    MPT_PERSIST_SHAPE_SWITCH(wide, {
-      constexpr int BLOCK = 128, RPB = BLOCK / 32;
-      auto kernel = softmax_bwd_persist<T, 32, NV, BLOCK, (NV <= 4)>;
-      static const int64_t cap = resident_blocks(kernel, BLOCK);
-      const int64_t want = (rows + RPB - 1) / RPB;
-      kernel<<<persistent_grid(want, cap), BLOCK, 0, stream>>>(dyp, yp, dxp, rows, S, scale);
-      MPT_CHECK_LAUNCH(kBwd);
-    });
-  } else if (wide != WideShape::None) {
-    MPT_WIDE_SHAPE_SWITCH(wide, {
-      constexpr int BLOCK = 128, RPB = BLOCK / TPR;
-      softmax_bwd_kernel<T, TPR, NV, BLOCK><<<(rows + RPB - 1) / RPB, BLOCK, 0, stream>>>(dyp, yp, dxp, rows, S, scale);
-      MPT_CHECK_LAUNCH(kBwd);
-    });
-  } else if (shape != RowShape::Generic) {
+  if (shape != RowShape::Generic) {
     MPT_ROW_SHAPE_SWITCH(shape, {
       constexpr int BLOCK = TPR < 128 ? 128 : TPR;
       constexpr int RPB = BLOCK / TPR;

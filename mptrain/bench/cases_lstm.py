@@ -15,13 +15,13 @@ Every case is timed the same way for ours and torch (the module call + autograd.
 in interleaved rounds (see _timed). The eager cell rows report the wall time per call of a
 200-call loop (common.loop_ms): CUDA events around each call (median_ms) miss the host time
 spent before a host-bound call's first launch, and that measure swung from 0.95x to 2.13x
-between H200 runs (run 7); it stays in the row's extra as cuda_event_median_ms.
+between H200 runs; it stays in the row's extra as cuda_event_median_ms.
 Gradients are taken with autograd.grad (no .grad accumulation) for inputs and parameters.
 
 What the eager numbers measure: one Python module call, the C++/ATen host work of the
 forward, autograd.grad (Python wrapper, engine hand-off to its device thread, the
 backward node(s), the engine's gradient bookkeeping) and the GPU work. At these sizes the
-host is the slower side (run 2: ~0.39 ms per cell call for ~0.05-0.1 ms of GPU work),
+host is the slower side (H200: ~0.39 ms per cell call for ~0.05-0.1 ms of GPU work),
 so the cell and cell-loop rows are host time for both sides. The rows tagged
 "[CUDA graph: GPU time]" capture the same fwd+bwd (ours and torch's alike, via
 mptrain.bench.graph_timing) and replay it: GPU work and launch gaps only, no host.
@@ -42,8 +42,8 @@ GEMM_FLOPS = 690e12
 def _timed(fns: dict, rep_ms: float, rounds: int = 2, timer=median_ms) -> dict:
     """timer (median_ms by default) of each fn, in interleaved rounds (a, b, a, b), keeping
     each one's best round: every case gets the same treatment, and none is favoured by being
-    timed first (run 1 timed nn.LSTM first and FusedLSTM's cuDNN path, the same call, came
-    out 2% slower)."""
+    timed first (timed after nn.LSTM, FusedLSTM's cuDNN path, the same call, came out 2%
+    slower)."""
     best = {}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -79,7 +79,7 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     calls = {k: (lambda s=s: s(rot.next())) for k, s in steps.items()}
     # The row's number is the loop's wall time per call (both sides host-bound: see the
     # module docstring); the CUDA-event median, which under-counts host time and swung
-    # from 0.95x to 2.13x between H200 runs (run 7), goes into extra.
+    # from 0.95x to 2.13x between H200 runs, goes into extra.
     t = _timed(calls, rep_ms=rep, timer=lambda fn, rep_ms: loop_ms(fn, calls=50 if quick else 200), rounds=3)
     t_events = _timed(calls, rep_ms=rep)
     t_ours, t_ref = t["ours"], t["ref"]

@@ -58,27 +58,6 @@ def graph_ms(fn) -> Optional[float]:
         return None
 
 
-def _variant_sweep(ext, fn, label: str, settings=((0, 0), (1, 0), (2, 0))) -> dict:
-    """per_call_ms of fn for each (code variant, blocks/SM) pair (blocks 0 = the variant's
-    own grid: occupancy, or its fixed blocks/SM); prints one line per setting and
-    restores the defaults."""
-    out = {}
-    try:
-        for v, b in settings:
-            ext.multi_tensor_set_variant(v)
-            ext.multi_tensor_set_blocks_per_sm(b)
-            ms = per_call_ms(fn)
-            key = f"variant={v},blocks_per_sm={b or 'auto'}"
-            out[key if key not in out else key + ",repeat"] = round(ms, 4)  # a repeat gauges drift
-            print(f"[optim sweep] {label:<28} variant={v} blocks_per_sm={b or 'auto':<4} {ms:8.4f} ms")
-    finally:
-        ext.multi_tensor_set_variant(0)
-        ext.multi_tensor_set_blocks_per_sm(0)
-    best = min(out, key=out.get)
-    print(f"[optim sweep] {label:<28} best: {best} {out[best]:.4f} ms")
-    return out
-
-
 def bert_large_shapes(layers: int = 24, hidden: int = 1024, inter: int = 4096, vocab: int = 30522) -> list[tuple]:
     shapes = [(vocab, hidden), (512, hidden), (2, hidden), (hidden,), (hidden,)]  # embeddings + LayerNorm
     for _ in range(layers):
@@ -139,14 +118,6 @@ def _adamw_cases(shapes, n) -> list[Result]:
 
     ours_ms = per_call_ms(ours)
     single_ms = median_ms(ours)
-    # Variants of the master kernel (csrc/multi_tensor_adam.cu, adam_master_launch):
-    # 0 (default) = 6 = 1 x 8 in the queue kernel (atomic chunk counter on the resident grid,
-    # step counts advanced by its last block), 5 = 2 x 8 in the queue kernel, 7 = 2 x 8 on
-    # 16 blocks/SM (the default of runs 3-4), 2 = 2 x 8 persistent, 4 = 7 + streaming cache
-    # hints. (6, 3) and the final (0, auto) repeat (0, auto): their gaps are the noise.
-    ext = ops.get_extension(required=True)
-    sweep = _variant_sweep(ext, ours, "AdamW master bf16",
-                           settings=((0, 0), (6, 3), (5, 0), (7, 0), (2, 8), (4, 0), (0, 0)))
     torch_ms = per_call_ms(torch_path)
     checked_ms = per_call_ms(ours_checked)
     assert found.item() == 0, "benchmark data produced a non-finite gradient"
@@ -160,7 +131,7 @@ def _adamw_cases(shapes, n) -> list[Result]:
     f_ms = per_call_ms(f_opt.step)
     del f_opt, f_params
 
-    extra = dict(params=n, tensors=len(shapes), sweep_ms=sweep, single_call_ms=round(single_ms, 4))
+    extra = dict(params=n, tensors=len(shapes), single_call_ms=round(single_ms, 4))
     return [
         Result(f"AdamW master bf16 BERT-large ({len(shapes)} tensors, {n / 1e6:.0f}M)", ours_ms, torch_ms,
                floor_ms(28 * n), extra),
@@ -220,14 +191,10 @@ def _unscale_cases(shapes, n) -> list[Result]:
         name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
         ours_ms = per_call_ms(ours)
         torch_ms = per_call_ms(theirs)
-        # Variants (csrc/multi_tensor_scale.cu, scale_launch): 0 = 4 x 4 elements (8-byte
-        # accesses, default), 1 = 4 x 8 (16-byte, 64 B in flight), 2 = 2 x 8 (16-byte, 32 B).
-        ext = ops.get_extension(required=True)
-        sweep = _variant_sweep(ext, ours, f"unscale {name}")
         g_ms = graph_ms(ours)
         assert found.item() == 0, "benchmark data produced a non-finite gradient"
         results.append(Result(f"unscale + inf check {name} grads (4 B/param)", ours_ms, torch_ms, floor_ms(4 * n),
-                              dict(baseline=label, single_call_ms=round(median_ms(ours), 4), sweep_ms=sweep,
+                              dict(baseline=label, single_call_ms=round(median_ms(ours), 4),
                                    graph_ms=None if g_ms is None else round(g_ms, 4))))
         del grads
     return results

@@ -12,8 +12,6 @@ says so.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -60,18 +58,3 @@ def step_ms(step: Callable[[object], object], sets: Sequence[object], rep_ms: fl
     ms = median_ms(graph.replay, rep_ms=rep_ms) / steps
     del graph
     return ms, f"graph x{steps}"
-
-
-@contextlib.contextmanager
-def env_var(name: str, value: str):
-    """Set an environment variable for a block (the extension reads its variant
-    switches on every call, so one process can time each variant)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old

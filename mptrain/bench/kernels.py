@@ -1,13 +1,15 @@
-"""`python -m mptrain.bench.kernels`: every fused kernel against PyTorch on the GPU.
+"""`python -m mptrain.bench.kernels`: every shipped fused kernel against PyTorch on the GPU.
 
 Each kernel family contributes a ``cases_*.py`` module with a ``run(args) -> list[Result]``;
-this module only selects, runs and reports them.
+this module only selects, runs and reports them: GPU time (CUDA graphs / events), then the
+host-cost table of one eager call per op (``mptrain.bench.host_cost``), unless ``--no-host``.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 import torch
 
@@ -26,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(FAMILIES), help=f"comma list of {sorted(FAMILIES)}")
     parser.add_argument("--json", default="bench_kernels.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
+    parser.add_argument("--no-host", action="store_true",
+                        help="skip the host-cost table (python -m mptrain.bench.host_cost runs it alone)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("mptrain bench kernels: no CUDA device visible; the kernel benchmarks need a GPU.", file=sys.stderr)
@@ -45,7 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results))
     write_json(results, args.json, device_meta())
     print(f"wrote {args.json}")
-    return 0
+    return 0 if args.no_host else _host_table(args)
+
+
+def _host_table(args) -> int:
+    """The host cost of one eager call per op, beside the GPU times above."""
+    try:
+        from mptrain.bench import host_cost
+    except ImportError as e:
+        print(f"\n== host cost: not available ({e}) ==")
+        return 0
+    print("\n== host cost per eager call ==", flush=True)
+    host_json = str(Path(args.json).with_name(Path(args.json).stem + "_host.json"))
+    return host_cost.main(["--json", host_json] + (["--quick"] if args.quick else []))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import torch
 
 from mptrain import ops
 from mptrain.ops import reference
-from mptrain.bench.cases_norm import DEFAULTS as LAUNCH_SWITCHES
 from mptrain.bench.graph_timing import capture_graph
 
 COMBOS = [  # (input dtype, weight/bias dtype)
@@ -115,107 +114,39 @@ def test_many_rows_per_block(combo, rows, hidden):
     compare(x, (hidden,), w, b, False, what=f"rows={rows} H={hidden}")
 
 
-@pytest.mark.parametrize("variant", ["auto", "b512", "b256", "coop", "split4"])
-@pytest.mark.parametrize("combo", COMBOS[1:], ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}")
-@pytest.mark.parametrize("hidden", [64, 256, 512, 768, 1000, 1024])
-def test_backward_variants(monkeypatch, variant, combo, hidden):
-    # Every backward launch family ($MPT_LN_BWD), the non-default ones included: the
-    # benchmark times them all, so all must be right (many rows: several per block;
-    # coop: the in-kernel dgamma/dbeta finish after the grid barrier).
-    monkeypatch.setenv("MPT_LN_BWD", variant)
-    compare_one_and_many_rows(combo, hidden, seed=hidden, what=variant)
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}")
+@pytest.mark.parametrize("hidden", [64, 256, 512, 768, 1000, 1024, 4096])
+def test_one_and_many_rows(combo, hidden):
+    # Every backward path at one row and at several rows per block: the split kernel with
+    # its in-kernel finish (<= 128 vectors), the row-cached kernel and its finish kernel
+    # (fp32 1024, 4096), the generic kernels (1000: not a whole number of vectors).
+    compare_one_and_many_rows(combo, hidden, seed=hidden, what=f"H={hidden}")
 
 
-SPLIT = ["split4"]
-
-
-@pytest.mark.parametrize("variant", SPLIT)
 @pytest.mark.parametrize("combo,hidden,rows", [(COMBOS[2], 1024, 70_000), (COMBOS[4], 768, 90_001),
                                                (COMBOS[0], 512, 50_000), (COMBOS[3], 256, 40_003),
                                                (COMBOS[1], 96, 20_000)],
                          ids=["bf16-1024", "bf16w32-768", "fp32-512", "fp16w32-256", "fp16-96"])
-def test_split_many_rows_per_group(monkeypatch, variant, combo, hidden, rows):
+def test_split_many_rows_per_group(combo, hidden, rows):
     # Dozens of rows per row group: the DEPTH + 1 register slots rotate many times, rows
     # end at every slot position, and 1-4 warps per row (named barrier per group).
-    _set_env(monkeypatch, {"MPT_LN_BWD": variant})
     xdt, wdt = combo
     torch.manual_seed(rows)
     x = torch.randn(rows, hidden, device="cuda").to(xdt)
     w = torch.randn(hidden, device="cuda").to(wdt)
     b = torch.randn(hidden, device="cuda").to(wdt)
-    compare(x, (hidden,), w, b, False, what=f"{variant} rows={rows} H={hidden}")
-    compare(x.detach(), (hidden,), None, None, True, what=f"{variant} rms no-weight rows={rows} H={hidden}")
+    compare(x, (hidden,), w, b, False, what=f"rows={rows} H={hidden}")
+    compare(x.detach(), (hidden,), None, None, True, what=f"rms no-weight rows={rows} H={hidden}")
 
 
-@pytest.mark.parametrize("variant", SPLIT)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 600, 1031])
-def test_split_row_counts(monkeypatch, variant, rows):
+def test_split_row_counts(rows):
     # Fewer rows than row groups, and counts that end mid-round of the slot rotation.
-    _set_env(monkeypatch, {"MPT_LN_BWD": variant})
     torch.manual_seed(rows)
     x = torch.randn(rows, 1024, device="cuda").to(torch.bfloat16)
     w = torch.randn(1024, device="cuda").to(torch.bfloat16)
     b = torch.randn(1024, device="cuda").to(torch.bfloat16)
-    compare(x, (1024,), w, b, False, what=f"{variant} rows={rows}")
-
-
-def test_backward_variant_name_is_checked(monkeypatch):
-    monkeypatch.setenv("MPT_LN_BWD", "fast")
-    x = torch.randn(4, 64, device="cuda", requires_grad=True)
-    with pytest.raises(RuntimeError, match="MPT_LN_BWD"):
-        torch.autograd.grad(ops.layer_norm(x, 64, fused=True), (x,), torch.ones_like(x))
-
-
-# "ring" (both directions), "split" and "split6" were removed after run 6: a stale setting
-# must fail rather than silently run the default.
-@pytest.mark.parametrize("name,value", [("MPT_LN_FWD", "fast"), ("MPT_LN_PDL", "yes"), ("MPT_LN_FWD", "ring"),
-                                        ("MPT_LN_BWD", "ring"), ("MPT_LN_BWD", "split6"), ("MPT_LN_FINISH", "16"),
-                                        ("MPT_LN_FWD", "r4"), ("MPT_LN_FWD", "o8"), ("MPT_LN_FWD", "split"),
-                                        ("MPT_LN_FOLD", "yes")])
-def test_launch_switch_values_are_checked(monkeypatch, name, value):
-    monkeypatch.setenv(name, value)
-    x = torch.randn(4, 64, device="cuda", requires_grad=True)
-    with pytest.raises(RuntimeError, match=name):
-        torch.autograd.grad(ops.layer_norm(x, 64, fused=True), (x,), torch.ones_like(x))
-
-
-# Programmatic dependent launch ($MPT_LN_PDL), alone and with a backward variant it
-# would be combined with; the benchmark times them all.
-LAUNCH_SETTINGS = [
-    {"MPT_LN_PDL": "1"},
-    {"MPT_LN_PDL": "0"},  # the default is 1 since run 5: keep the plain launches covered
-    {"MPT_LN_PDL": "1", "MPT_LN_BWD": "b512"},
-    # run 7: one row per warp in the forward (the default takes 2 at warp-per-row shapes),
-    # and both finish tiles forced (the default picks 8 or 32 columns by width).
-    {"MPT_LN_FWD": "r1"},
-    {"MPT_LN_FINISH": "8"},
-    {"MPT_LN_FINISH": "32"},
-    {"MPT_LN_FINISH": "8", "MPT_LN_BWD": "b512"},
-    # run 8: the split4 backward finishes dgamma / dbeta itself by default; keep the
-    # separate finish kernel covered.
-    {"MPT_LN_FOLD": "0"},
-]
-
-
-def _settings_id(env):
-    return "+".join(f"{k[7:].lower()}={v}" for k, v in env.items())
-
-
-def _set_env(monkeypatch, env):
-    for k in LAUNCH_SWITCHES:  # every $MPT_LN_* switch the extension reads (one list, in the bench)
-        monkeypatch.delenv(k, raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-
-
-@pytest.mark.parametrize("env", LAUNCH_SETTINGS, ids=_settings_id)
-@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}")
-@pytest.mark.parametrize("hidden", [64, 768, 1000, 1024, 4096])
-def test_launch_variants(monkeypatch, env, combo, hidden):
-    # hidden 1000: misaligned-width rows take the generic kernels under every setting;
-    # 4096: beyond split4's 128 vectors, the backward takes auto's b512 table (PDL kept).
-    _set_env(monkeypatch, env)
-    compare_one_and_many_rows(combo, hidden, seed=hidden + 1, what=env)
+    compare(x, (1024,), w, b, False, what=f"rows={rows}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -246,37 +177,42 @@ def test_empty_input():
     assert y.shape == (0, 32) and (gw == 0).all()
 
 
-# b256 / b512: no longer the default at 768 / 1024 since run 6, so named here.
-DETERMINISM_SETTINGS = [{}, {"MPT_LN_BWD": "coop"}, {"MPT_LN_BWD": "split4"}, {"MPT_LN_BWD": "b256"},
-                        {"MPT_LN_BWD": "b512"}, {"MPT_LN_FINISH": "32"}, {"MPT_LN_FINISH": "8"}, {"MPT_LN_FWD": "r1"},
-                        {"MPT_LN_FOLD": "0"}]
+# One shape per backward path: the split kernel with its in-kernel finish (bf16 768 / 1024),
+# the row-cached kernel with the finish kernel (fp32 1024: 256 vectors; bf16 4096), the
+# generic kernels (1000).
+PATHS = [(torch.bfloat16, 768), (torch.bfloat16, 1024), (torch.float32, 1024), (torch.bfloat16, 4096),
+         (torch.bfloat16, 1000)]
 
 
-@pytest.mark.parametrize("env", DETERMINISM_SETTINGS, ids=lambda e: _settings_id(e) or "default")
-def test_backward_is_deterministic(monkeypatch, env):
-    _set_env(monkeypatch, env)
-    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(1024, device="cuda", requires_grad=True)
-    b = torch.randn(1024, device="cuda", requires_grad=True)
+def _path_id(p):
+    return f"{str(p[0])[6:]}-{p[1]}"
+
+
+@pytest.mark.parametrize("path", PATHS, ids=_path_id)
+def test_backward_is_deterministic(path):
+    dtype, hidden = path
+    x = torch.randn(4096, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(hidden, device="cuda", requires_grad=True)
+    b = torch.randn(hidden, device="cuda", requires_grad=True)
     dy = torch.randn_like(x)
-    g1 = torch.autograd.grad(ops.layer_norm(x, 1024, w, b, fused=True), (x, w, b), dy)
-    g2 = torch.autograd.grad(ops.layer_norm(x, 1024, w, b, fused=True), (x, w, b), dy)
+    g1 = torch.autograd.grad(ops.layer_norm(x, hidden, w, b, fused=True), (x, w, b), dy)
+    g2 = torch.autograd.grad(ops.layer_norm(x, hidden, w, b, fused=True), (x, w, b), dy)
     for a, c in zip(g1, g2):
         assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize("env", DETERMINISM_SETTINGS + [{"MPT_LN_PDL": "1"}, {"MPT_LN_PDL": "0"}], ids=lambda e: _settings_id(e) or "default")
-def test_cuda_graph_capture(monkeypatch, env):
-    # coop: a cooperative launch must be capturable; PDL: launches with the programmatic
-    # stream serialization attribute must be (the benchmark times graphs).
-    _set_env(monkeypatch, env)
-    x = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(768, device="cuda", requires_grad=True)
-    b = torch.randn(768, device="cuda", requires_grad=True)
+@pytest.mark.parametrize("path", PATHS, ids=_path_id)
+def test_cuda_graph_capture(path):
+    # The forward, backward and finish kernels are launched with programmatic dependent
+    # launch on sm_90+: such launches must be capturable (the benchmark times graphs).
+    dtype, hidden = path
+    x = torch.randn(512, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(hidden, device="cuda", requires_grad=True)
+    b = torch.randn(hidden, device="cuda", requires_grad=True)
     dy = torch.randn_like(x)
 
     def step():
-        return torch.autograd.grad(ops.layer_norm(x, 768, w, b, fused=True), (x, w, b), dy)
+        return torch.autograd.grad(ops.layer_norm(x, hidden, w, b, fused=True), (x, w, b), dy)
 
     graph, out = capture_graph(step)
     with torch.no_grad():
@@ -290,24 +226,18 @@ def test_cuda_graph_capture(monkeypatch, env):
 # and resets it itself: a second backward over the same saved forward (retain_graph, or
 # the functional op called again) must see a zeroed counter and give the same gradients.
 @pytest.mark.parametrize("hidden,rows", [(768, 65536), (1024, 16384), (1024, 5), (64, 3001), (512, 1)])
-def test_repeated_backward_over_one_forward(monkeypatch, hidden, rows):
-    _set_env(monkeypatch, {})
+def test_repeated_backward_over_one_forward(hidden, rows):
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     y = ops.layer_norm(x, hidden, w, b, fused=True)
     runs = [torch.autograd.grad(y, (x, w, b), dy, retain_graph=True) for _ in range(3)]
-    _set_env(monkeypatch, {"MPT_LN_FOLD": "0"})
-    unfolded = torch.autograd.grad(y, (x, w, b), dy)
     for got in runs[1:]:
         for a, c in zip(runs[0], got):
             assert torch.equal(a, c)
-    # The fold sums the same partials in another fixed-order tree: equal up to fp32 rounding.
-    for name, a, c in zip(("dx", "dweight", "dbias"), runs[0], unfolded):
-        torch.testing.assert_close(a.float(), c.float(), rtol=1e-2, atol=1e-2 * max(1.0, c.abs().max().item()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
-    # The functional op without the counter (None) takes the finish kernel: same check.
+    # The functional op without the counter (None) takes the finish kernel, which sums the
+    # same partials in another fixed-order tree: equal up to fp32 rounding.
     ext = ops.get_extension(required=True)
     with torch.no_grad():
         _, mean, rstd, work = ext.layer_norm_forward(x, w, b, hidden, 1e-5, False)

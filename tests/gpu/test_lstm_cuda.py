@@ -249,7 +249,7 @@ def test_cell_forward_is_cuda_graph_capturable(ext):
 
 
 def test_cell_module_fwd_bwd_fast_path_and_cuda_graph(ext):
-    """FusedLSTMCell(x, (h, c)) takes the module's direct path to the C++ node (run 3); it
+    """FusedLSTMCell(x, (h, c)) takes the module's direct path to the C++ node; it
     must match the reference, and its fwd + autograd.grad must capture in a CUDA graph
     (the benchmark's "[CUDA graph: GPU time]" rows rely on it) and replay new inputs."""
     torch.manual_seed(0)
@@ -329,7 +329,7 @@ def test_fused_lstm_bf16_weights_are_flat_for_cudnn(ext):
         assert rel_err(o, r) < norm_tol(torch.bfloat16)
 
 
-# ---------------------------------------------------------------- direct cuBLAS (run 7)
+# ---------------------------------------------------------------- direct cuBLAS
 # For fp16/bf16 the LSTM GEMMs call cublasGemmEx directly (csrc/cublas_gemm.cuh) with the
 # arguments at::mm would pass: same handle, operands, op flags, m/n/k, leading
 # dimensions, compute type, algo and math mode. cuBLAS is deterministic for identical
@@ -508,7 +508,7 @@ def test_layer_direct_cublas_is_torch_gemms_bitwise(ext, reduced_reduction, dtyp
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cell_gemms_skip_aten_only_for_16bit(ext, dtype):
-    """The point of run 7: a 16-bit cell fwd + bwd makes no aten::mm / addmm_ call
+    """The point of the direct cuBLAS GEMMs: a 16-bit cell fwd + bwd makes no aten::mm / addmm_ call
     (cuBLAS directly); fp32 still does (TF32 policy stays torch's)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -519,7 +519,7 @@ def test_cell_gemms_skip_aten_only_for_16bit(ext, dtype):
         torch.autograd.grad(out, (x, h, c, w_ih, w_hh, b_ih, b_hh), [torch.ones_like(t) for t in out])
     names = {e.name for e in prof.events()}
     gemm_ops = names & {"aten::mm", "aten::addmm_", "aten::addmm", "aten::matmul"}
-    assert "aten::sum" not in names  # the bias gradient is summed inside the backward kernel (run 8)
+    assert "aten::sum" not in names  # the bias gradient is summed inside the backward kernel
     if dtype == torch.float32:
         assert gemm_ops, sorted(names)
     else:
@@ -557,7 +557,7 @@ def test_cell_and_layer_fwd_bwd_cuda_graph_direct_cublas(ext, dtype):
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=f"output {i}")
 
 
-# ---------------------------------------------------------------- fused bias gradient (run 8)
+# ---------------------------------------------------------------- fused bias gradient
 # The cell backward kernel sums db over the batch rows itself: fp32 gate gradients before
 # rounding, per block in a fixed tree, then (several row chunks) the last block of each
 # column strip adds the chunks' fp32 partials in chunk order (an atomic ticket finds it).
@@ -677,7 +677,7 @@ def test_cell_bias_grad_streams_and_cuda_graph_are_bitwise_eager(ext, B, H):
     assert torch.equal(ext.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c1, need)[5], eager)
 
 
-# ---------------------------------------------------------------- the hand-written autograd node (run 8)
+# ---------------------------------------------------------------- the hand-written autograd node
 # csrc/lstm_autograd.cu's node replaced a torch::autograd::Function: the same contract is
 # checked here on the real extension (CPU tensors take the node's ATen path, which allows
 # float64 gradcheck; CUDA tensors its kernels). On torch < 2.14 the node is a shared_ptr
@@ -775,7 +775,7 @@ def test_node_long_chain_is_freed_without_deep_recursion(ext):
 
 
 def test_module_fast_path_reads_parameters_and_honours_parametrizations(ext):
-    """FusedLSTMCell's step path takes its weights from _parameters (run 8); a parametrized
+    """FusedLSTMCell's step path takes its weights from _parameters; a parametrized
     weight is not there and must still be used as the attribute computes it."""
     from torch.nn.utils import parametrize
 

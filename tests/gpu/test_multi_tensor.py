@@ -131,46 +131,30 @@ def test_l2norm_non_finite(ext):
     assert torch.isnan(ops.multi_tensor_l2norm(ts, fused=True))
 
 
-@pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_unscale_variants_match_reference_and_find_infs(ext, variant, dtype):
-    """The alternative half kernels the benchmark compares (16-byte accesses, wider
-    chunks): exact results, guards intact, an inf in a full chunk or a tail is found."""
+def test_unscale_long_tensors_match_reference_and_find_infs(ext, dtype):
+    """Whole chunks and tails of long half tensors: exact results, guards intact, an inf
+    in a full chunk or a tail is found by the unscale and by the read-only check."""
     sizes = SIZES + [16384, 16384 * 2 + 9]
-    try:
-        ext.multi_tensor_set_variant(variant)
+    gs = _lists(dtype, sizes)
+    ref = [g.t.clone() for g in gs]
+    found, found_ref = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    inv = torch.tensor([1 / 3], device="cuda")
+    ops.multi_tensor_unscale_([g.t for g in gs], inv, found, fused=True)
+    reference.multi_tensor_scale(ref, ref, inv, found_ref)
+    assert found.item() == 0 == found_ref.item()
+    for g, r in zip(gs, ref):
+        assert torch.equal(g.t, r)
+        assert g.guards_intact()
+    for i, j in ((len(sizes) - 1, 5000), (len(sizes) - 1, -1), (len(sizes) - 2, 16383)):
         gs = _lists(dtype, sizes)
-        ref = [g.t.clone() for g in gs]
-        found, found_ref = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
-        inv = torch.tensor([1 / 3], device="cuda")
-        ops.multi_tensor_unscale_([g.t for g in gs], inv, found, fused=True)
-        reference.multi_tensor_scale(ref, ref, inv, found_ref)
-        assert found.item() == 0 == found_ref.item()
-        for g, r in zip(gs, ref):
-            assert torch.equal(g.t, r)
-            assert g.guards_intact()
-        for i, j in ((len(sizes) - 1, 5000), (len(sizes) - 1, -1), (len(sizes) - 2, 16383)):
-            gs = _lists(dtype, sizes)
-            gs[i].t[j] = float("inf")
-            found = torch.zeros(1, device="cuda")
-            ops.multi_tensor_unscale_([g.t for g in gs], 0.5, found, fused=True)
-            assert found.item() == 1.0, (i, j)
-            found = torch.zeros(1, device="cuda")
-            ops.multi_tensor.multi_tensor_check_finite_([g.t for g in gs], found, fused=True)
-            assert found.item() == 1.0, (i, j)
-    finally:
-        ext.multi_tensor_set_variant(0)
-
-
-def test_grid_override_gives_the_same_result(ext):
-    ts = [torch.randn(n, device="cuda") for n in SIZES]
-    base = ops.multi_tensor_l2norm(ts, fused=True)
-    try:
-        for b in (1, 3):
-            ext.multi_tensor_set_blocks_per_sm(b)
-            torch.testing.assert_close(ops.multi_tensor_l2norm(ts, fused=True), base, rtol=1e-6, atol=0)
-    finally:
-        ext.multi_tensor_set_blocks_per_sm(0)
+        gs[i].t[j] = float("inf")
+        found = torch.zeros(1, device="cuda")
+        ops.multi_tensor_unscale_([g.t for g in gs], 0.5, found, fused=True)
+        assert found.item() == 1.0, (i, j)
+        found = torch.zeros(1, device="cuda")
+        ops.multi_tensor.multi_tensor_check_finite_([g.t for g in gs], found, fused=True)
+        assert found.item() == 1.0, (i, j)
 
 
 def test_unscale_captured_in_a_cuda_graph(ext):

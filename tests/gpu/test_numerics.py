@@ -75,7 +75,7 @@ def test_layerwise_bert_base(precision):
 def test_layerwise_resnet50():
     """Random-init ResNet-50 in train mode: the gradient at the input end is ill-conditioned.
 
-    Measured on the CPU (notes/numerics.md, "ResNet-50 input-end gradients"): fp32 against fp64
+    Measured on the CPU (docs/numerics.md, "ResNet-50 input-end gradients"): fp32 against fp64
     already differs by 4e-2 (relative L2) in conv1's output gradient, an amplification of ~6e5
     over fp32's rounding; merely rounding the weights and input to bf16 and computing in fp64
     drops its cosine to 0.36 (fp16: 0.86).  So a low cosine there is the network, not the tool.

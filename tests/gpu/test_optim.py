@@ -119,55 +119,17 @@ def test_kernel_matches_reference(ext, op, cfg):
     assert ours.guards_intact()
 
 
-ADAM_VARIANTS = [1, 2, 3, 4, 5, 6, 7]  # csrc/multi_tensor_adam.cu; 0 (default), 5, 6: queue kernel (steps advanced inside)
-QUEUE_VARIANTS = [5, 6]
-
-
-@pytest.mark.parametrize("variant", ADAM_VARIANTS)
 @pytest.mark.parametrize("op", ["adam", "adamw"])
-@pytest.mark.parametrize("cfg", CONFIGS[3:], ids=CFG_IDS[3:])
-def test_master_adam_variants_match_reference(ext, variant, op, cfg):
-    """The alternative master-weight Adam kernels the benchmark compares (wider
-    chunks, 8-byte half accesses, persistent grid, streaming cache hints) are held to
-    the same standard as the default."""
-    fn, buffers = OPS[op]
-    ours = Lists(cfg, buffers=buffers, sizes=SIZES + [8192, 8192 * 3 + 5])
-    ref = ours.clone()
-    try:
-        ext.multi_tensor_set_variant(variant)
-        for _ in range(3):
-            fn(ours.lists, True)
-            fn(ref.lists, False)
-    finally:
-        ext.multi_tensor_set_variant(0)
-    _compare(ours, ref)
-    assert ours.guards_intact()
-
-
-class _Variant:
-    def __init__(self, ext, v):
-        self.ext, self.v = ext, v
-
-    def __enter__(self):
-        self.ext.multi_tensor_set_variant(self.v)
-
-    def __exit__(self, *exc):
-        self.ext.multi_tensor_set_variant(0)
-
-
-@pytest.mark.parametrize("variant", [0] + ADAM_VARIANTS)
-@pytest.mark.parametrize("op", ["adam", "adamw"])
-def test_master_adam_variants_against_float64(ext, variant, op):
-    """fp32 masters, m and v of every variant stay within fp32 rounding of a float64 run
-    of the same update (the bf16 params and grads are exact inputs to both)."""
+def test_master_adam_against_float64(ext, op):
+    """fp32 masters, m and v stay within fp32 rounding of a float64 run of the same update
+    (the bf16 params and grads are exact inputs to both)."""
     fn, buffers = OPS[op]
     ours = Lists((torch.bfloat16, True), buffers=buffers, sizes=SIZES + [8192 * 3 + 5], seed=7)
     exact = ours.clone()
     exact.lists = {k: [t.double() if k in ("masters",) + buffers else t for t in v] for k, v in exact.lists.items()}
-    with _Variant(ext, variant):
-        for _ in range(3):
-            fn(ours.lists, True)
-            fn(exact.lists, False)
+    for _ in range(3):
+        fn(ours.lists, True)
+        fn(exact.lists, False)
     for k in ("masters",) + buffers:
         for x, y in zip(ours.lists[k], exact.lists[k]):
             torch.testing.assert_close(x.double(), y, rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")
@@ -175,9 +137,8 @@ def test_master_adam_variants_against_float64(ext, variant, op):
     assert ours.guards_intact()
 
 
-@pytest.mark.parametrize("variant", QUEUE_VARIANTS)
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_queue_variants_skip_bit_exactly_then_step(ext, variant, bad):
+def test_queue_skip_bit_exactly_then_step(ext, bad):
     """A skipped queue launch touches nothing (step counts included) and leaves its chunk
     counters zeroed: the next, finite step must then update every chunk."""
     fn, buffers = OPS["adamw"]
@@ -186,54 +147,49 @@ def test_queue_variants_skip_bit_exactly_then_step(ext, variant, bad):
     L.lists["grads"][4][-1] = bad
     before = L.snapshot()
     found = torch.zeros(1, device="cuda")
-    with _Variant(ext, variant):
-        ops.multi_tensor.multi_tensor_check_finite_(L.lists["grads"], found, fused=True)
-        fn(L.lists, True, grad_scale=torch.tensor(8.0, device="cuda"), found_inf=found)
-        assert found.item() == 1.0
-        assert all(torch.equal(a, b) or (a.isnan() & b.isnan()).any() and torch.equal(a.nan_to_num(), b.nan_to_num())
-                   for a, b in zip(L.snapshot(), before))
-        L.lists["grads"][4][-1] = ref.lists["grads"][4][-1]
-        for _ in range(2):
-            fn(L.lists, True, found_inf=torch.zeros(1, device="cuda"))
-            fn(ref.lists, False)
+    ops.multi_tensor.multi_tensor_check_finite_(L.lists["grads"], found, fused=True)
+    fn(L.lists, True, grad_scale=torch.tensor(8.0, device="cuda"), found_inf=found)
+    assert found.item() == 1.0
+    assert all(torch.equal(a, b) or (a.isnan() & b.isnan()).any() and torch.equal(a.nan_to_num(), b.nan_to_num())
+               for a, b in zip(L.snapshot(), before))
+    L.lists["grads"][4][-1] = ref.lists["grads"][4][-1]
+    for _ in range(2):
+        fn(L.lists, True, found_inf=torch.zeros(1, device="cuda"))
+        fn(ref.lists, False)
     _compare(L, ref)
     assert L.guards_intact()
 
 
-@pytest.mark.parametrize("variant", QUEUE_VARIANTS)
 @pytest.mark.parametrize("n_tensors", [1, 500, 1200])  # 1200: several launches, each with its own last block
-def test_queue_variants_many_tensors(ext, variant, n_tensors):
+def test_queue_many_tensors(ext, n_tensors):
     sizes = [(13 * i + 5) % 2500 for i in range(n_tensors)]  # includes empty tensors (step still advances)
     fn, buffers = OPS["adamw"]
     ours = Lists((torch.bfloat16, True), sizes=sizes, buffers=buffers, seed=3)
     ref = ours.clone()
-    with _Variant(ext, variant):
-        for _ in range(2):
-            fn(ours.lists, True)
-            fn(ref.lists, False)
+    for _ in range(2):
+        fn(ours.lists, True)
+        fn(ref.lists, False)
     _compare(ours, ref)
     assert ours.guards_intact()
 
 
-@pytest.mark.parametrize("variant", QUEUE_VARIANTS)
-def test_queue_variants_in_a_cuda_graph(ext, variant):
+def test_queue_in_a_cuda_graph(ext):
     """The queue counters reset themselves: a captured step replays correctly."""
     fn, buffers = OPS["adamw"]
     ours = Lists((torch.bfloat16, True), buffers=buffers, seed=9, sizes=SIZES + [8192 * 7])
     ref = ours.clone()
-    with _Variant(ext, variant):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(ours.lists, True)  # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(ours.lists, True)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    fn(ref.lists, False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(ours.lists, True)
+    for _ in range(3):
+        graph.replay()
         fn(ref.lists, False)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(ours.lists, True)
-        for _ in range(3):
-            graph.replay()
-            fn(ref.lists, False)
     torch.cuda.synchronize()
     _compare(ours, ref)
     assert ours.guards_intact()

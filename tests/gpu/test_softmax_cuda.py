@@ -11,10 +11,6 @@ from mptrain import ops
 from mptrain.bench.graph_timing import capture_graph
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Every $MPT_SOFTMAX_SHAPE launch variant of csrc/softmax.cu.
-VARIANTS = ["auto", "rows", "wide", "persist", "pair", "lean1"]
-# The forward-only lean 512 variant (16-bit rows of 33..64 vectors, scale > 0; "auto" elsewhere).
-LEAN = ["lean1"]
 LENGTHS = [1, 7, 64, 100, 512, 1000, 2048, 4096, 8192, 16384, 20000, 32768, 40000]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -84,71 +80,31 @@ def test_matches_reference_and_float64(dtype, sk, causal):
         compare(x, mask, 0.125 if sk > 1 else 1.0, causal, f"S={sk} mask={name}")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("sk", [64, 264, 512, 520, 1000, 1032, 2048])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-def test_shape_variants(monkeypatch, variant, dtype, sk):
-    # Every launch variant ($MPT_SOFTMAX_SHAPE), the non-default ones included: the
-    # benchmark times them all.  Lengths at the edges of the wide shapes (33..64 and
-    # 129..256 vectors), with an odd number of rows (half-warp rows, partial blocks) and
-    # 3 heads (for "pair": row pairs that straddle two mask rows reload the mask).
-    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
+def test_launch_layouts(dtype, sk):
+    # Every forward layout (lean, two rows per warp, persistent, row table) at the edges of
+    # their lengths (33..64 and 129..256 vectors), with an odd number of rows (partial
+    # blocks) and 3 heads (two-row warps that straddle two mask rows reload the mask).
     gen = torch.Generator(device="cuda").manual_seed(sk)
     b, h, sq = 3, 3, 7
     x = (torch.randn(b, h, sq, sk, device="cuda", generator=gen) * 3).to(dtype)
     for name in ("none", "over_heads", "padding", "key_bcast"):
         mask = masks(b, h, sq, sk, gen)[name]
         for causal in (False, True):
-            compare(x, mask, 0.125, causal, f"{variant} S={sk} mask={name} causal={causal}")
+            compare(x, mask, 0.125, causal, f"S={sk} mask={name} causal={causal}")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("b,h,s", [(2, 16, 512), (1, 8, 2048)])
-def test_shape_variants_many_rows(monkeypatch, variant, b, h, s):
+def test_many_rows(b, h, s):
     # More rows than the persistent grid holds at once (~132 x 16 blocks x 4 rows):
-    # every group walks several rows with the next one prefetched.
-    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
+    # every group walks several rows.
     gen = torch.Generator(device="cuda").manual_seed(s)
     x = (torch.randn(b, h, s, s, device="cuda", generator=gen) * 3).to(torch.bfloat16)
     mask = torch.rand(b, 1, s, s, device="cuda", generator=gen) < 0.1
     mask[0, 0, 3] = True  # a fully masked row
-    compare(x, mask, 0.125, False, f"{variant} {b}x{h}x{s} masked")
-    compare(x, None, 0.125, True, f"{variant} {b}x{h}x{s} causal")
-
-
-@pytest.mark.parametrize("shape,bwd", [("persist", "rows"), ("rows", "persist"), ("pair", "wide")])
-@pytest.mark.parametrize("b,h,s", [(2, 16, 512), (1, 8, 2048), (3, 3, 520), (1, 5, 264), (1, 1, 333)])
-def test_backward_override(monkeypatch, shape, bwd, b, h, s):
-    # $MPT_SOFTMAX_BWD picks the backward's layout alone (the benchmark's mixed rows).
-    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", shape)
-    monkeypatch.setenv("MPT_SOFTMAX_BWD", bwd)
-    gen = torch.Generator(device="cuda").manual_seed(s + 1)
-    x = (torch.randn(b, h, s, s, device="cuda", generator=gen) * 3).to(torch.bfloat16)
-    mask = torch.rand(b, 1, s, s, device="cuda", generator=gen) < 0.1
-    compare(x, mask, 0.125, False, f"{shape}/{bwd} {b}x{h}x{s} masked")
-    compare(x, None, 0.125, True, f"{shape}/{bwd} {b}x{h}x{s} causal")
-
-
-@pytest.mark.parametrize("var", ["MPT_SOFTMAX_SHAPE", "MPT_SOFTMAX_BWD"])
-def test_shape_variant_name_is_checked(monkeypatch, var):
-    monkeypatch.setenv(var, "fast")
-    x = torch.randn(4, 512, device="cuda", requires_grad=True)
-    with pytest.raises(RuntimeError, match=var):
-        y = ops.scaled_masked_softmax(x, None, 1.0, False, fused=True)
-        torch.autograd.grad(y, (x,), torch.ones_like(y))
-
-
-@pytest.mark.parametrize("value", ["quad", "lean", "stream"])
-@pytest.mark.parametrize("var", ["MPT_SOFTMAX_SHAPE", "MPT_SOFTMAX_BWD"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
-def test_removed_variant_names_raise(monkeypatch, var, value, dtype):
-    # Removed after runs 5-6: a stale setting must fail, not silently run "auto" (bf16 512:
-    # where the lean forward is looked up first).
-    monkeypatch.setenv(var, value)
-    x = torch.randn(4, 512, device="cuda").to(dtype).requires_grad_()
-    with pytest.raises(RuntimeError, match=var):
-        y = ops.scaled_masked_softmax(x, None, 1.0, False, fused=True)
-        torch.autograd.grad(y, (x,), torch.ones_like(y))
+    compare(x, mask, 0.125, False, f"{b}x{h}x{s} masked")
+    compare(x, None, 0.125, True, f"{b}x{h}x{s} causal")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
@@ -172,11 +128,11 @@ def test_fully_masked_rows_are_zero_with_zero_grad(dtype):
     torch.testing.assert_close(y[0].float().sum(-1), torch.ones(4, 8, device="cuda"), rtol=0, atol=2e-2)
 
 
-@pytest.mark.parametrize("variant", ["auto", "pair", "persist"] + LEAN)
-def test_cuda_graph_capture(monkeypatch, variant):
-    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
-    x = torch.randn(4, 8, 128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    mask = torch.rand(4, 1, 128, 512, device="cuda") < 0.2
+@pytest.mark.parametrize("dtype,s", [(torch.bfloat16, 512), (torch.float32, 256), (torch.bfloat16, 2048),
+                                     (torch.bfloat16, 1024)], ids=["lean", "pair", "persist", "rows"])
+def test_cuda_graph_capture(dtype, s):
+    x = torch.randn(4, 8, 128, s, device="cuda", dtype=dtype, requires_grad=True)
+    mask = torch.rand(4, 1, 128, s, device="cuda") < 0.2
     dy = torch.randn_like(x)
 
     def step():
@@ -189,24 +145,22 @@ def test_cuda_graph_capture(monkeypatch, variant):
     assert torch.equal(out, step())
 
 
-@pytest.mark.parametrize("variant", LEAN)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("b,h,s", [(2, 16, 512), (3, 5, 512), (2, 3, 264), (1, 7, 392)])
-def test_lean_forwards(monkeypatch, variant, dtype, b, h, s):
+def test_lean_forward(dtype, b, h, s):
     # The lean forwards mask on raw 16-bit words and take the max before scaling: check
     # them where that could go wrong.  Odd head counts (row pairs straddling two mask
     # rows), 33..64-vector rows with idle lanes, fully masked rows (zeros, zero grad),
     # mask bytes other than 0/1 (a bool view of uint8 2s: true, as in torch), mask and
-    # causal together, large logits, and a negative scale (falls back to "auto").
-    monkeypatch.setenv("MPT_SOFTMAX_SHAPE", variant)
+    # causal together, large logits, and a negative scale (takes the two-row layout).
     gen = torch.Generator(device="cuda").manual_seed(s + h)
     x = (torch.randn(b, h, s, s, device="cuda", generator=gen) * 3).to(dtype)
     x[0, 0, 1, :8] = 60.0  # large logits: exp(scale * (x - max)) must not overflow
     mask = torch.rand(b, 1, s, s, device="cuda", generator=gen) < 0.2
     mask[0, 0, 2] = True  # a fully masked row
     for m, causal in ((mask, False), (None, True), (mask, True), (None, False)):
-        compare(x, m, 0.125, causal, f"{variant} {b}x{h}x{s} mask={m is not None} causal={causal}")
-    compare(x, mask, -0.5, False, f"{variant} {b}x{h}x{s} negative scale")
+        compare(x, m, 0.125, causal, f"{b}x{h}x{s} mask={m is not None} causal={causal}")
+    compare(x, mask, -0.5, False, f"{b}x{h}x{s} negative scale")
     y = ops.scaled_masked_softmax(x, mask, 0.125, fused=True)
     assert (y[0, :, 2] == 0).all(), "fully masked row must be zeros"
     # Bool bytes other than 0/1 (a uint8 view) count as True: same output as the clean mask.

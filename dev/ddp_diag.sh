@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# DDP scaling on nvidia-h200-x2, with the evidence for where a step's time goes: each
+# configuration launched --repeat times (median), then per rank a log of every host-device
+# sync in 2 steady-state steps and a GPU-only profile (compute / NCCL / idle ms per step).
+# Usage: dev/ddp_diag.sh [part ...]   parts: bert lightning resnet (default: all).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/mptrain-ddp-diag}
+mkdir -p "$OUT/reports"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export MPTRAIN_BUILD_DIR=${MPTRAIN_BUILD_DIR:-$PWD/.build/ext} MAX_JOBS=${MAX_JOBS:-32} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PARTS=${*:-bert lightning resnet}
+want() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+diag="--syncs 2 --profile 3 --profile-mode cuda --reports-out $OUT/reports"
+{
+  t0=$SECONDS; python3 -m mptrain.ops.build >/dev/null && echo "extension ready: $((SECONDS - t0)) s"
+  want bert && python3 -m mptrain.bench.ddp --recipes bert_base --repeat 2 $diag --json "$OUT/ddp_bert.json"
+  want lightning && python3 -m mptrain.bench.ddp --recipes bert_base --lightning bf16-mixed $diag --json "$OUT/ddp_bert_lightning.json"
+  want resnet && python3 -m mptrain.bench.ddp --recipes resnet50 --json "$OUT/ddp_resnet.json"
+} 2>&1 | tee "$OUT/ddp_diag.log"
+tar -C "$OUT" -czf "$OUT/reports.tgz" reports && rm -rf "$OUT/reports"
