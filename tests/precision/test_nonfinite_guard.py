@@ -86,3 +86,31 @@ def test_guard_reads_the_device_lazily():
         except (NotImplementedError, RuntimeError):  # a meta tensor cannot be read: that is a read attempt
             reads.append(step)
     assert reads == [25, 50]
+
+
+@pytest.mark.parametrize("name", ["bf16-master", "32-true"])
+def test_torch_fused_optimizer_skips_on_the_device(name, monkeypatch):
+    """torch's fused=True optimizers take found_inf as an attribute: the step is skipped inside the kernel,
+    the plugin never reads the flag on the host."""
+    import mptrain.precision.grads as G
+
+    torch.manual_seed(0)
+    model = Classifier(mlp(), inf_at_steps={1})
+    model.configure_optimizers = lambda: torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    host_reads = []
+    real = G.step_with_found_inf
+
+    def spy(optimizer, found_inf, *a, **k):
+        assert G.accepts_device_found_inf(optimizer)
+        item = found_inf.item
+        found_inf = found_inf.clone()
+        found_inf.item = lambda: host_reads.append(1) or item()  # noqa: B023
+        return real(optimizer, found_inf, *a, **k)
+
+    monkeypatch.setattr(G, "step_with_found_inf", spy)
+    rec = StepRecorder()
+    plugin = _plugin(name)
+    trainer(plugin, max_steps=3, callbacks=[rec]).fit(model, loader())
+    assert rec.unchanged(1) and not rec.unchanged(0) and not rec.unchanged(2)
+    assert plugin.skipped_steps == 1 and not host_reads
+    assert all(int(st["step"]) == 2 for st in model.trainer.optimizers[0].state.values())  # AdamW skipped one

@@ -158,3 +158,70 @@ def test_lbfgs_is_refused_at_setup():
     model.configure_optimizers = lambda: torch.optim.LBFGS(model.parameters())
     with pytest.raises(ValueError, match="LBFGS"):
         trainer(MasterPrecision("bf16-master"), max_steps=1).fit(model, loader())
+
+
+def test_fused_path_folds_norm_clipping_into_the_step():
+    from mptrain.optim import FusedSGD
+
+    torch.manual_seed(0)
+    model = Classifier(mlp())
+    model.configure_optimizers = lambda: FusedSGD(model.parameters(), lr=1.0)
+    plugin = MasterPrecision("16-master", loss_scaler={"init_scale": 1024.0})
+    before = []
+
+    class Masters(StepRecorder):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            before.append({n: optimizer.master_param(p).detach().clone() if optimizer.uses_master(p) else
+                           p.detach().clone() for n, p in pl_module.named_parameters()})
+
+    t = trainer(plugin, max_steps=2, callbacks=[Masters()], gradient_clip_val=1e-2)
+    t.fit(model, loader())
+    opt = t.optimizers[0]
+    after = {n: opt.master_param(p) if opt.uses_master(p) else p.detach() for n, p in model.named_parameters()}
+    delta = torch.stack([torch.linalg.vector_norm(after[n] - before[1][n]) for n in after])
+    assert 0.9e-2 < float(torch.linalg.vector_norm(delta)) <= 1.01e-2 and plugin.skipped_steps == 0
+
+
+class Manual(Classifier):
+    def __init__(self, net):
+        super().__init__(net, lr=0.1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        if batch_idx == 1:
+            loss = loss * float("inf")
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        opt.step()
+        return loss
+
+
+@pytest.mark.parametrize("name", ["bf16-master", "16-mixed"])
+def test_manual_optimization(name):
+    torch.manual_seed(0)
+    model = Manual(mlp())
+    plugin = precision_plugin(name, loss_scaler={"init_scale": 256.0} if name.startswith("16") else None)
+    snaps = []
+
+    class Snap(StepRecorder):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            snaps.append([p.detach().clone() for p in pl_module.parameters()])
+
+    trainer(plugin, max_epochs=1, limit_train_batches=3, callbacks=[Snap()]).fit(model, loader())
+    changed = [not all(torch.equal(a, b) for a, b in zip(snaps[k], snaps[k + 1])) for k in range(2)]
+    assert changed == [True, False] and plugin.skipped_steps == 1
+
+
+def test_validate_and_predict_after_fit_keep_the_conversion_once():
+    torch.manual_seed(0)
+    model = Classifier(mlp())
+    t = trainer(MasterPrecision("bf16-master"), max_steps=2)
+    t.fit(model, loader())
+    metrics = t.validate(model, loader(), verbose=False)[0]
+    assert set(metrics) == {"val_loss", "val_acc"} and all(v == v for v in metrics.values())
+    preds = t.predict(model, torch.utils.data.DataLoader(loader().dataset.tensors[0], batch_size=32))
+    assert preds[0].dtype == torch.bfloat16 and preds[0].shape == (32, 4)
