@@ -116,11 +116,14 @@ def _verify_zip(path: Path) -> None:
 
 
 def _check_finite(checkpoint: dict[str, Any], path: Path) -> None:
-    bad = [
-        name
-        for name, t in checkpoint.get("state_dict", {}).items()
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
-    ]
+    """One min/max reduction per floating tensor (NaN propagates through both), one host read in all."""
+    tensors = {name: t for name, t in checkpoint.get("state_dict", {}).items()
+               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()}
+    if not tensors:
+        return
+    finite = [torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all() for t in tensors.values()]
+    device = finite[0].device
+    bad = [name for name, ok in zip(tensors, torch.stack([f.to(device) for f in finite]).tolist()) if not ok]
     if bad:
         raise CheckpointError(
             f"refused to write checkpoint {str(path)!r}: non-finite values in {bad[:5]}"

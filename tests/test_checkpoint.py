@@ -105,6 +105,7 @@ def test_non_finite_weights_are_never_written(tmp_path):
     assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], torch.ones(4, 4))
 
 
+@pytest.mark.slow
 def test_sigkill_mid_save_keeps_previous_checkpoint_and_next_save_removes_orphan(tmp_path):
     path = tmp_path / "big.ckpt"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), OMP_NUM_THREADS="1")
