@@ -94,7 +94,7 @@ def test_schedule_reads_the_run_length_when_the_trainer_knows_it():
         def estimated_stepping_batches(self):
             return total["n"]
 
-    type(m).trainer = property(lambda self: Shim())  # what the Trainer's bridge exposes
+    type(m).trainer = property(lambda self: Shim())  # what an attached Trainer exposes
     try:
         sched = m.configure_optimizers()["lr_scheduler"]["scheduler"]
         total["n"] = 4  # known only after configure_optimizers, as in the Trainer
@@ -193,3 +193,33 @@ def test_lstm_uses_fused_lstm_when_available():
     except ImportError:
         pytest.skip("mptrain.nn.FusedLSTM not available")
     assert isinstance(m.net.rnn, FusedLSTM)
+
+
+PLAIN_LIGHTNING = {
+    "classifier": (lambda: ImageClassifier(arch="digits_cnn", optimizer="adamw", lr=1e-3),
+                   lambda: __import__("mptrain.data", fromlist=["x"]).DigitsDataModule(batch_size=8, synthetic=True,
+                                                                                       synthetic_batches=2)),
+    "lstm": (lambda: LSTMLanguageModel(vocab_size=50, embedding_dim=8, hidden_size=8, num_layers=1, fused=False),
+             lambda: __import__("mptrain.data", fromlist=["x"]).LMTextDataModule(batch_size=2, seq_len=6, vocab_size=50,
+                                                                               synthetic=True, synthetic_batches=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAIN_LIGHTNING))
+def test_models_train_under_plain_lightning(name, tmp_path):
+    """The recipe modules are plain Lightning: lightning.Trainer runs them as they are."""
+    import lightning as L
+
+    make_model, make_data = PLAIN_LIGHTNING[name]
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, limit_val_batches=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(make_model(), datamodule=make_data())
+    assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+@pytest.mark.parametrize("kwargs, match", [({"lr": -1.0}, "model.lr=-1.0"), ({"weight_decay": -0.1}, "weight_decay"),
+                                           ({"label_smoothing": 1.0}, "label_smoothing"),
+                                           ({"arch": "digits_cnnn"}, "digits_cnnn")])
+def test_bad_hyperparameters_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ImageClassifier(**kwargs)
