@@ -13,6 +13,11 @@ serves both; the two call it differently and it adapts:
 The optimizer step is where precision matters: grads are copied up (``*-master``),
 unscaled and checked for inf/NaN on the device (the loss too), all ranks agree on the
 flag, clipping sees unscaled grads, and the step is skipped on the device.
+
+Host syncs per step: none with mptrain's fused optimizers or torch's ``fused=True`` ones
+(they honour ``found_inf`` inside the kernel); any other optimizer costs one read of the
+flag before ``step()``, as with torch's GradScaler.  The skip counter is read at most
+every ``guard.check_every`` steps on a GPU.
 """
 from __future__ import annotations
 
@@ -153,7 +158,8 @@ class MptrainPrecision(_LightningPrecision):
         bad = (~torch.isfinite(tensor.detach())).any().reshape(1).float()
         self._loss_bad = bad if self._loss_bad is None else torch.maximum(self._loss_bad, bad)
         if self.loss_scaler is not None:
-            self.loss_scaler.to(tensor.device) if self.loss_scaler.device != tensor.device else None
+            if self.loss_scaler.device != tensor.device:
+                self.loss_scaler.to(tensor.device)
             tensor = self.loss_scaler.scale_loss(tensor)
         if self._lightning:  # lightning.Trainer: (tensor, model, optimizer, *args) -> LightningModule.backward
             super().backward(tensor, model, *args, **kwargs)
