@@ -72,3 +72,28 @@ def test_resuming_with_another_precision_is_refused(tmp_path):
         torch.manual_seed(0)
         t = trainer(MasterPrecision("16-master"), max_epochs=2)
         t.fit(Net(), loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+
+
+def test_mid_epoch_resume_is_bitwise_with_a_stateful_loader(tmp_path):
+    """Saved after step 3 of a 4-batch epoch; torchdata's StatefulDataLoader gives Lightning the position."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from _models import classification_data
+
+    def run(max_steps, ckpt_path=None, callbacks=()):
+        torch.manual_seed(0)
+        model = Net()
+        plugin = MasterPrecision("bf16-master")
+        data = StatefulDataLoader(classification_data(n=128), batch_size=32, shuffle=False)
+        trainer(plugin, max_steps=max_steps, enable_checkpointing=bool(callbacks), callbacks=list(callbacks)).fit(
+            model, data, ckpt_path=ckpt_path)
+        return model, plugin
+
+    full, full_plugin = run(7)
+    run(3, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)])
+    (ckpt,) = tmp_path.glob("*step=3.ckpt")
+    resumed, plugin = run(7, ckpt_path=str(ckpt))
+    for (n, p), q in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), n
+        if full_plugin.master_for(p) is not None:
+            assert torch.equal(full_plugin.master_for(p), plugin.master_for(q)), n
