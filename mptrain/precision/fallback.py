@@ -179,8 +179,12 @@ class _Fp32OpsMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = self.funcs.get(func)
-        if name is None or (name in CPU_RNN_OPS and not _has_cpu_half(args)):
+        if name is None:
             return func(*args, **kwargs)
+        if name in CPU_RNN_OPS:
+            if not _has_cpu_half(args):
+                return func(*args, **kwargs)
+            _say_cpu_rnn_policy()  # once per process, when it first applies
         # The handler runs with this mode popped, so the inner call is not re-intercepted.
         with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
             if name == "batch_norm":
@@ -206,11 +210,6 @@ class Fp32Fallback:
             self._funcs.update({getattr(torch, name): name for name in CPU_RNN_OPS})
 
     def context(self):
-        if self.cpu_rnn:
-            _say_cpu_rnn_policy()
-        return self._context()
-
-    def _context(self):
         if not self._funcs:
             import contextlib
 
