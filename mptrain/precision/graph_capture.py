@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 import torch
 
 _INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib))
+_MODE_HANDLERS = ("__torch_function__", "__torch_dispatch__")
 _HOST_SYNC = ("stream is capturing", "StreamCapture", "during capture")
 
 
@@ -70,9 +71,10 @@ def _first_error(exc: BaseException) -> BaseException:
 
 
 def _user_frame(exc: BaseException) -> Optional[str]:
-    """``file:line in function: `code``` of the innermost frame outside torch, contextlib and this module."""
+    """``file:line in function: `code``` of the innermost frame that issued the op: outside torch, contextlib,
+    this module and the handlers of torch function/dispatch modes (the fp32 fallback's, for one)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith(_INTERNAL) and f.filename != __file__]
+              if not f.filename.startswith(_INTERNAL) and f.filename != __file__ and f.name not in _MODE_HANDLERS]
     if not frames:
         return None
     f = frames[-1]

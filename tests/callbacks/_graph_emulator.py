@@ -49,7 +49,8 @@ class _Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in SYNCING:
+        bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if name in SYNCING or bool_index:  # a boolean index is a nonzero: its size is read on the host
             raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing (aten.{name})")
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:

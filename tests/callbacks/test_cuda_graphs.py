@@ -347,3 +347,63 @@ def test_emulated_replays_train_exactly_like_eager(monkeypatch, precision, opt, 
     for (name, a), b in zip(m0.state_dict().items(), m1.state_dict().values()):
         # torch's fused AdamW rounds a tensor lr (the captured step's) and a float lr one ulp apart
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_emulated_tiny_bert_replays_like_eager(monkeypatch):
+    """BertMLM (dict batch, four outputs of which the loss uses one, fused LayerNorm, warm-up LR schedule) captured
+    at step 2 on the CPU emulation: the same losses and weights as eager, an inf loss at step 4 skipped."""
+    from _graph_emulator import emulate_cuda_graphs
+    from mptrain.bench.e2e_models import mlm_batches
+    from mptrain.models.bert import BertMLM
+
+    class Bert(BertMLM):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(loss.detach())
+            return loss + float("inf") if self.trainer.global_step == 4 else loss
+
+        def configure_optimizers(self):  # the recipe's, with the fused AdamW it picks on CUDA
+            from mptrain.models.optim import decay_groups
+            from mptrain.models.schedules import per_step, warmup_linear
+            from mptrain.optim import FusedAdamW
+
+            opt = FusedAdamW(decay_groups(self, 0.01), lr=1e-2)
+            return {"optimizer": opt, "lr_scheduler": per_step(warmup_linear(opt, 3, lambda: 7))}
+
+    runs = []
+    for graphs in (False, True):
+        if graphs:
+            emulate_cuda_graphs(monkeypatch)
+        torch.manual_seed(0)
+        model = Bert(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, dropout=0.0,
+                     max_predictions=3, warmup_steps=3, total_steps=7)
+        model.losses = []
+        wired = Wired(warmup_steps=2)
+        trainer = L.Trainer(plugins=[MasterPrecision("bf16-master")], accelerator="cpu", devices=1, max_steps=7,
+                            logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                            enable_model_summary=False, callbacks=[wired] if graphs else [])
+        trainer.fit(model, mlm_batches(4, 7, "cpu", seq_len=8, vocab=50))
+        runs.append((model, trainer, wired))
+    (m0, t0, _), (m1, t1, wired) = runs
+    assert wired.replays == 7 - 2 and t0.precision_plugin.skipped_steps == t1.precision_plugin.skipped_steps == 1
+    assert torch.equal(torch.stack(m0.losses), torch.stack(m1.losses))
+    for (name, a), b in zip(m0.state_dict().items(), m1.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_emulated_host_sync_in_forward_fails_at_capture_naming_the_line(monkeypatch):
+    from _graph_emulator import emulate_cuda_graphs
+
+    from mptrain.optim import FusedAdamW
+
+    class Syncing(Classifier):
+        def forward(self, x):
+            return self.net(x[x.sum(1) > -1e9])  # boolean-mask indexing: the row count is read on the host
+
+        def configure_optimizers(self):
+            return FusedAdamW(self.parameters())
+
+    emulate_cuda_graphs(monkeypatch)
+    with pytest.raises(CudaGraphError, match=r"could not capture the training forward: RuntimeError: .*aten\.index\) at "
+                                             r".*test_cuda_graphs\.py:\d+ in forward: `return self\.net\(x\[x\.sum"):
+        _fit(Syncing(mlp()), callbacks=[Wired(warmup_steps=2)])
