@@ -28,3 +28,17 @@ def test_two_ranks_end_with_identical_weights_and_skip_together(tmp_path, precis
     for name, t in a["weights"].items():
         assert t.dtype == torch.float32 and torch.isfinite(t).all(), name
         assert torch.equal(t, b["weights"][name]), f"ranks differ in {name}"
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_mid_epoch_bitwise(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    r = subprocess.run([sys.executable, str(SCRIPT.parent / "ddp_resume.py"), str(tmp_path), "bf16-master"], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank in (0, 1):
+        d = torch.load(tmp_path / f"resume.rank{rank}.pt", weights_only=True)
+        assert len(d["straight"]) == 16 and len(d["rest"]) == 10  # 3 of 8 steps done before the cut
+        assert torch.equal(d["rest"], d["straight"][6:]), f"rank {rank} replayed other batches or randomness"
+        for name, t in d["straight_weights"].items():
+            assert torch.equal(t, d["resumed_weights"][name]), f"rank {rank}: {name}"

@@ -97,3 +97,13 @@ def test_a_checkpoint_without_resume_state_warns(tmp_path):
     _fit(tmp_path, SAVE_AT, trainer_cls=L.Trainer)
     with pytest.warns(UserWarning, match="holds no ResumeState"):
         _fit(tmp_path, SAVE_AT + 1, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
+
+
+def test_a_different_world_size_mid_epoch_is_refused_naming_both():
+    from mptrain.callbacks.resume_state import _check_layout
+
+    saved = {"world_size": 1, "accumulate_grad_batches": 2, "num_training_batches": 24, "batch_in_epoch": 10}
+    now = dict(saved, world_size=2, num_training_batches=12)
+    with pytest.raises(ValueError, match=r"batch 10 of 24.*world_size 1 -> 2, num_training_batches 24 -> 12"):
+        _check_layout(saved, now)
+    _check_layout(dict(saved, batch_in_epoch=24), now)  # at an epoch's end any layout may follow
