@@ -65,6 +65,8 @@ MISTAKES = {
     "unknown_model_key": (["--model.lrr=3"], "model.lrr", "Did you mean 'lr'"),
     "unknown_top_key": (["--max_steps=3"], "max_steps"),
     "ckpt_missing": (["--ckpt_path=missing.ckpt"], "missing.ckpt", "does not exist"),
+    "data_dir_missing": (["--data=mptrain.data.LMTextDataModule", "--data.data_dir=no/corpus",
+                          "--model=mptrain.models.LSTMLanguageModel"], "data.data_dir='no/corpus'", "synthetic=true"),
 }
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
-from mptrain.data.module import MPTDataModule
+from mptrain.data.module import MPTDataModule, require_data_dir
 from mptrain.data.sampling import sample_seed
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -76,8 +76,7 @@ class ImageFolderDataModule(MPTDataModule):
                  pin_memory: bool = True, seed: int = 0, synthetic: bool = False, synthetic_batches: int = 1000,
                  image_size: int = 224, num_classes: Optional[int] = None, channels_last: bool = True):
         super().__init__(batch_size, num_workers, pin_memory, seed, synthetic, synthetic_batches)
-        if not synthetic and data_dir is None:
-            raise ValueError("data.data_dir is required unless data.synthetic=true")
+        require_data_dir(data_dir, synthetic)
         self.data_dir, self.image_size, self.channels_last = data_dir, image_size, channels_last
         self._num_classes = num_classes
 

@@ -8,7 +8,7 @@ from typing import Literal, Optional
 import torch
 from torch.utils.data import Dataset
 
-from mptrain.data.module import MPTDataModule
+from mptrain.data.module import MPTDataModule, require_data_dir
 from mptrain.data.text import read_text, split_files
 
 UNK, EOS = "<unk>", "<eos>"
@@ -75,8 +75,7 @@ class LMTextDataModule(MPTDataModule):
         super().__init__(batch_size, num_workers, pin_memory, seed, synthetic, synthetic_batches)
         if level not in ("char", "word"):
             raise ValueError(f"data.level must be 'char' or 'word', got {level!r}")
-        if not synthetic and data_dir is None:
-            raise ValueError("data.data_dir is required unless data.synthetic=true")
+        require_data_dir(data_dir, synthetic)
         self.data_dir, self.level, self.seq_len = data_dir, level, seq_len
         self.min_freq, self.max_vocab, self._vocab_size, self.val_fraction = min_freq, max_vocab, vocab_size, val_fraction
         self.vocab: Optional[Vocabulary] = None

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
-from mptrain.data.module import MPTDataModule
+from mptrain.data.module import MPTDataModule, require_data_dir
 from mptrain.data.sampling import sample_seed
 from mptrain.data.text import read_text, split_files
 from mptrain.data.tokenizer import SPECIAL_TOKENS, load_or_train
@@ -78,8 +78,7 @@ class MLMDataModule(MPTDataModule):
                  batch_size: int = 32, num_workers: int = 2, pin_memory: bool = True, seed: int = 0,
                  synthetic: bool = False, synthetic_batches: int = 1000, val_fraction: float = 0.05):
         super().__init__(batch_size, num_workers, pin_memory, seed, synthetic, synthetic_batches)
-        if not synthetic and data_dir is None:
-            raise ValueError("data.data_dir is required unless data.synthetic=true")
+        require_data_dir(data_dir, synthetic)
         if seq_len < 3:
             raise ValueError(f"data.seq_len must be >= 3 ([CLS] x [SEP]), got {seq_len}")
         self.data_dir, self.tokenizer_path, self._vocab_size = data_dir, tokenizer_path, vocab_size

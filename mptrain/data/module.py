@@ -26,6 +26,18 @@ def training_device(datamodule: Optional[L.LightningDataModule] = None) -> torch
     return torch.device("cpu")
 
 
+def require_data_dir(data_dir: Optional[str], synthetic: bool) -> None:
+    """A missing data folder fails when the data module is built (the CLI reports it as one
+    line, before any log dir exists), not at setup inside ``fit``."""
+    if synthetic:
+        return
+    if data_dir is None:
+        raise ValueError("data.data_dir is required unless data.synthetic=true")
+    if not os.path.exists(data_dir):
+        raise ValueError(f"data.data_dir={data_dir!r} does not exist; give the data folder (--data.data_dir=PATH) "
+                         "or train on device-made batches (--data.synthetic=true)")
+
+
 class SyntheticBatches(Dataset):
     """``length`` ready-made batches generated on the training device.
 

@@ -106,9 +106,13 @@ def test_image_folder_with_standard_augmentations(tmp_path):
     assert dm.val_set[0][0].shape == (3, 32, 32)
 
 
-def test_image_folder_needs_a_dir_unless_synthetic():
-    with pytest.raises(ValueError, match="data_dir"):
-        ImageFolderDataModule()
+@pytest.mark.parametrize("cls", [ImageFolderDataModule, LMTextDataModule, MLMDataModule])
+def test_a_missing_data_dir_fails_at_construction_unless_synthetic(cls, tmp_path):
+    with pytest.raises(ValueError, match="data_dir is required"):
+        cls()
+    with pytest.raises(ValueError, match="does not exist.*synthetic=true"):
+        cls(data_dir=str(tmp_path / "nowhere"))
+    assert cls(data_dir=str(tmp_path / "nowhere"), synthetic=True).synthetic
 
 
 def test_mask_tokens_rates_and_specials():
