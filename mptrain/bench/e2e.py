@@ -9,7 +9,8 @@ time, and CUDA events for the GPU time).  During the timed steps, ``torch.cuda.s
 ("warn")`` reports every host-device synchronization: the count per step is printed (the master
 modes must make none).  Peak memory is ``max_memory_allocated`` of the case (reset between cases).
 All cases of one model step AdamW (torch's ``fused=True`` for Lightning, mptrain's FusedAdamW for
-mptrain), with a constant learning rate.
+mptrain), with a constant learning rate.  The Lightning cases train the stock model (torch's
+LayerNorm), as a Lightning user without mptrain would; the mptrain cases use its fused modules.
 
     mptrain bench e2e --out e2e.json
     mptrain bench e2e --models bert --cases mptrain:bf16-master,lightning:bf16-mixed --steps 50
@@ -153,7 +154,7 @@ def _compile_kwargs(quick: bool) -> dict:
 def run_case(model: str, name: str, precision: str, warmup: int, steps: int, quick: bool) -> Result:
     spec = CASES[name]
     total = warmup + steps
-    module, batches, batch = build(model, total, "cpu" if quick else "cuda", quick)
+    module, batches, batch = build(model, total, "cpu" if quick else "cuda", quick, stock=spec.trainer == "lightning")
     res = Result(model, name, precision, batch)
     timer = StepTimer(warmup, steps)
     _fresh_memory()

@@ -78,8 +78,10 @@ def mlm_batches(batch: int, steps: int, device: str, seq_len: int = SEQ_LEN, voc
     return DeviceBatches(make, steps, device, seed=seed)
 
 
-def build(model: str, steps: int, device: str, quick: bool = False, batch: int | None = None, seed: int = 0):
-    """(LightningModule, train batches, batch size) of one benchmark model."""
+def build(model: str, steps: int, device: str, quick: bool = False, batch: int | None = None, seed: int = 0,
+          stock: bool = False):
+    """(LightningModule, train batches, batch size) of one benchmark model; ``stock`` keeps
+    torch's own modules (no mptrain fused LayerNorm): the model a plain Lightning user trains."""
     if model == "resnet50":
         module = ImageClassifierBench("resnet18" if quick else "resnet50")
         batch = batch or (QUICK["batch"] if quick else BATCH[model])
@@ -89,7 +91,8 @@ def build(model: str, steps: int, device: str, quick: bool = False, batch: int |
         from mptrain.models import BertMLM
 
         vocab = QUICK["vocab"] if quick else 30522
-        module = BertMLM(vocab_size=vocab, max_predictions=MAX_PREDICTIONS, **(QUICK["bert"] if quick else {}))
+        module = BertMLM(vocab_size=vocab, max_predictions=MAX_PREDICTIONS, fused_layernorm=not stock,
+                         **(QUICK["bert"] if quick else {}))
         batch = batch or (QUICK["batch"] if quick else BATCH[model])
         seq_len = QUICK["seq_len"] if quick else SEQ_LEN
         return module, mlm_batches(batch, steps, device, seq_len, vocab, seed=seed), batch
