@@ -8,7 +8,13 @@ that is not a custom op) splits the step into eager pieces and separate graphs, 
 is a log line, not an error.  A direct capture graphs whatever CUDA work forward and backward issue,
 fused kernels included, fails loudly (naming the line) when something cannot be captured, and
 writes each parameter's gradient inside the backward graph (no per-parameter accumulation kernels).
-``compile=True`` (default mode) composes with it: the compiled kernels are captured.
+``compile=True`` (default mode) composes with it: the compiled kernels are captured; torch.compile's
+own CUDA graphs (cudagraph trees, which can skip a graph with only a log line) are refused instead.
+
+The model's contract: ``training_step`` calls ``self(...)`` once, forward is a function of its tensor
+inputs and the parameters (no host reads, no ``self.log``), every batch has one shape, and the
+gradients are zeroed before each backward (Lightning's ``optimizer_zero_grad``, with or without
+``set_to_none``).
 
 Per optimizer step, after ``warmup_steps`` eager steps (lazy initialisation, optimizer state, cuDNN
 autotuning, the input shapes recorded), one step captures and every later step replays:
@@ -31,7 +37,8 @@ devices or a DDP-type strategy, manual optimization, gradient accumulation, ``de
 already uses CUDA graphs, an optimizer that cannot skip on the device, and a train loader whose last
 batch is short.  At capture or later: a forward input whose shape, dtype or structure changes, a host
 sync inside forward or backward (the error names the line), a module hook that is not mptrain's,
-``self.log`` inside forward, a hyperparameter other than ``lr`` changing after capture.
+``self.log`` inside forward, cudagraph trees in the process, a hyperparameter other than ``lr``
+changing after capture.
 """
 from __future__ import annotations
 

@@ -2,10 +2,12 @@
 
 Module hooks are Python: only mptrain's own, which do device work only (the fp32 fallback's casts,
 OverflowMonitor's counters), may be graphed.  ``self.log`` in forward would log only at capture.
+torch.compile's own CUDA graphs (cudagraph trees) cannot be replayed inside another capture.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import torch
@@ -42,3 +44,22 @@ def refuse_logging(module: torch.nn.Module):
         yield
     finally:
         del module.log, module.log_dict
+
+
+def refuse_cudagraph_trees() -> None:
+    """A model compiled with ``mode="reduce-overhead"`` replays cudagraph trees' own graphs: refused.
+
+    (The ``compile`` argument's graphing modes are refused at setup; this catches a model the user
+    compiled so.  cudagraph trees then never get to skip a graph silently inside ours.)"""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None or not torch.cuda.is_initialized():
+        return
+    try:
+        manager = trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    except (AttributeError, TypeError, KeyError):  # another torch's internals: nothing to see
+        return
+    if manager is not None:
+        raise CudaGraphError("cuda_graphs=True: this process runs torch.compile's own CUDA graphs (cudagraph trees: "
+                             "mode='reduce-overhead' or 'max-autotune', or options={'triton.cudagraphs': True}), "
+                             "which cannot be replayed inside another capture. Compile with the default mode, or "
+                             "use cuda_graphs=False")

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from mptrain.callbacks.graph_safety import refuse_logging, refuse_module_hooks
+from mptrain.callbacks.graph_safety import refuse_cudagraph_trees, refuse_logging, refuse_module_hooks
 from mptrain.precision.graph_capture import CudaGraphError, capture
 
 _FIX = ("forward must be a function of its tensor inputs and the parameters: do host reads and logging in "
@@ -110,6 +110,7 @@ class GraphedForward:
     # -- capture and replay ---------------------------------------------------------
     def _capture_forward(self, leaves: list, spec: Any) -> None:
         refuse_module_hooks(self.module)
+        refuse_cudagraph_trees()
         device = next(self.module.parameters()).device
         for (path, m) in self.signature[1]:
             if m[0] == "tensor" and (m[3] or m[2] != device):

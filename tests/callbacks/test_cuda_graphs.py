@@ -6,6 +6,7 @@ must train exactly like the plain plugin, and their checks (inputs, calls, hooks
 """
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import lightning as L
@@ -407,3 +408,20 @@ def test_emulated_host_sync_in_forward_fails_at_capture_naming_the_line(monkeypa
     with pytest.raises(CudaGraphError, match=r"could not capture the training forward: RuntimeError: .*aten\.index\) at "
                                              r".*test_cuda_graphs\.py:\d+ in forward: `return self\.net\(x\[x\.sum"):
         _fit(Syncing(mlp()), callbacks=[Wired(warmup_steps=2)])
+
+
+def test_a_model_compiled_with_cudagraph_trees_is_refused_at_capture(monkeypatch):
+    import types
+
+    from mptrain.callbacks.graph_safety import refuse_cudagraph_trees
+
+    trees = types.ModuleType("torch._inductor.cudagraph_trees")
+    managers = {}
+    trees.get_manager = lambda device, create_if_none_exists=True: managers.get(device)
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    refuse_cudagraph_trees()  # no manager: cudagraph trees never ran
+    managers[0] = object()
+    with pytest.raises(CudaGraphError, match=r"torch\.compile's own CUDA graphs \(cudagraph trees.*default mode"):
+        refuse_cudagraph_trees()
