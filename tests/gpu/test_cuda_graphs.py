@@ -95,7 +95,7 @@ def test_replayed_steps_train_like_eager_and_skip_on_the_device(net, precision, 
 
     data = classification_data(n=32 * STEPS) if net == "mlp" else image_data(n=16 * STEPS)
     loader = _device_loader(data, 32 if net == "mlp" else 16)
-    kw = {"loss_scaler": {"init_scale": 2.0**12}} if precision == "16-master" else {}
+    kw = {"loss_scaler": {"init_scale": 2.0**8}} if precision == "16-master" else {}
     runs = [_run(lambda: M(mlp() if net == "mlp" else cnn()), loader, precision, graphs, **kw)
             for graphs in (False, True)]
     (m0, t0, _, w0), (m1, t1, cb, w1) = runs
