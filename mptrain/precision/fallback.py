@@ -1,6 +1,6 @@
 """fp32 fallback: listed ops compute in fp32 whatever the mode and return the input's dtype.
 
-Three mechanisms, one file:
+Four mechanisms, one file:
 
 * **op list** — a ``TorchFunctionMode`` intercepts the listed functions however user
   code reaches them (``F.softmax``, ``torch.softmax``, ``x.softmax``), upcasts their
@@ -14,8 +14,8 @@ Three mechanisms, one file:
   ``nn.LSTM`` / ``nn.LSTMCell`` and the functional forms call) run in fp32 on CPU
   tensors, whatever the op list says; GPU tensors are untouched.
 * **automatic promotion** — with ``auto_fp32_fallback`` every leaf module's output is
-  checked for inf/NaN *on the device*; the Trainer reads the flags only where it
-  syncs anyway, and promotes a flagged module to fp32 for the rest of the run.
+  checked for inf/NaN *on the device*; the precision plugin reads the flags only where
+  it syncs anyway, and promotes a flagged module to fp32 for the rest of the run.
 """
 from __future__ import annotations
 
@@ -280,7 +280,7 @@ class AutoFallback:
     ``first_bad`` holds, per watched module, the call number of its first non-finite output
     since the last poll (a large value if none); hooks update it with a ``minimum`` on the
     device, without syncing.  Modules downstream of an overflow see inf too, so ``poll()``
-    (called by the Trainer where it syncs anyway) promotes only the earliest offender in
+    (called by the precision plugin where it syncs anyway) promotes only the earliest offender in
     execution order: the culprit, not its victims.
     """
 

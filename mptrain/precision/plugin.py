@@ -435,13 +435,19 @@ class MptrainPrecision(_LightningPrecision):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint is never written with non-finite weights (they would poison every resume)."""
-        for name, value in checkpoint.get("state_dict", {}).items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                from mptrain.precision.loss_scaler import NonFiniteError
+        floats = {k: v for k, v in checkpoint.get("state_dict", {}).items()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
+        if not floats:
+            return
+        finite = torch.stack([torch.isfinite(v).all().to(self._device()) for v in floats.values()])
+        if bool(finite.all()):  # one host read per checkpoint
+            return
+        from mptrain.precision.loss_scaler import NonFiniteError
 
-                raise NonFiniteError(f"refusing to save a checkpoint: weight {name!r} holds inf/NaN at step "
-                                     f"{self._step_number()} (precision={self.precision!r}); the previous "
-                                     f"checkpoint is the last good one")
+        name = list(floats)[int((~finite).nonzero()[0])]
+        raise NonFiniteError(f"refusing to save a checkpoint: weight {name!r} holds inf/NaN at step "
+                             f"{self._step_number()} (precision={self.precision!r}); the previous "
+                             f"checkpoint is the last good one")
 
     def teardown(self) -> None:
         self._pending.clear()
