@@ -9,8 +9,9 @@ each epoch, so a run gives the same batches as under ``lightning.Trainer`` and a
 replays the rest of the epoch bitwise, a seeded ``generator=`` included.  With loader
 workers, each worker's RNG (what per-sample augmentation draws from) is part of the
 worker state that torchdata snapshots with every batch, so it resumes too.  Other samplers
-are fast-forwarded by torchdata (their order must depend only on the epoch, as
-``DistributedSampler``'s does).  Loaders of other classes and iterable datasets are left as
+are fast-forwarded by torchdata, exact when their order depends only on the epoch (as
+``DistributedSampler``'s does) or when they keep state; a mid-epoch resume with any other
+sampler warns, naming it.  Loaders of other classes and iterable datasets are left as
 they are: Lightning warns when it resumes such a loader mid-epoch.
 """
 from __future__ import annotations
@@ -20,10 +21,17 @@ import itertools
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, get_worker_info
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
+                              SequentialSampler, get_worker_info)
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
+from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
-from mptrain.callbacks.resume_state import rng_state, set_rng_state
+from mptrain.callbacks.rng import rng_state, set_rng_state
+
+_BATCHING = (BatchSampler, StatefulBatchSampler)  # batch what their sampler gives, in its order
+# order fixed by (seed, epoch), so a fast-forward replays it, or kept in the iterator's state
+_RESTORABLE = (SequentialSampler, DistributedSampler, *_BATCHING, StatefulRandomSampler)
 
 
 class ResumableRandomSampler(RandomSampler):
@@ -126,6 +134,8 @@ def to_resumable(loader: Any) -> Any:
         persistent_workers=loader.persistent_workers,
         pin_memory_device=loader.pin_memory_device,
     )
+    if getattr(loader, "in_order", True) is False:  # torch >= 2.6
+        common["in_order"] = False
     dataset = WorkerRngDataset(loader.dataset) if loader.num_workers > 0 else loader.dataset
     batches = loader.batch_sampler
     if batches is None:  # automatic batching off
@@ -134,6 +144,17 @@ def to_resumable(loader: Any) -> Any:
         return StatefulDataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, sampler=sampler,
                                   **common)
     return StatefulDataLoader(dataset, batch_sampler=batches, **common)
+
+
+def order_not_restorable(loader: Any) -> list[str]:
+    """Names of the samplers of a resumable loader whose mid-epoch position cannot be restored exactly."""
+    if not isinstance(loader, StatefulDataLoader):
+        return []  # Lightning warns about a loader without state itself
+    batches = loader.batch_sampler
+    # a custom batch sampler decides the order alone
+    samplers = [loader.sampler] if batches is None or type(batches) in _BATCHING else [batches]
+    return [type(s).__name__ for s in samplers
+            if not isinstance(s, (Stateful, ResumableRandomSampler)) and type(s) not in _RESTORABLE]
 
 
 def make_train_loader_resumable(trainer: Any) -> None:

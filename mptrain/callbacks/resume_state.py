@@ -11,15 +11,14 @@ batches per epoch, accumulation), which would otherwise replay the wrong batches
 """
 from __future__ import annotations
 
-import random
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
+from mptrain.callbacks.resumable_loader import order_not_restorable
+from mptrain.callbacks.rng import rng_state, set_rng_state
 from mptrain.checkpoint import CheckpointError
 
 
@@ -52,6 +51,7 @@ class ResumeState(Callback):
             raise CheckpointError(f"checkpoint {trainer.ckpt_path!r}: its ResumeState entry is damaged (keys "
                                   f"{sorted(saved)}; expected a non-empty 'rng' list and a 'layout' dict)")
         _check_layout(saved["layout"], _layout(trainer))
+        _warn_if_order_not_restorable(trainer, saved["layout"])
         rngs = saved["rng"]
         set_rng_state(rngs[trainer.global_rank % len(rngs)])
 
@@ -80,32 +80,14 @@ def _check_layout(saved: dict[str, int], now: dict[str, int]) -> None:
         )
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's torch (CPU, and CUDA once initialized), NumPy and Python RNG states, checkpointable."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    torch.set_rng_state(state["torch"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    random.setstate(_as_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuples(value: Any) -> Any:
-    """Python's RNG state is nested tuples; a checkpoint round trip may return lists."""
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+def _warn_if_order_not_restorable(trainer, saved: dict[str, int]) -> None:
+    if 0 < saved["batch_in_epoch"] < saved["num_training_batches"]:
+        loaders = trainer.fit_loop._combined_loader.flattened
+        culprits = [name for loader in loaders for name in order_not_restorable(loader)]
+        if culprits:
+            rank_zero_warn(f"resuming mid-epoch with {', '.join(culprits)}: it keeps no state, so the rest of this "
+                           f"epoch may visit other samples than the uninterrupted run; give it state_dict() / "
+                           f"load_state_dict(), or resume from an end-of-epoch checkpoint")
 
 
 def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:

@@ -107,3 +107,31 @@ def test_a_different_world_size_mid_epoch_is_refused_naming_both():
     with pytest.raises(ValueError, match=r"batch 10 of 24.*world_size 1 -> 2, num_training_batches 24 -> 12"):
         _check_layout(saved, now)
     _check_layout(dict(saved, batch_in_epoch=24), now)  # at an epoch's end any layout may follow
+
+
+def test_order_not_restorable_names_samplers_without_state():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from mptrain.callbacks.resumable_loader import order_not_restorable, to_resumable
+
+    ds = classification_data(n=16)
+    assert order_not_restorable(to_resumable(_loader())) == []
+    assert order_not_restorable(to_resumable(torch.utils.data.DataLoader(ds, batch_size=4))) == []
+    weighted = torch.utils.data.WeightedRandomSampler(torch.ones(16), 16)
+    assert order_not_restorable(to_resumable(torch.utils.data.DataLoader(ds, sampler=weighted))) == [
+        "WeightedRandomSampler"]
+    assert order_not_restorable(StatefulDataLoader(ds, batch_size=4, shuffle=True)) == []
+
+
+def test_resume_with_a_sampler_without_state_warns(tmp_path):
+    def fit(max_steps, ckpt_path=None):
+        torch.manual_seed(0)
+        sampler = torch.utils.data.WeightedRandomSampler(torch.ones(96), 96)
+        loader = torch.utils.data.DataLoader(classification_data(n=96), batch_size=8, sampler=sampler)
+        trainer = Trainer(accelerator="cpu", max_steps=max_steps, default_root_dir=str(tmp_path), logger=False,
+                          enable_progress_bar=False, checkpoint_every_n_steps=SAVE_AT)
+        trainer.fit(Classifier(mlp()), loader, ckpt_path=ckpt_path)
+
+    fit(SAVE_AT)
+    with pytest.warns(UserWarning, match="resuming mid-epoch with WeightedRandomSampler: it keeps no state"):
+        fit(SAVE_AT + 1, ckpt_path="last")
