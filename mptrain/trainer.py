@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 
 from mptrain.callbacks.auto_fp32_fallback import AutoFp32Fallback
@@ -81,8 +82,11 @@ class Trainer(pl.Trainer):
         else:
             name = normalize_precision("32-true" if precision is None else precision)
             plugins.append(precision_plugin(name, loss_scaler=loss_scaler, fp32_fallback=fp32_fallback, fused=fused))
-        if not any(isinstance(p, CheckpointIO) for p in plugins):
+        io = next((p for p in plugins if isinstance(p, CheckpointIO)), None)
+        if io is None:
             plugins.append(AtomicCheckpointIO())
+        elif isinstance(io, _WrappingCheckpointIO) and io.checkpoint_io is None:  # e.g. AsyncCheckpointIO()
+            io.checkpoint_io = AtomicCheckpointIO()
         # ours first (a user's epoch-start hook sees the new phase); ResumeState last: it restores the RNG
         # after every other on_train_start hook, the moment the uninterrupted run was at
         ours = _our_callbacks(fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback, checkpoint_every_n_steps,

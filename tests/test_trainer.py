@@ -133,6 +133,15 @@ def test_a_users_precision_plugin_is_used():
     assert trainer.precision == "bf16-master" and model.net[0].weight.dtype == torch.bfloat16
 
 
+def test_a_wrapping_checkpoint_io_gets_the_atomic_one_inside():
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    trainer = quiet_trainer(plugins=[AsyncCheckpointIO()])
+    assert isinstance(trainer.strategy.checkpoint_io.checkpoint_io, AtomicCheckpointIO)
+    trainer = quiet_trainer(plugins=[TorchCheckpointIO()])  # a user's choice is kept
+    assert type(trainer.strategy.checkpoint_io) is TorchCheckpointIO
+
+
 def test_our_plugins_and_callbacks_are_wired():
     trainer = Trainer(accelerator="cpu", logger=False, checkpoint_every_n_steps=5, auto_fp32_fallback=True,
                       channels_last=True, compile=True, precision="bf16-master")
