@@ -208,43 +208,49 @@ def _norm_rows(x, normalized_shape):
     return (x.numel() // hidden if hidden else 0), hidden
 
 
+def _stat_shape(x, normalized_shape):
+    return tuple(x.shape[:x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
+
+
 def layer_norm_forward(x, normalized_shape, weight, bias, eps, rms):
     """(y in x's dtype, stats): LayerNorm (rms=False) or RMSNorm over the trailing dims."""
+    w = None if weight is None else _norm_math(weight)
+    if not rms:  # torch's own kernel, in the math dtype: few ops on the host
+        y, mean, rstd = torch.native_layer_norm(_norm_math(x), normalized_shape, w, None if bias is None else
+                                                _norm_math(bias), eps)
+        return y.to(x.dtype), torch.cat([mean.reshape(-1), rstd.reshape(-1), rstd.new_zeros(1)])
     rows, hidden = _norm_rows(x, normalized_shape)
     x2 = _norm_math(x).reshape(rows, hidden)
-    if rms:
-        mean = x2.new_empty(0)
-        rstd = torch.rsqrt(x2.pow(2).mean(1) + eps)
-        xhat = x2 * rstd[:, None]
-    else:
-        mean = x2.mean(1)
-        rstd = torch.rsqrt(x2.var(1, unbiased=False) + eps)
-        xhat = (x2 - mean[:, None]) * rstd[:, None]
-    y = xhat
-    if weight is not None:
-        y = y * _norm_math(weight).reshape(hidden)
-    if bias is not None:
-        y = y + _norm_math(bias).reshape(hidden)
-    stats = torch.cat([mean, rstd, rstd.new_zeros(1)])
-    return y.to(x.dtype).reshape(x.shape), stats
+    rstd = torch.rsqrt(x2.pow(2).mean(1) + eps)
+    y = x2 * rstd[:, None]
+    if w is not None:
+        y = y * w.reshape(hidden)
+    return y.to(x.dtype).reshape(x.shape), torch.cat([rstd, rstd.new_zeros(1)])
 
 
 def layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms):
     """(dx, dweight, dbias) from the forward's stats; an absent parameter's gradient is an
     empty tensor (as the CUDA op returns it)."""
     rows, hidden = _norm_rows(x, normalized_shape)
-    x2 = _norm_math(x).reshape(rows, hidden)
-    g = _norm_math(dy).reshape(rows, hidden)
-    nmean = 0 if rms else rows
-    rstd = stats[nmean:nmean + rows].to(x2.dtype)[:, None]
-    xhat = x2 * rstd if rms else (x2 - stats[:rows].to(x2.dtype)[:, None]) * rstd
-    gw = g if weight is None else g * _norm_math(weight).reshape(hidden)
-    dx = gw - xhat * (gw * xhat).mean(1, keepdim=True)
+    w = None if weight is None else _norm_math(weight)
     if not rms:
-        dx = dx - gw.mean(1, keepdim=True)
-    dx = (dx * rstd).to(x.dtype).reshape(x.shape)
-    dw = x.new_empty(0) if weight is None else (g * xhat).sum(0).to(weight.dtype).reshape(weight.shape)
-    db = x.new_empty(0) if bias is None else g.sum(0).to(bias.dtype).reshape(bias.shape)
+        st = stats.to(_norm_math(x).dtype)
+        shape = _stat_shape(x, normalized_shape)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            _norm_math(dy), _norm_math(x), normalized_shape, st[:rows].reshape(shape), st[rows:2 * rows].reshape(shape),
+            w, None if bias is None else _norm_math(bias), [True, weight is not None, bias is not None])
+    else:
+        x2 = _norm_math(x).reshape(rows, hidden)
+        g = _norm_math(dy).reshape(rows, hidden)
+        rstd = stats[:rows].to(x2.dtype)[:, None]
+        xhat = x2 * rstd
+        gw = g if w is None else g * w.reshape(hidden)
+        dx = (gw - xhat * (gw * xhat).mean(1, keepdim=True)) * rstd
+        dw = None if weight is None else (g * xhat).sum(0)
+        db = None
+    dx = dx.to(x.dtype).reshape(x.shape)
+    dw = x.new_empty(0) if weight is None else dw.to(weight.dtype).reshape(weight.shape)
+    db = x.new_empty(0) if bias is None else db.to(bias.dtype).reshape(bias.shape)
     return dx, dw, db
 # [end section: layer_norm]
 
