@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <initializer_list>
 #include <tuple>
 #include <vector>
 
@@ -27,6 +28,15 @@ using torch::autograd::variable_list;
 
 OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 Tensor undef_if(bool keep, const Tensor& t) { return keep ? t : Tensor(); }
+
+// Whether autograd must record this call (else the op runs below autograd, no node built).
+bool track(std::initializer_list<const Tensor*> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const Tensor* t : ts) {
+    if (t->defined() && t->requires_grad()) return true;
+  }
+  return false;
+}
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> op(const char* name) {
@@ -65,6 +75,13 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
 
 std::tuple<Tensor, Tensor> layer_norm_autograd(const Tensor& x, at::IntArrayRef shape, const OptTensor& w,
                                                const OptTensor& b, double eps, bool rms) {
+  const Tensor& wt = w.has_value() ? *w : x;
+  const Tensor& bt = b.has_value() ? *b : x;
+  if (!track({&x, &wt, &bt})) {
+    static const auto fwd = op<LnFwd>("mptrain::layer_norm");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return fwd.call(x, shape, w, b, eps, rms);
+  }
   auto r = NormFunction::apply(x, w.value_or(Tensor()), b.value_or(Tensor()), shape, eps, rms);
   return {r[0], r[1]};
 }
@@ -92,6 +109,11 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
 };
 
 Tensor softmax_autograd(const Tensor& x, const OptTensor& mask, double scale, bool causal) {
+  if (!track({&x})) {
+    static const auto fwd = op<SmFwd>("mptrain::scaled_masked_softmax");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return fwd.call(x, mask, scale, causal);
+  }
   return SoftmaxFunction::apply(x, mask.value_or(Tensor()), scale, causal)[0];
 }
 

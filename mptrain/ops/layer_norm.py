@@ -9,8 +9,6 @@ hot path of every normalization layer.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import reference
@@ -33,8 +31,7 @@ def _param_dtypes(x, weight, bias):
     return (None if weight is None else weight.float()), (None if bias is None else bias.float())
 
 
-@functools.lru_cache(maxsize=None)
-def _autocast_fp32_op(op: str) -> bool:
+def _autocast_runs_in_fp32(op: str) -> bool:
     """Whether CUDA autocast runs ``op`` in fp32 (layer_norm always; rms_norm in recent torch)."""
     try:
         return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA"))
@@ -42,10 +39,14 @@ def _autocast_fp32_op(op: str) -> bool:
         return op == "aten::layer_norm"
 
 
+# Looked up once (a plain dict: torch.compile traces it without a graph break).
+_AUTOCAST_FP32 = {op: _autocast_runs_in_fp32(op) for op in ("aten::layer_norm", "aten::rms_norm")}
+
+
 def _cuda_autocast_upcast(op, x, weight, bias):
     """Under CUDA autocast torch runs layer_norm (and rms_norm) in fp32 and returns fp32:
     do the same so the fused op is a drop-in there too (at the cost of one cast pass)."""
-    if x.is_cuda and torch.is_autocast_enabled("cuda") and _autocast_fp32_op(op):
+    if x.is_cuda and torch.is_autocast_enabled("cuda") and _AUTOCAST_FP32[op]:
         return x.float(), None if weight is None else weight.float(), None if bias is None else bias.float()
     return x, weight, bias
 
