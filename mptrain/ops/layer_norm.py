@@ -51,6 +51,11 @@ def _cuda_autocast_upcast(op, x, weight, bias):
     return x, weight, bias
 
 
+# torch's default RMSNorm eps (the math dtype's machine epsilon) per input dtype, looked up once.
+_RMS_EPS = {dt: reference.rms_norm_eps(torch.empty(0, dtype=dt), None) for dt in (torch.float32, torch.float16,
+                                                                                   torch.bfloat16, torch.float64)}
+
+
 def _shape(normalized_shape):
     return (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
 
@@ -76,4 +81,6 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, fused="auto"):
     if not use_op("rms_norm", x, fused):
         return reference.rms_norm(x, normalized_shape, weight, eps)
     weight, _ = _param_dtypes(x, weight, None)
-    return _layer_norm(x, _shape(normalized_shape), weight, None, reference.rms_norm_eps(x, eps), True)[0]
+    if eps is None:
+        eps = _RMS_EPS.get(x.dtype) or reference.rms_norm_eps(x, None)
+    return _layer_norm(x, _shape(normalized_shape), weight, None, eps, True)[0]

@@ -573,7 +573,7 @@ DB_SIZES = [(1, 1), (1, 1024), (2, 33), (63, 8), (64, 1024), (65, 24), (256, 102
 def _db_inputs(B, H, dtype, seed):
     torch.manual_seed(seed)
     ig, c = randn(B, 4 * H, dtype=dtype, scale=2), randn(B, H, dtype=dtype)
-    _, c1, ws = lstm_ops._extension().lstm_cell_pointwise_forward(ig, None, c, None, None)
+    _, c1, ws = mptrain_ops.get_extension(required=True).lstm_cell_pointwise_forward(ig, None, c, None, None)
     return c, c1, ws, randn(B, H, dtype=dtype), randn(B, H, dtype=dtype)
 
 
