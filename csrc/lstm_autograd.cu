@@ -7,11 +7,15 @@
 // H200) and its cost is host work per call; measured on the H200 the Python Function
 // made our cell slower than nn.LSTMCell at 256x1024 (0.51 vs 0.34 ms).
 //
-// The compute is lstm_cell_forward / lstm_cell_backward (lstm_cell.cu). CPU tensors take
-// the same math in ATen ops, only so that this wiring can be tested on a machine without
-// a GPU (the Python front end sends CPU tensors to the pure-PyTorch reference).
+// Registered as the AutogradCUDA kernel of the custom op mptrain::lstm_cell (schema in
+// mptrain/ops/library.py; the CPU path uses the Python formula registered there).  Forward
+// and backward call mptrain::lstm_cell / mptrain::lstm_cell_backward through the
+// dispatcher (below autograd), so torch.compile traces them as ops.
 // Host-only code; a .cu so that the extension build (mptrain_ext.cpp + csrc/*.cu) picks it up.
 #include "type_shim.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/record_function.h>
@@ -28,17 +32,6 @@
 #include <type_traits>
 #include <vector>
 
-// lstm_cell.cu
-std::vector<at::Tensor> lstm_cell_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
-                                          const at::Tensor& w_ih, const at::Tensor& w_hh,
-                                          const std::optional<at::Tensor>& b_ih,
-                                          const std::optional<at::Tensor>& b_hh);
-std::vector<at::Tensor> lstm_cell_backward(const std::optional<at::Tensor>& dh,
-                                           const std::optional<at::Tensor>& dc, const at::Tensor& x,
-                                           const at::Tensor& h, const at::Tensor& c, const at::Tensor& w_ih,
-                                           const at::Tensor& w_hh, const at::Tensor& ws,
-                                           const at::Tensor& c_new, const std::vector<bool>& need);
-
 namespace {
 
 using torch::autograd::variable_list;
@@ -47,39 +40,18 @@ std::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// CPU: the kernels' math in ATen ops -> [h', c', workspace (activated i, f, g, o)].
-std::vector<at::Tensor> cpu_forward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& c,
-                                    const at::Tensor& w_ih, const at::Tensor& w_hh, const at::Tensor& b_ih,
-                                    const at::Tensor& b_hh) {
-  auto gates = at::mm(x, w_ih.t()).addmm_(h, w_hh.t());
-  if (b_ih.defined()) gates = gates + b_ih;
-  if (b_hh.defined()) gates = gates + b_hh;
-  const auto q = gates.chunk(4, 1);
-  const auto i = q[0].sigmoid(), f = q[1].sigmoid(), g = q[2].tanh(), o = q[3].sigmoid();
-  const auto c1 = f * c + i * g;
-  return {o * c1.tanh(), c1, at::cat({i, f, g, o}, 1)};
-}
+using Grads6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using CellFwd = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                               const at::Tensor&, const at::Tensor&,
+                                                               const std::optional<at::Tensor>&,
+                                                               const std::optional<at::Tensor>&);
+using CellBwd = Grads6(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const at::Tensor&,
+                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, std::array<bool, 6>);
 
-// CPU: lstm_cell_backward's math -> [dx, dh, dc, dw_ih, dw_hh, db] (undefined where not needed).
-std::vector<at::Tensor> cpu_backward(const at::Tensor& dh, const at::Tensor& dc, const at::Tensor& x,
-                                     const at::Tensor& h, const at::Tensor& c, const at::Tensor& w_ih,
-                                     const at::Tensor& w_hh, const at::Tensor& ws, const at::Tensor& c1,
-                                     const std::vector<bool>& need) {
-  const auto q = ws.chunk(4, 1);
-  const auto &i = q[0], &f = q[1], &g = q[2], &o = q[3];
-  const auto dhv = dh.defined() ? dh : at::zeros_like(c1);
-  const auto dcv = dc.defined() ? dc : at::zeros_like(c1);
-  const auto tc = c1.tanh();
-  const auto dct = dcv + dhv * o * (1 - tc * tc);
-  const auto dg = at::cat({dct * g * i * (1 - i), dct * c * f * (1 - f), dct * i * (1 - g * g),
-                           dhv * tc * o * (1 - o)}, 1);
-  at::Tensor dx, dh0, dw_ih, dw_hh, db;
-  if (need[0]) dx = at::mm(dg, w_ih);
-  if (need[1]) dh0 = at::mm(dg, w_hh);
-  if (need[3]) dw_ih = at::mm(dg.t(), x);
-  if (need[4]) dw_hh = at::mm(dg.t(), h);
-  if (need[5]) db = dg.sum(0);
-  return {dx, dh0, need[2] ? dct * f : at::Tensor(), dw_ih, dw_hh, db};
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
 // The step's autograd node, written like torch's generated nodes rather than as a
@@ -115,18 +87,18 @@ struct LSTMCellBackward : public Node {
     const size_t ib_hh = has_b_ih ? 6 : 5;
     const bool need_b_ih = has_b_ih && task_should_compute_output(5);
     const bool need_b_hh = has_b_hh && task_should_compute_output(ib_hh);
-    const std::vector<bool> need = {task_should_compute_output(0), task_should_compute_output(1),
-                                    task_should_compute_output(2), task_should_compute_output(3),
-                                    task_should_compute_output(4), need_b_ih || need_b_hh};
+    const std::array<bool, 6> need = {task_should_compute_output(0), task_should_compute_output(1),
+                                      task_should_compute_output(2), task_should_compute_output(3),
+                                      task_should_compute_output(4), need_b_ih || need_b_hh};
     const at::Tensor sx = x.unpack(), sh = h.unpack(), sc = c.unpack(), swi = w_ih.unpack(),
                      swh = w_hh.unpack(), sws = ws.unpack(), sc1 = c1.unpack(getptr());
-    const at::Tensor dh = grads[0].defined() ? grads[0].contiguous() : at::Tensor();
-    const at::Tensor dc = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
-    auto r = sx.is_cuda() ? lstm_cell_backward(opt(dh), opt(dc), sx, sh, sc, swi, swh, sws, sc1, need)
-                          : cpu_backward(dh, dc, sx, sh, sc, swi, swh, sws, sc1, need);
+    static const auto bwd = op<CellBwd>("mptrain::lstm_cell_backward");
+    at::AutoDispatchBelowADInplaceOrView below;  // once differentiable: skip the backward op's autograd kernel
+    auto g = bwd.call(opt(grads[0]), opt(grads[1]), sx, sh, sc, swi, swh, sws, sc1, need);
+    at::Tensor r[6] = {std::get<0>(g), std::get<1>(g), std::get<2>(g), std::get<3>(g), std::get<4>(g), std::get<5>(g)};
     // One gradient per edge; b_ih and b_hh get the same tensor (torch's nn.LSTMCell does too).
     variable_list out(num_outputs());
-    for (size_t i = 0; i < 5; ++i) out[i] = std::move(r[i]);
+    for (size_t i = 0; i < 5; ++i) out[i] = need[i] ? std::move(r[i]) : at::Tensor();
     if (need_b_ih) out[5] = r[5];
     if (need_b_hh) out[ib_hh] = r[5];
     return out;
@@ -149,12 +121,15 @@ bool has_fw_grad(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level
 
 }  // namespace
 
-// One LSTM step with autograd -> (h', c'). Biases may be None.
-std::tuple<at::Tensor, at::Tensor> lstm_cell_autograd(const at::Tensor& x, const at::Tensor& h,
-                                                      const at::Tensor& c, const at::Tensor& w_ih,
-                                                      const at::Tensor& w_hh,
-                                                      const std::optional<at::Tensor>& b_ih,
-                                                      const std::optional<at::Tensor>& b_hh) {
+namespace {
+
+// The AutogradCUDA kernel of mptrain::lstm_cell -> (h', c', workspace); biases may be None.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_cell_autograd(const at::Tensor& x, const at::Tensor& h,
+                                                                  const at::Tensor& c, const at::Tensor& w_ih,
+                                                                  const at::Tensor& w_hh,
+                                                                  const std::optional<at::Tensor>& b_ih,
+                                                                  const std::optional<at::Tensor>& b_hh) {
+  static const auto fwd = op<CellFwd>("mptrain::lstm_cell");
   const at::Tensor bi = b_ih.value_or(at::Tensor()), bh = b_hh.value_or(at::Tensor());
   const at::Tensor* in[] = {&x, &h, &c, &w_ih, &w_hh, &bi, &bh};
   bool any_grad = false;
@@ -165,18 +140,15 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_autograd(const at::Tensor& x, const
   }
   const bool track = any_grad && at::GradMode::is_enabled();
   NodePtr node;
-  at::Tensor cc;
-  std::vector<at::Tensor> r;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> r;
   {
     RECORD_FUNCTION("mpt::lstm_cell_node::forward", std::vector<c10::IValue>());
-    cc = c.contiguous();  // the kernel reads c row-major (no copy if it already is)
-    if (x.is_cuda()) {
-      r = lstm_cell_forward(x, h, cc, w_ih, w_hh, opt(bi), opt(bh));  // below autograd (plain outputs)
-    } else {
-      const at::AutoDispatchBelowADInplaceOrView no_autograd;
-      r = cpu_forward(x, h, cc, w_ih, w_hh, bi, bh);
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      r = fwd.call(x, h, c, w_ih, w_hh, b_ih, b_hh);
     }
     if (track) {
+      auto& [h1, c1, ws] = r;
       node = make_node<LSTMCellBackward>();
       auto* n = static_cast<LSTMCellBackward*>(node.get());
       n->has_b_ih = bi.defined();
@@ -185,16 +157,20 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_autograd(const at::Tensor& x, const
                                                       : torch::autograd::collect_next_edges(x, h, c, w_ih, w_hh, bi))
                                      : (bh.defined() ? torch::autograd::collect_next_edges(x, h, c, w_ih, w_hh, bh)
                                                      : torch::autograd::collect_next_edges(x, h, c, w_ih, w_hh)));
-      torch::autograd::set_history(r[0], node);
-      torch::autograd::set_history(r[1], node);
+      torch::autograd::set_history(h1, node);
+      torch::autograd::set_history(c1, node);
       n->x = SavedVariable(x, false);
       n->h = SavedVariable(h, false);
-      n->c = SavedVariable(cc, false);
+      n->c = SavedVariable(c, false);
       n->w_ih = SavedVariable(w_ih, false);
       n->w_hh = SavedVariable(w_hh, false);
-      n->ws = SavedVariable(r[2], false);
-      n->c1 = SavedVariable(r[1], true);
+      n->ws = SavedVariable(ws, false);
+      n->c1 = SavedVariable(c1, true);
     }
   }
-  return {r[0], r[1]};  // a tuple in Python, like nn.LSTMCell's
+  return r;
 }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mptrain, AutogradCUDA, m) { m.impl("lstm_cell", &lstm_cell_autograd); }

@@ -16,6 +16,11 @@ Sequence policy of ``FusedLSTM`` (``impl=``):
   the fused path on CUDA when cuDNN is off, torch's path otherwise (CPU, PackedSequence).
   Use ``impl="fused"`` where cuDNN cannot go (a loop you want to capture yourself,
   deterministic kernels, cuDNN disabled) or where the benchmark shows it faster.
+
+torch.compile: ``FusedLSTMCell`` compiles with ``fullgraph=True`` (one ``mptrain::lstm_cell``
+per step). Dynamo refuses every ``nn.LSTM`` instance, subclasses included, unless
+``torch._dynamo.config.allow_rnn = True``; with it, ``FusedLSTM(impl="fused")`` compiles
+fullgraph to one ``mptrain::lstm_layer`` per layer.
 """
 from __future__ import annotations
 
@@ -24,8 +29,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from mptrain import ops
-from mptrain.ops import lstm as _lstm_ops
-from mptrain.ops.lstm import FUSED_CHOICES, KERNEL_DTYPES as _KERNEL_DTYPES, _extension
+from mptrain.ops.dispatch import check_fused, use_op
 
 IMPLS = ("auto", "cudnn", "fused")
 
@@ -39,9 +43,7 @@ class FusedLSTMCell(nn.LSTMCell):
 
     def __init__(self, input_size, hidden_size, bias=True, device=None, dtype=None, *, fused="auto"):
         super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
-        if fused not in FUSED_CHOICES:
-            raise ValueError(f"FusedLSTMCell: fused={fused!r}, expected one of {FUSED_CHOICES}")
-        self.fused = fused
+        self.fused = check_fused("FusedLSTMCell", fused)
 
     @classmethod
     def from_module(cls, cell: nn.LSTMCell, **kwargs) -> "FusedLSTMCell":
@@ -53,33 +55,19 @@ class FusedLSTMCell(nn.LSTMCell):
 
     def forward(self, input, hx=None):
         # A step loop calls this once per step and a step is host-bound: the common case
-        # (CUDA, kernel dtype, batched, hx given, no autocast) goes straight to the C++
-        # autograd node, which checks every tensor's shape, device and dtype itself.
-        ext = _lstm_ops._loaded
-        if (
-            ext is not None
-            and hx is not None
-            and self.fused is not False
-            and input.is_cuda
-            and input.dtype in _KERNEL_DTYPES
-            and input.dim() == 2
-            and not torch.is_autocast_enabled("cuda")
-        ):
+        # (batched, hx given) goes straight to the op, which checks every tensor itself.
+        if hx is not None and input.dim() == 2:
             h, c = hx
-            # Parameters straight from _parameters: each self.weight_ih goes through
-            # Module.__getattr__ (a Python call; four per step). Weights that are not plain
-            # registered parameters (parametrized, replaced by tensors) take the attributes.
-            p = self._parameters
-            try:
-                w_ih, w_hh, b_ih, b_hh = p["weight_ih"], p["weight_hh"], p["bias_ih"], p["bias_hh"]
-            except KeyError:
-                w_ih, w_hh, b_ih, b_hh = self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
             if h.dim() == 2 and c.dim() == 2:
-                return ext.lstm_cell_autograd(input, h, c, w_ih, w_hh, b_ih, b_hh)
-        if hx is not None and input.dim() == 2 and hx[0].dim() == 2 and hx[1].dim() == 2:
-            return ops.lstm_cell(
-                input, hx[0], hx[1], self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh, fused=self.fused
-            )
+                # Parameters straight from _parameters: each self.weight_ih goes through
+                # Module.__getattr__ (a Python call; four per step). Weights that are not plain
+                # registered parameters (parametrized, replaced by tensors) take the attributes.
+                p = self._parameters
+                try:
+                    w_ih, w_hh, b_ih, b_hh = p["weight_ih"], p["weight_hh"], p["bias_ih"], p["bias_hh"]
+                except KeyError:
+                    w_ih, w_hh, b_ih, b_hh = self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
+                return ops.lstm_cell(input, h, c, w_ih, w_hh, b_ih, b_hh, fused=self.fused)
         if input.dim() not in (1, 2):
             raise ValueError(f"FusedLSTMCell: expected input to be 1-D or 2-D, got {input.dim()}-D")
         if hx is not None:
@@ -201,7 +189,7 @@ class FusedLSTM(nn.LSTM):
             return "cudnn"  # torch's own path (native kernels on the CPU)
         if torch.backends.cudnn.enabled and torch.backends.cudnn.is_available():
             return "cudnn"
-        return "fused" if _extension() is not None else "cudnn"
+        return "fused" if use_op("lstm_layer", input, "auto") else "cudnn"
 
     def forward(self, input, hx=None):
         if self.resolved_impl(input) == "cudnn":

@@ -10,13 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from mptrain import ops
-from mptrain.ops.layer_norm import FUSED_CHOICES
-
-
-def _check_fused(cls_name, fused):
-    if fused not in FUSED_CHOICES:
-        raise ValueError(f"{cls_name}: fused={fused!r}, expected one of {FUSED_CHOICES}")
-    return fused
+from mptrain.ops.dispatch import check_fused as _check_fused
 
 
 class FusedLayerNorm(nn.LayerNorm):

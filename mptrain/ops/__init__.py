@@ -1,9 +1,13 @@
-"""One function per kernel: the CUDA kernel when the extension is loaded and the
-tensors are on CUDA, else the pure-PyTorch reference in :mod:`mptrain.ops.reference`.
+"""The fused kernels as custom ops ``torch.ops.mptrain.*`` (defined in
+:mod:`mptrain.ops.library`: CUDA kernel, CPU reference, fake and autograd), and one
+Python function per op that calls it -- or the pure-PyTorch reference in
+:mod:`mptrain.ops.reference` -- as :mod:`mptrain.ops.dispatch` decides from ``fused``.
 
 This package imports only torch and the built extension (DESIGN §1).
 """
 from __future__ import annotations
+
+from . import library  # noqa: F401  (defines torch.ops.mptrain.* before anything uses them)
 
 # [section: build]
 # Thin wrappers: importing ops/build.py here would make `python -m mptrain.ops.build`
@@ -25,6 +29,7 @@ def extension_status():
 # [section: multi_tensor]
 from .multi_tensor import (  # noqa: E402,F401  (multi-tensor ops and optimizer steps; see ops/multi_tensor.py)
     multi_tensor_adam,
+    multi_tensor_check_finite_,
     multi_tensor_copy_,
     multi_tensor_l2norm,
     multi_tensor_lamb,

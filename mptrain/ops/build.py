@@ -1,6 +1,6 @@
 """Build and load the one CUDA extension made from ``csrc/`` (DESIGN §4).
 
-``get_extension()`` compiles ``csrc/mptrain_ext.cpp`` and every ``csrc/*.cu`` with
+``get_extension()`` compiles ``csrc/mptrain_ext.cpp``, the other ``csrc/*.cpp`` and every ``csrc/*.cu`` with
 ``torch.utils.cpp_extension.load`` (ninja, parallel), the first time a kernel is
 needed, once per process. The result is cached on disk in
 ``~/.cache/mptrain/ext-<hash>`` where the hash covers the sources, the torch and CUDA
@@ -173,8 +173,10 @@ def csrc_dir() -> Path:
 
 
 def sources(csrc: Path) -> list[Path]:
-    """The translation units: the pybind front end and every .cu file."""
-    return [csrc / f"{EXT_NAME}.cpp"] + sorted(csrc.glob("*.cu"))
+    """The translation units: the pybind front end, the other .cpp files (custom-op
+    registrations, host only) and every .cu file."""
+    front = csrc / f"{EXT_NAME}.cpp"
+    return [front] + sorted(p for p in csrc.glob("*.cpp") if p != front) + sorted(csrc.glob("*.cu"))
 
 
 def _nvcc_home(nvcc: str) -> Optional[Path]:

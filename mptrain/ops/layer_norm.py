@@ -1,58 +1,28 @@
-"""LayerNorm / RMSNorm ops: autograd functions over csrc/layer_norm.cu and the dispatch
-between them and the pure-PyTorch references in :mod:`mptrain.ops.reference`.
+"""LayerNorm / RMSNorm: ``torch.ops.mptrain.layer_norm`` (one op, ``rms`` flag) or the
+reference, as :mod:`mptrain.ops.dispatch` decides.
 
 The kernel takes fp32/fp16/bf16 input with weight/bias in the input's dtype or fp32
 (the ``*-master`` precisions keep normalization weights in fp32 under half activations),
-saves fp32 mean/rstd, and returns dx, dweight, dbias in the dtypes of x and the params.
+saves fp32 statistics, and returns dx, dweight, dbias in the dtypes of x and the params.
+Shapes, devices and dtypes are checked by the op (C++ on CUDA), not here: this is the
+hot path of every normalization layer.
 """
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import reference
+from .dispatch import FUSED_CHOICES, use_op  # noqa: F401  (FUSED_CHOICES: re-exported for mptrain.nn)
+from .library import OPS
 
-FUSED_CHOICES = ("auto", True, False)
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _extension(required: bool = False):
-    """The built extension, or None (not buildable here, or the loader is missing)."""
-    try:
-        from .build import get_extension
-    except ImportError:
-        if required:
-            raise RuntimeError("fused=True but mptrain.ops.build is not available to build the extension") from None
-        return None
-    return get_extension(required=required)
-
-
-def kernel_extension(op: str, x: torch.Tensor, params, fused="auto"):
-    """The extension when the CUDA kernel should run for these tensors, else None.
-
-    ``fused``: "auto" uses the kernel for CUDA tensors when the extension loads; False
-    always uses the reference; True requires the kernel and raises when it cannot run.
-    """
-    if fused not in FUSED_CHOICES:
-        raise ValueError(f"{op}: fused={fused!r}; expected one of {FUSED_CHOICES}")
-    if fused is False:
-        return None
-    ok = x.is_cuda and x.dtype in _KERNEL_DTYPES and all(p is None or p.device == x.device for p in params)
-    if not ok:
-        if fused is True:
-            raise RuntimeError(
-                f"{op}: fused=True needs CUDA tensors on one device in float32/float16/bfloat16, got input "
-                f"{x.dtype} on {x.device}; use fused='auto' to fall back to the reference"
-            )
-        return None
-    return _extension(required=fused is True)
+_layer_norm = OPS["layer_norm"]
 
 
 def _param_dtypes(x, weight, bias):
     """Params as the kernel takes them: x's dtype or fp32, both the same dtype."""
+    dt = x.dtype
+    if (weight is None or weight.dtype == dt) and (bias is None or bias.dtype == dt):
+        return weight, bias
     dts = {p.dtype for p in (weight, bias) if p is not None}
     if not dts or dts == {x.dtype} or dts == {torch.float32}:
         return weight, bias
@@ -61,35 +31,7 @@ def _param_dtypes(x, weight, bias):
     return (None if weight is None else weight.float()), (None if bias is None else bias.float())
 
 
-def _check_param(name, p, shape):
-    if p is not None and tuple(p.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {list(p.shape)}, expected normalized_shape {list(shape)}")
-    if p is not None and not p.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {p.dtype}")
-
-
-class _NormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, hidden, eps, rms, ext):
-        x = x.contiguous()
-        # work: the forward's zeroed counter word for the backward's dweight/dbias finish.
-        y, mean, rstd, work = ext.layer_norm_forward(x, weight, bias, hidden, eps, rms)
-        ctx.save_for_backward(x, weight, bias, mean, rstd, work)
-        ctx.hidden, ctx.rms, ctx.ext = hidden, rms, ext
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x, weight, bias, mean, rstd, work = ctx.saved_tensors
-        dx, dw, db = ctx.ext.layer_norm_backward(dy.contiguous(), x, mean, rstd, weight, bias, ctx.hidden, ctx.rms,
-                                                 work)
-        need = ctx.needs_input_grad
-        return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None, None, None, None, None)
-
-
-@functools.lru_cache(maxsize=None)
-def _autocast_fp32_op(op: str) -> bool:
+def _autocast_runs_in_fp32(op: str) -> bool:
     """Whether CUDA autocast runs ``op`` in fp32 (layer_norm always; rms_norm in recent torch)."""
     try:
         return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA"))
@@ -97,12 +39,25 @@ def _autocast_fp32_op(op: str) -> bool:
         return op == "aten::layer_norm"
 
 
+# Looked up once (a plain dict: torch.compile traces it without a graph break).
+_AUTOCAST_FP32 = {op: _autocast_runs_in_fp32(op) for op in ("aten::layer_norm", "aten::rms_norm")}
+
+
 def _cuda_autocast_upcast(op, x, weight, bias):
     """Under CUDA autocast torch runs layer_norm (and rms_norm) in fp32 and returns fp32:
     do the same so the fused op is a drop-in there too (at the cost of one cast pass)."""
-    if x.is_cuda and torch.is_autocast_enabled("cuda") and _autocast_fp32_op(op):
+    if x.is_cuda and torch.is_autocast_enabled("cuda") and _AUTOCAST_FP32[op]:
         return x.float(), None if weight is None else weight.float(), None if bias is None else bias.float()
     return x, weight, bias
+
+
+# torch's default RMSNorm eps (the math dtype's machine epsilon) per input dtype, looked up once.
+_RMS_EPS = {dt: reference.rms_norm_eps(torch.empty(0, dtype=dt), None) for dt in (torch.float32, torch.float16,
+                                                                                   torch.bfloat16, torch.float64)}
+
+
+def _shape(normalized_shape):
+    return (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="auto"):
@@ -110,15 +65,11 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="
 
     ``weight``/``bias`` may be fp32 under fp16/bf16 ``x``; the output has ``x``'s dtype.
     """
-    shape = reference.normalized_dims(x, normalized_shape)
-    _check_param("weight", weight, shape)
-    _check_param("bias", bias, shape)
     x, weight, bias = _cuda_autocast_upcast("aten::layer_norm", x, weight, bias)
-    ext = kernel_extension("layer_norm", x, (weight, bias), fused)
-    if ext is None:
-        return reference.layer_norm(x, shape, weight, bias, eps)
+    if not use_op("layer_norm", x, fused):
+        return reference.layer_norm(x, normalized_shape, weight, bias, eps)
     weight, bias = _param_dtypes(x, weight, bias)
-    return _NormFunction.apply(x, weight, bias, math.prod(shape), float(eps), False, ext)
+    return _layer_norm(x, _shape(normalized_shape), weight, bias, eps, False)[0]
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, fused="auto"):
@@ -126,11 +77,10 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, fused="auto"):
 
     ``eps=None`` is torch's default (fp32 machine epsilon for fp32/fp16/bf16 input).
     """
-    shape = reference.normalized_dims(x, normalized_shape)
-    _check_param("weight", weight, shape)
     x, weight, _ = _cuda_autocast_upcast("aten::rms_norm", x, weight, None)
-    ext = kernel_extension("rms_norm", x, (weight,), fused)
-    if ext is None:
-        return reference.rms_norm(x, shape, weight, eps)
+    if not use_op("rms_norm", x, fused):
+        return reference.rms_norm(x, normalized_shape, weight, eps)
     weight, _ = _param_dtypes(x, weight, None)
-    return _NormFunction.apply(x, weight, None, math.prod(shape), float(reference.rms_norm_eps(x, eps)), True, ext)
+    if eps is None:
+        eps = _RMS_EPS.get(x.dtype) or reference.rms_norm_eps(x, None)
+    return _layer_norm(x, _shape(normalized_shape), weight, None, eps, True)[0]

@@ -1,10 +1,11 @@
 """Multi-tensor ops: one kernel launch for a whole list of tensors (csrc/multi_tensor_*.cu).
 
-Each function takes lists (one tensor per parameter) and a ``fused`` switch:
-``"auto"`` runs the CUDA kernel for CUDA tensors in float32/float16/bfloat16 when the
-extension builds (else the reference in :mod:`mptrain.ops.reference`, with one
-warning per process), ``True`` insists on the kernel, ``False`` always uses the
-reference. Scalars that change every step (``lr``, ``grad_scale``) may be 1-element
+Each function takes lists (one tensor per parameter) and a ``fused`` switch, decided
+by :mod:`mptrain.ops.dispatch`: ``"auto"`` runs the op ``torch.ops.mptrain.multi_tensor_*``
+(the CUDA kernel for CUDA tensors in float32/float16/bfloat16 when the extension builds,
+the reference on the CPU; the reference in :mod:`mptrain.ops.reference`, with one
+warning per process, when the build fails), ``True`` insists on the kernel, ``False``
+always uses the reference. Scalars that change every step (``lr``, ``grad_scale``) may be 1-element
 float32 tensors on the device; ``found_inf`` always is. Nothing here syncs with
 the host on the kernel path, so every op can be captured in a CUDA graph.
 """
@@ -17,29 +18,22 @@ import torch
 
 from . import reference
 
-FUSED_CHOICES = (True, False, "auto")
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from .dispatch import FUSED_CHOICES, KERNEL_DTYPES, use_op  # noqa: F401  (re-exported)
+from .library import OPS
 
 Scalar = Union[float, torch.Tensor]
 
 
-def _extension(op: str, tensors: Sequence[torch.Tensor], fused) -> Optional[object]:
-    """The extension when the kernel should run on these tensors, else None (use the reference)."""
-    if fused not in FUSED_CHOICES:
-        raise ValueError(f"{op}: fused={fused!r}; expected one of {FUSED_CHOICES}")
-    if fused is False or len(tensors) == 0:
-        return None
-    t, last = tensors[0], tensors[-1]
+def _use_op(op: str, tensors: Sequence[torch.Tensor], fused) -> bool:
+    """Whether to run ``torch.ops.mptrain.<op>`` on these tensors (else the reference directly)."""
+    if len(tensors) == 0:
+        return False
     # Lists reach here split by dtype (src first, dst last): checking both ends covers
     # every dtype in the call; the C++ side checks every tensor and names a stray one.
-    if not t.is_cuda or t.dtype not in KERNEL_DTYPES or last.dtype not in KERNEL_DTYPES:
-        if fused is True:
-            raise RuntimeError(f"{op}: fused=True needs CUDA tensors in {KERNEL_DTYPES}, got {t.dtype} on {t.device}; "
-                               "use fused='auto' to fall back to the reference")
-        return None
-    from .build import get_extension  # lazily: importing torch.utils.cpp_extension is slow
-
-    return get_extension(required=fused is True)
+    last = tensors[-1]
+    if last.is_cuda and last.dtype not in KERNEL_DTYPES:
+        return use_op(op, last, fused)
+    return use_op(op, tensors[0], fused)
 
 
 def _device_scalar(value: Optional[Scalar], device: torch.device, what: str, op: str) -> Optional[torch.Tensor]:
@@ -112,11 +106,14 @@ def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
         device = key[0]
         _check_found_inf(found_inf, device, "multi_tensor_scale_")
         sc = _device_scalar(scale, device, "scale", "multi_tensor_scale_")
-        ext = _extension("multi_tensor_scale_", s + d, fused)
-        if ext is None:
+        if not _use_op("multi_tensor_scale_", s + d, fused):
             reference.multi_tensor_scale(s, d, sc, found_inf)
+        elif not d:
+            OPS["multi_tensor_check_finite_"](s, found_inf)
+        elif in_place:
+            OPS["multi_tensor_unscale_"](s, sc, found_inf)
         else:
-            ext.multi_tensor_scale(s, d, sc, found_inf)
+            OPS["multi_tensor_scale_"](s, d, sc, found_inf)
 
 
 def multi_tensor_unscale_(grads: Sequence[torch.Tensor], inv_scale: Scalar, found_inf: torch.Tensor, *,
@@ -149,25 +146,25 @@ def multi_tensor_l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = Fals
     device = tensors[0].device
     groups = _groups(tensors)
     if len(groups) == 1:  # the common case: no host-side regrouping
-        ext = _extension("multi_tensor_l2norm", tensors, fused)
-        total, norms = (reference if ext is None else ext).multi_tensor_l2norm(tensors, per_tensor)
+        total, norms = _l2norm(tensors, per_tensor, fused)
         return (total, norms) if per_tensor else total
     sq_parts, per = [], [None] * len(tensors)
     for key, idx in groups.items():
         if key[0] != device:
             raise ValueError(f"multi_tensor_l2norm: tensors on {device} and {key[0]}; pass one device at a time")
-        group = [tensors[i] for i in idx]
-        ext = _extension("multi_tensor_l2norm", group, fused)
-        if ext is None:
-            total, norms = reference.multi_tensor_l2norm(group, per_tensor)
-        else:
-            total, norms = ext.multi_tensor_l2norm(group, per_tensor)
+        total, norms = _l2norm([tensors[i] for i in idx], per_tensor, fused)
         sq_parts.append(total.double() ** 2)
         if per_tensor:
             for j, i in enumerate(idx):  # views, gathered by one stack below: no host-to-device copy
                 per[i] = norms[j]
     total = sq_parts[0].sqrt().float() if len(sq_parts) == 1 else torch.stack(sq_parts).sum().sqrt().float()
     return (total, torch.stack(per)) if per_tensor else total
+
+
+def _l2norm(tensors, per_tensor, fused):
+    if not _use_op("multi_tensor_l2norm", tensors, fused):
+        return reference.multi_tensor_l2norm(tensors, per_tensor)
+    return OPS["multi_tensor_l2norm"](tensors, per_tensor)
 
 
 # ---------------------------------------------------------------- optimizer steps
@@ -206,13 +203,12 @@ def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None,
     if not params:
         return
     device, gs, masters = _step_args("multi_tensor_adam", params, steps, masters, lr, grad_scale, found_inf)
-    ext = _extension("multi_tensor_adam", list(params) + list(grads), fused)
-    if ext is None:
+    if not _use_op("multi_tensor_adam", list(params) + list(grads), fused):
         reference.multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps,
                                     weight_decay, decoupled, maximize, gs, found_inf)
         return
     lr_f, lr_t = _lr_for_kernel(lr, device)
-    ext.multi_tensor_adam(list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), masters, lr_f,
+    OPS["multi_tensor_adam_"](list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), masters, lr_f,
                           lr_t, beta1, beta2, eps, weight_decay, decoupled, maximize, gs, found_inf)
 
 
@@ -228,13 +224,12 @@ def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters=None, *, lr
     bufs = list(momentum_buffers) if momentum != 0 else []
     if momentum != 0 and len(bufs) != len(params):
         raise ValueError(f"multi_tensor_sgd: momentum={momentum} needs one buffer per param, got {len(bufs)}")
-    ext = _extension("multi_tensor_sgd", list(params) + list(grads), fused)
-    if ext is None:
+    if not _use_op("multi_tensor_sgd", list(params) + list(grads), fused):
         reference.multi_tensor_sgd(grads, params, bufs, steps, masters, lr, momentum, dampening, weight_decay,
                                    nesterov, maximize, gs, found_inf)
         return
     lr_f, lr_t = _lr_for_kernel(lr, device)
-    ext.multi_tensor_sgd(list(grads), list(params), bufs, list(steps), masters, lr_f, lr_t, momentum, dampening,
+    OPS["multi_tensor_sgd_"](list(grads), list(params), bufs, list(steps), masters, lr_f, lr_t, momentum, dampening,
                          weight_decay, nesterov, maximize, gs, found_inf)
 
 
@@ -246,11 +241,10 @@ def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None,
     if not params:
         return
     device, gs, masters = _step_args("multi_tensor_lamb", params, steps, masters, lr, grad_scale, found_inf)
-    ext = _extension("multi_tensor_lamb", list(params) + list(grads), fused)
-    if ext is None:
+    if not _use_op("multi_tensor_lamb", list(params) + list(grads), fused):
         reference.multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps,
                                     weight_decay, bias_correction, maximize, gs, found_inf)
         return
     lr_f, lr_t = _lr_for_kernel(lr, device)
-    ext.multi_tensor_lamb(list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), masters, lr_f,
+    OPS["multi_tensor_lamb_"](list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), masters, lr_f,
                           lr_t, beta1, beta2, eps, weight_decay, bias_correction, maximize, gs, found_inf)

@@ -197,6 +197,61 @@ def rms_norm(x, normalized_shape, weight=None, eps=None):
     if weight is not None:
         y = y * _norm_math(weight)
     return y.to(x.dtype)
+
+# The op forms (mptrain.ops.library registers them as the CPU kernels of
+# torch.ops.mptrain.layer_norm / layer_norm_backward): what the CUDA entry points return.
+# stats = [mean (rows; LayerNorm only) | rstd (rows) | one zero word], in the math dtype.
+
+
+def _norm_rows(x, normalized_shape):
+    hidden = _math.prod(normalized_shape)
+    return (x.numel() // hidden if hidden else 0), hidden
+
+
+def _stat_shape(x, normalized_shape):
+    return tuple(x.shape[:x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
+
+
+def layer_norm_forward(x, normalized_shape, weight, bias, eps, rms):
+    """(y in x's dtype, stats): LayerNorm (rms=False) or RMSNorm over the trailing dims."""
+    w = None if weight is None else _norm_math(weight)
+    if not rms:  # torch's own kernel, in the math dtype: few ops on the host
+        y, mean, rstd = torch.native_layer_norm(_norm_math(x), normalized_shape, w, None if bias is None else
+                                                _norm_math(bias), eps)
+        return y.to(x.dtype), torch.cat([mean.reshape(-1), rstd.reshape(-1), rstd.new_zeros(1)])
+    rows, hidden = _norm_rows(x, normalized_shape)
+    x2 = _norm_math(x).reshape(rows, hidden)
+    rstd = torch.rsqrt(x2.pow(2).mean(1) + eps)
+    y = x2 * rstd[:, None]
+    if w is not None:
+        y = y * w.reshape(hidden)
+    return y.to(x.dtype).reshape(x.shape), torch.cat([rstd, rstd.new_zeros(1)])
+
+
+def layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms):
+    """(dx, dweight, dbias) from the forward's stats; an absent parameter's gradient is an
+    empty tensor (as the CUDA op returns it)."""
+    rows, hidden = _norm_rows(x, normalized_shape)
+    w = None if weight is None else _norm_math(weight)
+    if not rms:
+        st = stats.to(_norm_math(x).dtype)
+        shape = _stat_shape(x, normalized_shape)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            _norm_math(dy), _norm_math(x), normalized_shape, st[:rows].reshape(shape), st[rows:2 * rows].reshape(shape),
+            w, None if bias is None else _norm_math(bias), [True, weight is not None, bias is not None])
+    else:
+        x2 = _norm_math(x).reshape(rows, hidden)
+        g = _norm_math(dy).reshape(rows, hidden)
+        rstd = stats[:rows].to(x2.dtype)[:, None]
+        xhat = x2 * rstd
+        gw = g if w is None else g * w.reshape(hidden)
+        dx = (gw - xhat * (gw * xhat).mean(1, keepdim=True)) * rstd
+        dw = None if weight is None else (g * xhat).sum(0)
+        db = None
+    dx = dx.to(x.dtype).reshape(x.shape)
+    dw = x.new_empty(0) if weight is None else dw.to(weight.dtype).reshape(weight.shape)
+    db = x.new_empty(0) if bias is None else db.to(bias.dtype).reshape(bias.shape)
+    return dx, dw, db
 # [end section: layer_norm]
 
 # [section: softmax]
@@ -235,6 +290,12 @@ def scaled_masked_softmax(x, mask=None, scale=1.0, causal=False):
     dead = m.all(dim=-1, keepdim=True)
     v = v.masked_fill(dead, 0.0)
     return torch.softmax(v, dim=-1).masked_fill(dead, 0.0).to(x.dtype)
+
+
+def scaled_masked_softmax_backward(dy, y, scale):
+    """dx = scale * y * (dy - sum(dy * y, -1)) in fp32, in y's dtype (the CUDA op's backward)."""
+    yf, g = _norm_math(y), _norm_math(dy)
+    return (scale * yf * (g - (g * yf).sum(-1, keepdim=True))).to(y.dtype)
 # [end section: softmax]
 
 # [section: lstm]
@@ -313,4 +374,64 @@ def lstm_layer(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None):
         h, c = lstm_cell_gates(xg[t], torch.nn.functional.linear(h, w_hh), c, b_ih, b_hh)
         outs.append(h)
     return torch.stack(outs), c
+
+
+# The op forms (the CPU kernels of torch.ops.mptrain.lstm_cell / lstm_layer and their
+# backwards): the CUDA entry points' algorithm step for step -- GEMMs in the storage
+# dtype, the pointwise kernels above, the saved workspace -- so the CPU op saves and
+# returns what the CUDA op does. A gradient not in ``need`` is an empty tensor.
+
+
+def _lstm_unneeded(x):
+    return x.new_empty(0)
+
+
+def lstm_cell_forward(x, h, c, w_ih, w_hh, b_ih=None, b_hh=None):
+    """(h', c', workspace) of one step."""
+    gates = x @ w_ih.t()
+    gates.addmm_(h, w_hh.t())
+    return lstm_cell_pointwise_forward(gates, None, c, b_ih, b_hh)
+
+
+def lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c_new, need):
+    """(dx, dh, dc, dw_ih, dw_hh, dbias) of one step; ``need``: six flags in that order."""
+    dg, dc_prev = lstm_cell_pointwise_backward(dh, None, dc, c, c_new, ws)
+    grads = (lambda: dg @ w_ih, lambda: dg @ w_hh, lambda: dc_prev, lambda: dg.t() @ x, lambda: dg.t() @ h,
+             lambda: dg.sum(0))
+    return tuple(g() if n else _lstm_unneeded(x) for g, n in zip(grads, need))
+
+
+def lstm_layer_forward(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None):
+    """(out (T, B, H), c_n (B, H), c_all (T, B, H), workspace (T, B, 4H)) of one layer."""
+    T, B, I = x.shape
+    H = w_hh.shape[1]
+    xg = (x.reshape(T * B, I) @ w_ih.t()).view(T, B, 4 * H)
+    out, c_all, ws = (x.new_empty(T, B, n) for n in (H, H, 4 * H))
+    for t in range(T):
+        xg[t].addmm_(h0 if t == 0 else out[t - 1], w_hh.t())
+        out[t], c_all[t], ws[t] = lstm_cell_pointwise_forward(xg[t], None, c0 if t == 0 else c_all[t - 1], b_ih, b_hh)
+    return out, c_all[-1].clone(), c_all, ws
+
+
+def lstm_layer_backward(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need):
+    """(dx, dh0, dc0, dw_ih, dw_hh, dbias) of one layer: the recurrent dh and dc run
+    backwards over the steps, the weight gradients are GEMMs over all steps at once."""
+    T, B, I = x.shape
+    H = w_hh.shape[1]
+    dg = x.new_empty(T, B, 4 * H)
+    dh_rec, dc_rec = None, dc_n
+    for t in range(T - 1, -1, -1):
+        dh_t = None if d_out is None else d_out[t]
+        dg[t], dc_rec = lstm_cell_pointwise_backward(dh_t, dh_rec, dc_rec, c0 if t == 0 else c_all[t - 1], c_all[t],
+                                                     ws[t])
+        dh_rec = dg[t] @ w_hh
+    dg2 = dg.view(T * B, 4 * H)
+
+    def dw_hh():
+        d = dg[0].t() @ h0
+        return d.addmm_(dg[1:].reshape(-1, 4 * H).t(), out[:-1].reshape(-1, H)) if T > 1 else d
+
+    grads = (lambda: (dg2 @ w_ih).view(T, B, I), lambda: dh_rec, lambda: dc_rec,
+             lambda: dg2.t() @ x.reshape(T * B, I), dw_hh, lambda: dg2.sum(0))
+    return tuple(g() if n else _lstm_unneeded(x) for g, n in zip(grads, need))
 # [end section: lstm]

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from mptrain import ops as mptrain_ops
 from mptrain.ops import lstm as lstm_ops
 from mptrain.ops import reference
 from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
@@ -20,7 +21,7 @@ SIZES = [(1, 1), (3, 3), (5, 1023), (2, 17), (7, 8), (64, 1024), (33, 40)]
 
 @pytest.fixture(scope="module")
 def ext():
-    e = lstm_ops._extension()
+    e = mptrain_ops.get_extension()
     if e is None:
         pytest.fail("the mptrain extension did not load on a CUDA machine; see mptrain.ops.extension_status()")
     return e
@@ -572,7 +573,7 @@ DB_SIZES = [(1, 1), (1, 1024), (2, 33), (63, 8), (64, 1024), (65, 24), (256, 102
 def _db_inputs(B, H, dtype, seed):
     torch.manual_seed(seed)
     ig, c = randn(B, 4 * H, dtype=dtype, scale=2), randn(B, H, dtype=dtype)
-    _, c1, ws = lstm_ops._extension().lstm_cell_pointwise_forward(ig, None, c, None, None)
+    _, c1, ws = mptrain_ops.get_extension(required=True).lstm_cell_pointwise_forward(ig, None, c, None, None)
     return c, c1, ws, randn(B, H, dtype=dtype), randn(B, H, dtype=dtype)
 
 
@@ -684,6 +685,13 @@ def test_cell_bias_grad_streams_and_cuda_graph_are_bitwise_eager(ext, B, H):
 # with torch's deleteNode, on newer torch an intrusive_ptr: the long chain checks that.
 
 
+def _cell(*tensors):
+    """(h', c') of torch.ops.mptrain.lstm_cell: on CUDA tensors its C++ autograd node
+    (csrc/lstm_autograd.cu), on the CPU the Python formula."""
+    h, c, _ = torch.ops.mptrain.lstm_cell(*tensors)
+    return h, c
+
+
 def _node_inputs(device, dtype, bias=(True, True), B=3, I=4, H=5, seed=0):
     torch.manual_seed(seed)
     r = lambda *s: torch.randn(*s, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
@@ -692,19 +700,20 @@ def _node_inputs(device, dtype, bias=(True, True), B=3, I=4, H=5, seed=0):
 
 
 @pytest.mark.parametrize("bias", [(True, True), (False, False), (True, False), (False, True)])
-def test_node_gradcheck_cpu_path(ext, bias):
+def test_op_gradcheck_cpu_path(bias):
+    """The op's CPU kernel with its Python autograd formula (the CUDA node's twin)."""
     t = [None if v is None else v.requires_grad_() for v in _node_inputs("cpu", torch.float64, bias)]
-    torch.autograd.gradcheck(lambda *a: ext.lstm_cell_autograd(*a), t)
+    torch.autograd.gradcheck(lambda *a: _cell(*a), t)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cuda"])  # the C++ node serves CUDA tensors
 @pytest.mark.parametrize("bias", [(True, False), (False, True)])
 def test_node_one_bias_gets_its_gradient(ext, device, bias):
     """With one bias absent, the present one's gradient sits at edge 5 either way."""
     dtype = torch.float64 if device == "cpu" else torch.float32
     t = [None if v is None else v.requires_grad_() for v in _node_inputs(device, dtype, bias)]
     r = [None if v is None else v.detach().double().requires_grad_() for v in t]
-    out, out_r = ext.lstm_cell_autograd(*t), reference.lstm_cell(*r)
+    out, out_r = _cell(*t), reference.lstm_cell(*r)
     cot = [torch.randn_like(o) for o in out_r]
     leaves = [v for v in t if v is not None]
     g = torch.autograd.grad(out, leaves, [c.to(dtype) for c in cot])
@@ -713,11 +722,11 @@ def test_node_one_bias_gets_its_gradient(ext, device, bias):
         assert rel_err(a, b) < 10 * norm_tol(torch.float32)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cuda"])  # the C++ node serves CUDA tensors
 def test_node_retain_graph_and_second_backward(ext, device):
     dtype = torch.float64 if device == "cpu" else torch.float32
     t = [v.requires_grad_() for v in _node_inputs(device, dtype)]
-    out = ext.lstm_cell_autograd(*t)
+    out = _cell(*t)
     assert out[0].grad_fn.name() == "LSTMCellBackward" and out[1].grad_fn is out[0].grad_fn
     cot = [torch.randn_like(o) for o in out]
     g1 = torch.autograd.grad(out, t, cot, retain_graph=True)
@@ -728,7 +737,7 @@ def test_node_retain_graph_and_second_backward(ext, device):
         torch.autograd.grad(out, t, cot)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cuda"])  # the C++ node serves CUDA tensors
 @pytest.mark.parametrize("victim", ["x", "h", "c", "w_ih", "c_new"])
 def test_node_in_place_change_of_a_saved_tensor_raises(ext, device, victim):
     dtype = torch.float64 if device == "cpu" else torch.float32
@@ -737,7 +746,7 @@ def test_node_in_place_change_of_a_saved_tensor_raises(ext, device, victim):
     k = {"x": 0, "h": 1, "c": 2}.get(victim)
     if k is not None:
         t[k] = t[k].clone().requires_grad_() * 1.0  # a non-leaf input that may be changed in place
-    out = ext.lstm_cell_autograd(*t)
+    out = _cell(*t)
     target = out[1] if victim == "c_new" else t[3] if victim == "w_ih" else t[k]
     with torch.no_grad():
         target.mul_(2)
@@ -745,32 +754,32 @@ def test_node_in_place_change_of_a_saved_tensor_raises(ext, device, victim):
         out[0].sum().backward()
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cuda"])  # the C++ node serves CUDA tensors
 def test_node_grad_mode_off_saved_tensor_hooks_and_forward_ad(ext, device):
     import torch.autograd.forward_ad as fwAD
 
     dtype = torch.float64 if device == "cpu" else torch.float32
     t = [v.requires_grad_() for v in _node_inputs(device, dtype)]
     with torch.no_grad():
-        h, c = ext.lstm_cell_autograd(*t)
+        h, c = _cell(*t)
     assert h.grad_fn is None and not h.requires_grad and not c.requires_grad
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda v: packed.append(1) or v, lambda v: v):
-        out = ext.lstm_cell_autograd(*t)
+        out = _cell(*t)
     assert len(packed) == 7  # x, h, c, w_ih, w_hh, the activated gates, c'
     out[0].sum().backward()
     with fwAD.dual_level():
         x = fwAD.make_dual(t[0].detach(), torch.ones_like(t[0]))
         with pytest.raises(RuntimeError, match="forward-mode AD"):
-            ext.lstm_cell_autograd(x, *t[1:])
+            _cell(x, *t[1:])
 
 
 def test_node_long_chain_is_freed_without_deep_recursion(ext):
     H = 2
-    w = [torch.randn(4 * H, H, dtype=torch.float64, requires_grad=True) for _ in range(2)]
-    h = c = torch.zeros(1, H, dtype=torch.float64, requires_grad=True)
+    w = [torch.randn(4 * H, H, device="cuda", requires_grad=True) for _ in range(2)]
+    h = c = torch.zeros(1, H, device="cuda", requires_grad=True)
     for _ in range(100_000):
-        h, c = ext.lstm_cell_autograd(h, h, c, w[0], w[1], None, None)
+        h, c = _cell(h, h, c, w[0], w[1], None, None)
     del h, c  # recursive destruction of 100k nodes would overflow the stack
 
 

@@ -1,0 +1,188 @@
+"""Host cost of one eager call: mptrain's ops against torch's nearest native op.
+
+Per op and shape, forward and forward+backward: a plain loop of N calls after a warm-up,
+wall time / N (synchronizing once at the end). At the tiny shape the GPU work is
+negligible, so the figure is the host time a host-bound training step pays per call; at
+the benchmark shapes it is the eager wall time per call. Pairs (ours / torch):
+
+* ``ops.layer_norm`` / ``F.layer_norm`` and ``ops.rms_norm`` / ``F.rms_norm``;
+* ``ops.scaled_masked_softmax(x, mask)`` / ``torch.softmax(x.masked_fill(mask, -inf), -1)``;
+* ``FusedLSTMCell`` / ``nn.LSTMCell`` (same weights).
+
+Targets (issue 12): ratio <= 1.1 at the tiny shape, <= 1.0 at the benchmark shapes. The
+last column times ours with ``fused=False`` (the reference, called directly).
+On the CPU (``--device cpu``) only the tiny shapes run, in fp32: ours is then the op's
+CPU kernel (the reference, in Python) behind the dispatcher with the Python autograd
+formula, so "ours - reference" is the cost of the custom-op path itself there; the
+CUDA path (C++ kernel and C++ autograd) can only be measured on a GPU.
+
+``python -m mptrain.bench.host_cost [--device cuda|cpu] [--quick] [--iters N] [--json PATH]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from mptrain import ops
+
+TINY = "tiny"
+BENCH = "bench"
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    kind: str  # "tiny" or "bench"
+    pass_: str  # "fwd" or "fwd+bwd"
+    ours_us: float
+    torch_us: float
+    reference_us: float  # ours with fused=False: the pure-PyTorch reference called directly
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_us / self.torch_us
+
+
+def per_call_us(fn: Callable[[], object], iters: int, sync: Callable[[], None], repeats: int = 5) -> float:
+    """Wall time of one call in microseconds: warm-up, then ``repeats`` loops of
+    ``iters // repeats`` calls, each ended by one sync; the fastest loop counts (a busy
+    machine only ever adds time)."""
+    for _ in range(max(3, iters // 10)):
+        fn()
+    sync()
+    n = max(1, iters // repeats)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best / n * 1e6
+
+
+def _fwd_bwd(forward, dy):
+    def step():
+        torch.autograd.backward(forward(), dy)
+
+    return step
+
+
+def _grads(tensors):
+    return [t.requires_grad_() for t in tensors]
+
+
+# ---------------------------------------------------------------- the pairs: (ours, torch, dy) builders
+
+
+def _norm_pair(rms, rows, hidden, dtype, device, fused):
+    x, w = _grads([torch.randn(rows, hidden, dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device)])
+    if rms:
+        return (lambda: ops.rms_norm(x, (hidden,), w, fused=fused)), (lambda: F.rms_norm(x, (hidden,), w)), x
+    b = torch.zeros(hidden, dtype=dtype, device=device, requires_grad=True)
+    return (lambda: ops.layer_norm(x, (hidden,), w, b, fused=fused)), (lambda: F.layer_norm(x, (hidden,), w, b)), x
+
+
+def _softmax_pair(batch, heads, s, dtype, device, fused):
+    (x,) = _grads([torch.randn(batch, heads, s, s, dtype=dtype, device=device)])
+    mask = torch.rand(batch, 1, s, s, device=device) < 0.1
+    return ((lambda: ops.scaled_masked_softmax(x, mask, fused=fused)),
+            (lambda: torch.softmax(x.masked_fill(mask, float("-inf")), -1)), x)
+
+
+def _lstm_pair(batch, hidden, dtype, device, fused):
+    from mptrain.nn import FusedLSTMCell
+
+    ref = torch.nn.LSTMCell(hidden, hidden, device=device, dtype=dtype)
+    ours = FusedLSTMCell.from_module(ref, fused=fused)
+    x, h, c = _grads([torch.randn(batch, hidden, dtype=dtype, device=device) for _ in range(3)])
+    return (lambda: ours(x, (h, c))[0]), (lambda: ref(x, (h, c))[0]), h
+
+
+def cases(device: str, quick: bool):
+    """(op, shape label, kind, builder) for this device: tiny shapes always, benchmark
+    shapes on CUDA unless ``quick``."""
+    tiny_dt = torch.bfloat16 if device == "cuda" else torch.float32
+    out = [
+        ("layer_norm", "4x256", TINY, lambda f: _norm_pair(False, 4, 256, tiny_dt, device, f)),
+        ("rms_norm", "4x256", TINY, lambda f: _norm_pair(True, 4, 256, tiny_dt, device, f)),
+        ("scaled_masked_softmax", "1x2x8x8", TINY, lambda f: _softmax_pair(1, 2, 8, tiny_dt, device, f)),
+        ("lstm_cell", "4x32", TINY, lambda f: _lstm_pair(4, 32, tiny_dt, device, f)),
+    ]
+    if device == "cuda" and not quick:
+        bf = torch.bfloat16
+        out += [
+            ("layer_norm", "16384x1024 bf16", BENCH, lambda f: _norm_pair(False, 16384, 1024, bf, device, f)),
+            ("rms_norm", "16384x1024 bf16", BENCH, lambda f: _norm_pair(True, 16384, 1024, bf, device, f)),
+            ("scaled_masked_softmax", "32x16x512x512 bf16", BENCH, lambda f: _softmax_pair(32, 16, 512, bf, device, f)),
+            ("lstm_cell", "256x1024 bf16", BENCH, lambda f: _lstm_pair(256, 1024, bf, device, f)),
+            ("lstm_cell", "1024x1024 bf16", BENCH, lambda f: _lstm_pair(1024, 1024, bf, device, f)),
+        ]
+    return out
+
+
+def run(device: str = "cuda", quick: bool = False, iters: Optional[int] = None) -> list[Row]:
+    """Measure every case; ``fused=True`` on CUDA (a missing kernel raises rather than
+    timing the reference), ``"auto"`` on the CPU (the op's CPU kernel)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("host_cost --device cuda: no CUDA device here; use --device cpu")
+    fused = True if device == "cuda" else "auto"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for op, shape, kind, build in cases(device, quick):
+        n = iters or (20 if quick else (1000 if kind == TINY else 50))
+        ours, ref, _ = build(fused)
+        plain = build(False)[0]
+        dy = torch.ones_like(ref())
+        torch.testing.assert_close(ours().float(), ref().float(), atol=2e-2, rtol=2e-2)  # same computation
+        rows.append(Row(op, shape, kind, "fwd", per_call_us(ours, n, sync), per_call_us(ref, n, sync),
+                        per_call_us(plain, n, sync)))
+        rows.append(Row(op, shape, kind, "fwd+bwd", per_call_us(_fwd_bwd(ours, dy), n, sync),
+                        per_call_us(_fwd_bwd(ref, dy), n, sync), per_call_us(_fwd_bwd(plain, dy), n, sync)))
+        del ours, ref, plain, dy
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = (f"{'op':<22} {'shape':<20} {'pass':<8} {'ours us':>10} {'torch us':>10} {'ratio':>7}  {'target':<10}"
+            f" {'reference us':>12}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        target = 1.1 if r.kind == TINY else 1.0
+        flag = "ok" if r.ratio <= target else "MISS"
+        lines.append(f"{r.op:<22} {r.shape:<20} {r.pass_:<8} {r.ours_us:>10.1f} {r.torch_us:>10.1f} {r.ratio:>7.2f}"
+                     f"  {'<=' + str(target) + ' ' + flag:<10} {r.reference_us:>12.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mptrain.bench.host_cost", description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="tiny shapes only, few iterations (a smoke run)")
+    p.add_argument("--iters", type=int, default=None, help="calls per timing loop (default 1000 tiny, 50 bench)")
+    p.add_argument("--json", default="host_cost.json", help="where to write the rows (default: %(default)s)")
+    a = p.parse_args(argv)
+    rows = run(a.device, a.quick, a.iters)
+    device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    print(f"host cost per eager call, {device}, torch {torch.__version__}, extension {ops.extension_status()}")
+    print(format_table(rows))
+    meta = {"device": device, "torch": torch.__version__, "command": " ".join(["python -m mptrain.bench.host_cost"]
+                                                                               + (argv or sys.argv[1:]))}
+    with open(a.json, "w") as f:
+        json.dump({"meta": meta, "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}, f, indent=1)
+    print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The one kernel-or-reference decision of :mod:`mptrain.ops`.
+
+With the custom ops (:mod:`mptrain.ops.library`) the dispatcher picks the CUDA kernel or
+the CPU reference by device; what remains for Python is the ``fused`` switch and loading
+the extension once:
+
+* ``fused=False``: the pure-PyTorch reference, called directly (differentiable twice,
+  forward-mode AD, any dtype);
+* ``fused="auto"``: the op for CPU tensors (its CPU kernel is the reference) and for CUDA
+  tensors in float32/float16/bfloat16 once the extension has loaded; the reference for
+  other dtypes, and on CUDA when the extension cannot be built (one warning per process,
+  see :mod:`mptrain.ops.build`);
+* ``fused=True``: the CUDA kernel, else a clear error.
+"""
+from __future__ import annotations
+
+import torch
+
+FUSED_CHOICES = ("auto", True, False)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Whether the CUDA kernels are registered: None until the first CUDA call asks for them.
+_cuda_kernels: "bool | None" = None
+
+
+def check_fused(owner: str, fused):
+    """``fused`` if it is one of FUSED_CHOICES, else a ValueError naming ``owner``."""
+    if fused is not True and fused is not False and fused != "auto":
+        raise ValueError(f"{owner}: fused={fused!r}, expected one of {FUSED_CHOICES}")
+    return fused
+
+
+def _load(required: bool) -> bool:
+    """Build/load the extension (which registers the CUDA kernels); False if unavailable."""
+    global _cuda_kernels
+    from .build import get_extension  # lazily: torch.utils.cpp_extension is slow to import
+
+    _cuda_kernels = get_extension(required=required) is not None
+    return _cuda_kernels
+
+
+try:  # torch.compile runs the loader while tracing and treats its answer as a constant
+    _load = torch._dynamo.assume_constant_result(_load)
+except AttributeError:  # pragma: no cover - torch without dynamo
+    pass
+
+
+def use_op(op: str, x: torch.Tensor, fused, dtype=None) -> bool:
+    """True: call ``torch.ops.mptrain.<op>``; False: call the reference directly.
+
+    ``dtype``: the dtype the op will run in when not ``x``'s (autocast casts first)."""
+    if fused is False:
+        return False
+    if not x.is_cuda:
+        if fused is True:
+            raise RuntimeError(f"{op}: fused=True needs CUDA tensors, got {x.dtype} on {x.device}; "
+                               "use fused='auto' to fall back to the reference")
+        check_fused(op, fused)
+        return True
+    if (dtype or x.dtype) not in KERNEL_DTYPES:
+        if fused is True:
+            raise TypeError(f"{op}: fused=True needs float32/float16/bfloat16 input, got {dtype or x.dtype}; "
+                            "use fused='auto' to fall back to the reference")
+        check_fused(op, fused)
+        return False
+    if _cuda_kernels is not None and (fused == "auto" or (fused is True and _cuda_kernels)):
+        return _cuda_kernels
+    check_fused(op, fused)
+    return _load(fused is True)
+
+
+def cuda_kernels_loaded() -> bool:
+    """Whether the CUDA kernels are registered in this process (without building them)."""
+    return bool(_cuda_kernels)

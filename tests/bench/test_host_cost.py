@@ -1,0 +1,33 @@
+"""CPU smoke run of the host-cost harness (mptrain.bench.host_cost --quick)."""
+import json
+
+import pytest
+
+from mptrain.bench import host_cost
+
+
+def test_per_call_us_is_the_fastest_loop_per_call():
+    calls = []
+    us = host_cost.per_call_us(lambda: calls.append(1), iters=50, sync=lambda: None, repeats=5)
+    assert len(calls) == 5 + 50 and 0 < us < 1e5
+
+
+def test_quick_cpu_run_prints_every_op_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "host.json"
+    assert host_cost.main(["--device", "cpu", "--quick", "--iters", "5", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    ops = {r["op"] for r in rows}
+    assert ops == {"layer_norm", "rms_norm", "scaled_masked_softmax", "lstm_cell"}
+    assert {r["pass_"] for r in rows} == {"fwd", "fwd+bwd"} and len(rows) == 8
+    for r in rows:
+        assert r["ours_us"] > 0 and r["torch_us"] > 0 and r["reference_us"] > 0
+        assert r["ratio"] == pytest.approx(r["ours_us"] / r["torch_us"])
+        assert r["op"] in table
+    assert "ratio" in table
+
+
+def test_cuda_without_a_gpu_says_so(monkeypatch):
+    monkeypatch.setattr(host_cost.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        host_cost.run("cuda", quick=True)

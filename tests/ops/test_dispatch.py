@@ -1,0 +1,52 @@
+"""mptrain.ops.dispatch: the one kernel-or-reference decision."""
+import pytest
+import torch
+
+from mptrain import ops
+from mptrain.ops import dispatch
+
+
+def test_fused_false_is_the_reference_and_auto_on_cpu_is_the_op():
+    x = torch.randn(2, 8)
+    assert dispatch.use_op("layer_norm", x, False) is False
+    assert dispatch.use_op("layer_norm", x, "auto") is True
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_a_wrong_fused_value_names_the_choices(bad):
+    with pytest.raises(ValueError, match="fused=.*expected one of"):
+        dispatch.use_op("layer_norm", torch.randn(2), bad)
+    with pytest.raises(ValueError, match="FusedThing: fused="):
+        dispatch.check_fused("FusedThing", bad)
+
+
+def test_fused_true_on_the_cpu_raises_with_the_fix():
+    with pytest.raises(RuntimeError, match="fused=True needs CUDA tensors.*fused='auto'"):
+        ops.layer_norm(torch.randn(2, 8), 8, fused=True)
+
+
+def test_fused_false_calls_the_reference_not_the_op(monkeypatch):
+    called = []
+    monkeypatch.setattr(ops.layer_norm.__globals__["reference"], "layer_norm",
+                        lambda *a, **k: called.append(1) or torch.zeros(()))
+    ops.layer_norm(torch.randn(2, 8), 8, fused=False)
+    ops.layer_norm(torch.randn(2, 8), 8)
+    assert called == [1]
+
+
+def test_cuda_without_kernels_falls_back_and_fused_true_raises(monkeypatch):
+    """A CUDA tensor when the extension cannot load: "auto" takes the reference, True raises."""
+    x = torch.randn(2, 8)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(dispatch, "_cuda_kernels", False)
+    assert dispatch.use_op("layer_norm", x, "auto") is False
+    assert dispatch.use_op("layer_norm", x.double(), "auto") is False
+
+    def fail(required):
+        raise RuntimeError("build failed: see the log")
+
+    monkeypatch.setattr(dispatch, "_load", fail)
+    with pytest.raises(RuntimeError, match="build failed"):
+        dispatch.use_op("layer_norm", x, True)
+    with pytest.raises(TypeError, match="float32/float16/bfloat16"):
+        dispatch.use_op("layer_norm", x.double(), True)
