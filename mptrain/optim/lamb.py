@@ -30,6 +30,8 @@ class FusedLAMB(FusedOptimizer):
                         bias_correction=bias_correction, maximize=maximize)
         super().__init__(params, defaults, master_weights=master_weights, capturable=capturable, fused=fused)
 
+    _format_defaults = dict(bias_correction=True, maximize=False, capturable=False)
+
     def _buffers(self, group):
         return ("exp_avg", "exp_avg_sq")
 

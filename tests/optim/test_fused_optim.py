@@ -204,7 +204,10 @@ def test_grad_scale_divides_the_grads(cls, tcls, kw):
         ob.step()
         assert found.item() == 0
     _assert_close(a, b)
-    assert torch.equal(a[0].grad, _grads(2)[0] * 1024)  # grads are not modified
+    assert torch.equal(a[0].grad, _grads(2)[0])  # left unscaled, as torch's fused optimizers leave them
+    a[0].grad = _grads(3)[0] * 1024
+    oa.step(grad_scale=1024.0, unscale_grads=False)
+    assert torch.equal(a[0].grad, _grads(3)[0] * 1024)  # asked to leave them scaled
 
 
 def test_gradscaler_attribute_protocol():
