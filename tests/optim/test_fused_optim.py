@@ -291,6 +291,11 @@ def test_lr_as_tensor_and_arguments_validated():
         FusedAdam(_params(), amsgrad=True)
     with pytest.raises(ValueError, match="Nesterov"):
         FusedSGD(_params(), nesterov=True)
+    with pytest.raises(ValueError, match="Nesterov"):  # per group too
+        FusedSGD([{"params": _params()[:2]}, {"params": _params()[2:], "nesterov": True}], lr=0.1, momentum=0.9,
+                 dampening=0.5)
+    with pytest.raises(ValueError, match="differentiable"):
+        FusedAdamW(_params(), differentiable=True)
     with pytest.raises(ValueError, match="fused"):
         FusedSGD(_params(), fused="sometimes")
     with pytest.raises(ValueError, match="capturable"):

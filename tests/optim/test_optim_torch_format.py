@@ -95,17 +95,20 @@ def test_torch_sgd_state_before_its_first_momentum_step_loads():
     _assert_next_steps_match(net, opt, net2, opt2, tol=1e-6)
 
 
-@pytest.mark.parametrize("theirs,ours,kw,error", [
+@pytest.mark.parametrize("theirs,ours,saved_group,error", [
     (torch.optim.Adam, FusedAdam, dict(amsgrad=True), NotImplementedError),
     (torch.optim.Adam, FusedAdamW, dict(), ValueError),  # Adam's coupled decay is not AdamW
+    (torch.optim.SGD, FusedSGD, dict(differentiable=True), ValueError),
 ])
-def test_a_state_we_cannot_run_raises_and_changes_nothing(theirs, ours, kw, error):
-    net, opt, net2, _ = _pair(theirs, theirs, dict(lr=1e-2, **kw))
+def test_a_state_we_cannot_run_raises_and_changes_nothing(theirs, ours, saved_group, error):
+    net, opt, net2, _ = _pair(theirs, theirs, dict(lr=1e-2))
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0].update(saved_group)
     opt2 = ours(net2.parameters(), lr=1e-2)
     train(net2, opt2, 1)
     before = copy.deepcopy(opt2.state_dict())
-    with pytest.raises(error, match="amsgrad|decoupled_weight_decay"):
-        opt2.load_state_dict(opt.state_dict())
+    with pytest.raises(error, match="amsgrad|decoupled_weight_decay|differentiable"):
+        opt2.load_state_dict(saved)
     after = opt2.state_dict()
     assert after["param_groups"] == before["param_groups"]
     assert all(torch.equal(after["state"][i][k], v) for i, st in before["state"].items() for k, v in st.items())
