@@ -45,6 +45,8 @@ def dense_work_lists(params: list, grads: list) -> tuple[list, list, list]:
     update), grads whose layout differs from their (working) param copied into it."""
     work_p, work_g, write_back = params, grads, []
     for i, (p, g) in enumerate(zip(params, grads)):
+        if g.stride() == p.stride() and p.is_contiguous():  # the usual case, checked cheaply
+            continue
         w = p
         if not is_dense(p):
             w = p.contiguous()
