@@ -185,7 +185,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for (group_key, device, _dtype, master), params in buckets.items():
             self._step_bucket(group_key.group, device, master, params, grad_scale, per_device_inf.get(device))
         if unscale_grads and grad_scale is not None and not (not torch.is_tensor(grad_scale) and grad_scale == 1):
-            unscale_grads_(buckets, grad_scale, per_device_inf)
+            unscale_grads_(buckets, grad_scale, per_device_inf, self.fused)
         return loss
 
     def _step_bucket(self, group: dict, device: torch.device, master: bool, params: list, grad_scale,

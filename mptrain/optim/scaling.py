@@ -11,7 +11,7 @@ Two callers hand these over:
 
 Either way a non-zero ``found_inf`` makes the step change nothing, and (unless the
 caller passes ``unscale_grads=False``) a step that is taken leaves every grad divided
-by ``grad_scale``, exactly what ``torch._fused_adam_`` / ``_fused_sgd_`` do (a skipped
+by ``grad_scale``, what ``torch._fused_adam_`` / ``_fused_sgd_`` do (a skipped
 step leaves the grads as they were, also as torch does).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import torch
 
-from mptrain.ops.multi_tensor import multi_tensor_check_finite_
+from mptrain.ops.multi_tensor import multi_tensor_check_finite_, multi_tensor_scale_
 
 from .layout import is_dense
 
@@ -71,18 +71,26 @@ def found_inf_per_device(buckets: dict, found_inf: Optional[torch.Tensor], check
     return local
 
 
-def unscale_grads_(buckets: dict, grad_scale: Scale, per_device_inf: dict) -> None:
-    """``grad /= grad_scale`` for every stepped grad, on the device (no host sync); by 1
-    where the step was skipped, so skipped grads keep their values."""
+def unscale_grads_(buckets: dict, grad_scale: Scale, per_device_inf: dict, fused) -> None:
+    """``grad *= 1 / grad_scale`` for every stepped grad, on the device (no host sync), in
+    one multi-tensor launch per dtype (torch's ``_foreach_div_`` by a tensor falls back
+    to one launch per grad for half grads); by 1 where the step was skipped, so skipped
+    grads keep their values. Products are exact for power-of-two scales (GradScaler's)."""
     by_device = defaultdict(list)
     for key, params in buckets.items():
-        by_device[key[1]].extend(p.grad for p in params)
-    for device, grads in by_device.items():
+        by_device[key[1]].extend(params)
+    for device, params in by_device.items():
         if torch.is_tensor(grad_scale):
-            divisor = grad_scale.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+            inv = torch.reciprocal(grad_scale.to(device=device, dtype=torch.float32, non_blocking=True).reshape(()))
         else:
-            divisor = torch.full((), float(grad_scale), dtype=torch.float32, device=device)
+            inv = torch.full((), 1.0 / float(grad_scale), dtype=torch.float32, device=device)
         inf = per_device_inf.get(device)
         if inf is not None:
-            divisor = torch.where(inf.reshape(()) != 0, torch.ones_like(divisor), divisor)
-        torch._foreach_div_(grads, divisor)
+            inv = torch.where(inf.reshape(()) != 0, torch.ones_like(inv), inv)
+        dense, awkward = [], []
+        for p in params:
+            (dense if is_dense(p.grad) else awkward).append(p)
+        grads = [p.grad for p in dense]
+        multi_tensor_scale_(grads, grads, inv, fused=fused)
+        for p in awkward:  # e.g. an expanded grad, which cannot be written in place
+            p.grad = (p.grad.float() * inv).to(p.grad.dtype)

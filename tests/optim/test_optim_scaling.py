@@ -62,3 +62,13 @@ def test_unscaled_grads_are_exactly_the_scaled_ones_divided():
     opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.zeros(())
     opt.step()
     assert all(torch.equal(p.grad, g / 1024) for p, g in zip(net.parameters(), scaled))
+
+
+def test_grads_of_any_layout_are_left_unscaled():
+    p, q = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(6))
+    opt = FusedSGD([p, q], lr=0.1)
+    g_p, g_q = torch.randn(4, 6).t() * 64, (torch.randn(1) * 64).expand(6)  # transposed, expanded
+    p.grad, q.grad = g_p.clone(), g_q
+    assert q.grad.stride() == (0,)
+    opt.step(grad_scale=torch.tensor(64.0))
+    assert torch.equal(p.grad, g_p / 64) and torch.equal(q.grad, g_q / 64)
