@@ -182,8 +182,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not buckets:
             return loss
         per_device_inf = found_inf_per_device(buckets, found_inf, check, self.fused)
-        for (group_key, device, _dtype, master), params in buckets.items():
-            self._step_bucket(group_key.group, device, master, params, grad_scale, per_device_inf.get(device))
+        for (index, device, _dtype, master), params in buckets.items():
+            self._step_bucket(self.param_groups[index], device, master, params, grad_scale,
+                              per_device_inf.get(device))
         if unscale_grads and grad_scale is not None and not (not torch.is_tensor(grad_scale) and grad_scale == 1):
             unscale_grads_(buckets, grad_scale, per_device_inf, self.fused)
         return loss
@@ -199,15 +200,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         write_back_params(write_back)
 
     def _buckets(self) -> dict:
-        """(group key, device, dtype, master) -> params with a grad, in parameter order."""
+        """(group index, device, dtype, master) -> params with a grad, in parameter order.
+        (Plain hashable keys: torch.compile traces this on every step.)"""
         out: dict = {}
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                key = (_GroupKey(group), p.device, p.dtype, self.uses_master(p))
+                key = (index, p.device, p.dtype, self.uses_master(p))
                 out.setdefault(key, []).append(p)
         return out
 
@@ -221,18 +223,3 @@ class FusedOptimizer(torch.optim.Optimizer):
         saved_state = {pid: dict(st) for pid, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
         restore_state_tensors(self, saved_state, state_dict["param_groups"])
-
-
-class _GroupKey:
-    """Param groups are dicts (unhashable); bucket them by identity."""
-
-    __slots__ = ("group",)
-
-    def __init__(self, group: dict):
-        self.group = group
-
-    def __hash__(self) -> int:
-        return id(self.group)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _GroupKey) and other.group is self.group

@@ -46,10 +46,13 @@ def scaling_inputs(optimizer, grad_scale: Scale, found_inf: Optional[torch.Tenso
 
 
 def found_inf_per_device(buckets: dict, found_inf: Optional[torch.Tensor], check: bool, fused) -> dict:
-    """found_inf for every device of ``buckets`` (keys ``(group, device, dtype, master)``),
+    """found_inf for every device of ``buckets`` (keys ``(group index, device, dtype, master)``),
     all agreeing; when ``check`` the grads are checked here and the result is written
     into the caller's ``found_inf`` in place."""
-    devices = list(dict.fromkeys(key[1] for key in buckets))
+    devices = []
+    for key in buckets:
+        if key[1] not in devices:
+            devices.append(key[1])
     if not check:
         if found_inf is None:
             return {}
