@@ -30,17 +30,30 @@ class FusedAdam(FusedOptimizer):
             raise ValueError(f"{name}: invalid betas {betas}; each must lie in [0, 1)")
         if not 0.0 <= weight_decay:
             raise ValueError(f"{name}: invalid weight_decay value {weight_decay}")
-        if amsgrad:
-            raise NotImplementedError(f"{name}: amsgrad=True is not supported by the fused kernel; "
-                                      "use torch.optim.Adam(amsgrad=True)")
-        if differentiable:
-            raise ValueError(f"{name}: differentiable=True is not supported (the step runs under no_grad)")
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
-                        maximize=maximize, foreach=foreach, differentiable=False,
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, differentiable=differentiable,
                         decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults, master_weights=master_weights, capturable=capturable, fused=fused)
+
+    @property
+    def _format_defaults(self):
+        # torch.optim.Adam fills these into older groups; AdamW's always decouple.
+        return dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                    decoupled_weight_decay=self._decoupled_default)
+
+    def _check_group(self, group):
+        name = type(self).__name__
+        if group["amsgrad"]:
+            raise NotImplementedError(f"{name}: amsgrad=True is not supported by the fused kernel; "
+                                      "use torch.optim.Adam(amsgrad=True)")
+        if group["differentiable"]:
+            raise ValueError(f"{name}: differentiable=True is not supported (the step runs under no_grad); "
+                             "use torch.optim.Adam(differentiable=True)")
+        if self._decoupled_default and not group["decoupled_weight_decay"]:
+            raise ValueError(f"{name}: a param group with decoupled_weight_decay=False is Adam, not AdamW; "
+                             "load it into FusedAdam")
 
     def _buffers(self, group):
         return ("exp_avg", "exp_avg_sq")
@@ -50,7 +63,7 @@ class FusedAdam(FusedOptimizer):
         multi_tensor_adam(grads, params, state["exp_avg"], state["exp_avg_sq"], state["step"], masters,
                           lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                           weight_decay=group["weight_decay"],
-                          decoupled=group.get("decoupled_weight_decay", self._decoupled_default),
+                          decoupled=group["decoupled_weight_decay"],
                           maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf, fused=self.fused)
 
 

@@ -1,18 +1,23 @@
 """What every fused optimizer shares: bucketing by device/dtype, fp32 master weights,
-the grad_scale / found_inf protocol, and a state_dict that keeps fp32 state fp32.
+the loss-scaling protocol (:mod:`.scaling`), layouts the kernels can walk
+(:mod:`.layout`), torch.optim's state formats (:mod:`.torch_format`), and pickling.
 
-Subclasses say which per-parameter buffers they keep (``_buffers``) and how one
-bucket of same-dtype tensors is updated (``_update``); the kernels live in
-:mod:`mptrain.ops.multi_tensor`.
+Subclasses say which per-parameter buffers they keep (``_buffers``), which group
+options they cannot run (``_check_group``), what older formats' groups lack
+(``_format_defaults``) and how one bucket of same-dtype tensors is updated
+(``_update``); the kernels live in :mod:`mptrain.ops.multi_tensor`.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Callable, Optional, Union
 
 import torch
 
-from mptrain.ops.multi_tensor import FUSED_CHOICES, multi_tensor_check_finite_
+from mptrain.ops.multi_tensor import FUSED_CHOICES
+
+from .layout import dense_work_lists, write_back_params
+from .scaling import found_inf_per_device, scaling_inputs, unscale_grads_
+from .torch_format import fill_group_defaults, normalize_steps, restore_state_tensors
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -23,24 +28,23 @@ class FusedOptimizer(torch.optim.Optimizer):
     # torch.amp.GradScaler hands such optimizers `grad_scale` / `found_inf` as
     # attributes instead of unscaling the grads itself.
     _step_supports_amp_scaling = True
-    # mptrain.precision hands its whole master-weight step to these (precision/base.py).
+    # mptrain.precision hands its whole master-weight step to these (precision/master.py).
     _mptrain_fused = True
+    # Instance attributes beyond torch.optim.Optimizer's, with the value an object pickled
+    # without them gets. torch's __getstate__ keeps only defaults, state and param_groups:
+    # these must be added for deepcopy and pickle to give back the same optimizer.
+    _instance_attrs = {"master_weights": False, "fused": "auto"}
+    # Group keys that older torch formats lack, with the value torch fills in.
+    _format_defaults: dict = {"capturable": False}
 
     def __init__(self, params, defaults: dict, *, master_weights: bool, capturable: bool, fused):
         if fused is None:
             fused = "auto"
         if fused not in FUSED_CHOICES:
             raise ValueError(f"{type(self).__name__}: fused={fused!r}; expected one of {FUSED_CHOICES}")
-        defaults = dict(defaults, capturable=capturable)
-        super().__init__(params, defaults)
         self.master_weights = bool(master_weights)
         self.fused = fused
-        if capturable:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if not p.is_cuda:
-                        raise ValueError(f"{type(self).__name__}: capturable=True needs CUDA params, got one on "
-                                         f"{p.device}")
+        super().__init__(params, dict(defaults, capturable=bool(capturable)))
 
     # ------------------------------------------------------------ per-subclass
 
@@ -48,10 +52,60 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Names of the per-parameter state tensors shaped like the param."""
         raise NotImplementedError
 
+    def _check_group(self, group: dict) -> None:
+        """Raise for group options the kernels cannot run (the group may come from a state_dict)."""
+
     def _update(self, group: dict, params: list, grads: list, state: dict, masters: list,
                 grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
         """Update one bucket (one device, one param dtype); ``state[name]`` are lists."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------ param groups
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._prepare_group(self.param_groups[-1])
+
+    def _validate_group(self, group: dict) -> None:
+        """Fill the keys an older format lacks; reject what the kernels cannot run."""
+        fill_group_defaults(group, self._format_defaults)
+        self._check_group(group)
+        if group["capturable"]:
+            for p in group["params"]:
+                if not p.is_cuda:
+                    raise ValueError(f"{type(self).__name__}: capturable=True needs CUDA params (as torch's "
+                                     f"capturable optimizers do), got one on {p.device}; use capturable=False "
+                                     "on the CPU")
+
+    def _prepare_group(self, group: dict) -> None:
+        """Validate the group; for ``capturable`` groups keep ``lr`` as a float32 tensor on
+        the params' device."""
+        self._validate_group(group)
+        if not group["capturable"]:
+            return
+        device = group["params"][0].device if group["params"] else None
+        lr = group["lr"]
+        if device is not None and not (torch.is_tensor(lr) and lr.device == device and lr.dtype == torch.float32):
+            # A schedule updates a tensor lr in place (torch's LRScheduler fills it), so a
+            # captured graph or a compiled step reads each new value without a recapture.
+            group["lr"] = torch.full((), float(lr), dtype=torch.float32, device=device)
+
+    # ------------------------------------------------------------ pickling
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in self._instance_attrs})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Also the last part of torch's load_state_dict: groups and steps of older
+        formats are brought up to date here."""
+        super().__setstate__(state)
+        for name, default in self._instance_attrs.items():
+            self.__dict__.setdefault(name, default)
+        for group in self.param_groups:
+            self._prepare_group(group)
+        normalize_steps(self)
 
     # ------------------------------------------------------------ master weights
 
@@ -115,114 +169,57 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *,
-             grad_scale: Optional[Union[torch.Tensor, float]] = None, found_inf: Optional[torch.Tensor] = None):
-        """One optimizer step; see :mod:`mptrain.optim` for ``grad_scale`` / ``found_inf``."""
+             grad_scale: Optional[Union[torch.Tensor, float]] = None, found_inf: Optional[torch.Tensor] = None,
+             unscale_grads: bool = True):
+        """One optimizer step; see :mod:`mptrain.optim` for ``grad_scale`` / ``found_inf``.
+        ``unscale_grads=False`` leaves the grads scaled (saves one pass over them)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        check = grad_scale is not None or found_inf is not None
-        if not check:  # torch.amp.GradScaler's protocol: it already computed found_inf
-            grad_scale = getattr(self, "grad_scale", None)
-            found_inf = getattr(self, "found_inf", None)
+        grad_scale, found_inf, check = scaling_inputs(self, grad_scale, found_inf)
         buckets = self._buckets()
         if not buckets:
             return loss
-        per_device_inf = self._found_inf_per_device(buckets, found_inf, check)
-        for (group_key, device, _dtype, _master), params in buckets.items():
-            group = group_key.group
-            grads = [self._grad_of(p) for p in params]
-            states = [self._init_state(p, group) for p in params]
-            state = {name: [st[name] for st in states] for name in ("step",) + self._buffers(group)}
-            masters = [st["master_param"] for st in states] if self.uses_master(params[0]) else []
-            gs = grad_scale.to(device, non_blocking=True) if torch.is_tensor(grad_scale) else grad_scale
-            self._update(group, params, grads, state, masters, gs, per_device_inf.get(device))
+        per_device_inf = found_inf_per_device(buckets, found_inf, check, self.fused)
+        for (index, device, _dtype, master), params in buckets.items():
+            self._step_bucket(self.param_groups[index], device, master, params, grad_scale,
+                              per_device_inf.get(device))
+        if unscale_grads and grad_scale is not None and not (not torch.is_tensor(grad_scale) and grad_scale == 1):
+            unscale_grads_(buckets, grad_scale, per_device_inf, self.fused)
         return loss
 
+    def _step_bucket(self, group: dict, device: torch.device, master: bool, params: list, grad_scale,
+                     found_inf: Optional[torch.Tensor]) -> None:
+        states = [self._init_state(p, group) for p in params]
+        work, grads, write_back = dense_work_lists(params, [p.grad for p in params])
+        state = {name: [st[name] for st in states] for name in ("step",) + self._buffers(group)}
+        masters = [st["master_param"] for st in states] if master else []
+        gs = grad_scale.to(device, non_blocking=True) if torch.is_tensor(grad_scale) else grad_scale
+        self._update(group, work, grads, state, masters, gs, found_inf)
+        write_back_params(write_back)
+
     def _buckets(self) -> dict:
-        """(group key, device, dtype, master) -> params with a grad, in parameter order."""
+        """(group index, device, dtype, master) -> params with a grad, in parameter order.
+        (Plain hashable keys: torch.compile traces this on every step.)"""
         out: dict = {}
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                key = (_GroupKey(group), p.device, p.dtype, self.uses_master(p))
+                key = (index, p.device, p.dtype, self.uses_master(p))
                 out.setdefault(key, []).append(p)
         return out
-
-    @staticmethod
-    def _grad_of(p: torch.Tensor) -> torch.Tensor:
-        g = p.grad
-        if g.stride() == p.stride() or p.numel() <= 1:
-            return g
-        # The kernels walk param, grad and state as one flat array: give the grad the
-        # param's layout (rare: e.g. a grad produced by an expand).
-        return torch.empty_like(p).copy_(g)
-
-    def _found_inf_per_device(self, buckets: dict, found_inf, check: bool) -> dict:
-        """found_inf for every device (checked here when ``check``), all agreeing."""
-        devices = list(dict.fromkeys(key[1] for key in buckets))
-        if found_inf is not None and (found_inf.dtype != torch.float32 or found_inf.numel() != 1):
-            raise TypeError(f"{type(self).__name__}.step: found_inf must be a float32 tensor with one element, got "
-                            f"{found_inf.dtype} with {found_inf.numel()} elements")
-        if not check:
-            if found_inf is None:
-                return {}
-            return {d: found_inf.to(d, non_blocking=True).reshape(()) for d in devices}
-        home = found_inf if found_inf is not None else torch.zeros((), dtype=torch.float32, device=devices[0])
-        local = {d: home if home.device == d else torch.zeros((), dtype=torch.float32, device=d) for d in devices}
-        grads = defaultdict(list)
-        for key, params in buckets.items():
-            grads[key[1]].extend(self._grad_of(p) for p in params)
-        for d in devices:
-            multi_tensor_check_finite_(grads[d], local[d], fused=self.fused)
-        if any(local[d] is not home for d in devices):  # params on several devices, or found_inf elsewhere
-            for d in devices:
-                if local[d] is not home:
-                    home.copy_(torch.maximum(home, local[d].to(home.device).reshape(home.shape)))
-            local = {d: home if home.device == d else home.to(d) for d in devices}
-        return local
 
     # ------------------------------------------------------------ state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loader would cast every state tensor to the param's dtype, turning the
-        fp32 master and moments of half params into half: restore them in fp32."""
-        saved = {pid: dict(st) for pid, st in state_dict["state"].items()}
+        """torch's loader, for every torch.optim format (see :mod:`.torch_format`): groups
+        are checked before anything changes, state tensors keep the kernels' dtypes."""
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            self._validate_group(dict(saved, params=group["params"]))
+        saved_state = {pid: dict(st) for pid, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
-        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(ids, params):
-            if pid not in saved:
-                continue
-            st = self.state[p]
-            for name, value in saved[pid].items():
-                if not torch.is_tensor(value):
-                    continue
-                if name == "step":
-                    st[name] = value.detach().to(device=p.device, dtype=torch.float32).reshape(()).clone()
-                elif name == "master_param" and not self.uses_master(p):
-                    st.pop(name, None)
-                else:
-                    dtype = torch.float32 if self.uses_master(p) else p.dtype
-                    st[name] = value.detach().to(device=p.device, dtype=dtype).clone()
-            if "step" not in st and st:
-                # A state written by torch.optim.SGD (no step count): the buffers exist, so not a first step.
-                st["step"] = torch.ones((), dtype=torch.float32, device=p.device)
-
-
-class _GroupKey:
-    """Param groups are dicts (unhashable); bucket them by identity."""
-
-    __slots__ = ("group",)
-
-    def __init__(self, group: dict):
-        self.group = group
-
-    def __hash__(self) -> int:
-        return id(self.group)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _GroupKey) and other.group is self.group
+        restore_state_tensors(self, saved_state, state_dict["param_groups"])

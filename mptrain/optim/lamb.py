@@ -27,8 +27,10 @@ class FusedLAMB(FusedOptimizer):
         if eps < 0.0 or weight_decay < 0.0:
             raise ValueError(f"{name}: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, maximize=maximize)
+                        bias_correction=bias_correction, maximize=maximize, differentiable=False)
         super().__init__(params, defaults, master_weights=master_weights, capturable=capturable, fused=fused)
+
+    _format_defaults = dict(bias_correction=True, maximize=False, capturable=False, differentiable=False)
 
     def _buffers(self, group):
         return ("exp_avg", "exp_avg_sq")

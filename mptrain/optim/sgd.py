@@ -27,13 +27,21 @@ class FusedSGD(FusedOptimizer):
             raise ValueError(f"{name}: invalid momentum value {momentum}")
         if weight_decay < 0.0:
             raise ValueError(f"{name}: invalid weight_decay value {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError(f"{name}: Nesterov momentum requires a momentum and zero dampening")
-        if differentiable:
-            raise ValueError(f"{name}: differentiable=True is not supported (the step runs under no_grad)")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                        maximize=maximize, foreach=foreach, differentiable=False)
+                        maximize=maximize, foreach=foreach, differentiable=differentiable)
         super().__init__(params, defaults, master_weights=master_weights, capturable=capturable, fused=fused)
+
+    # torch.optim.SGD fills these into older groups.
+    _format_defaults = dict(nesterov=False, maximize=False, foreach=None, differentiable=False, capturable=False)
+
+    def _check_group(self, group):
+        name = type(self).__name__
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(f"{name}: Nesterov momentum requires a momentum and zero dampening, got momentum="
+                             f"{group['momentum']}, dampening={group['dampening']}")
+        if group["differentiable"]:
+            raise ValueError(f"{name}: differentiable=True is not supported (the step runs under no_grad); "
+                             "use torch.optim.SGD(differentiable=True)")
 
     def _buffers(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()

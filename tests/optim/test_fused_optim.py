@@ -204,7 +204,10 @@ def test_grad_scale_divides_the_grads(cls, tcls, kw):
         ob.step()
         assert found.item() == 0
     _assert_close(a, b)
-    assert torch.equal(a[0].grad, _grads(2)[0] * 1024)  # grads are not modified
+    assert torch.equal(a[0].grad, _grads(2)[0])  # left unscaled, as torch's fused optimizers leave them
+    a[0].grad = _grads(3)[0] * 1024
+    oa.step(grad_scale=1024.0, unscale_grads=False)
+    assert torch.equal(a[0].grad, _grads(3)[0] * 1024)  # asked to leave them scaled
 
 
 def test_gradscaler_attribute_protocol():
@@ -288,6 +291,11 @@ def test_lr_as_tensor_and_arguments_validated():
         FusedAdam(_params(), amsgrad=True)
     with pytest.raises(ValueError, match="Nesterov"):
         FusedSGD(_params(), nesterov=True)
+    with pytest.raises(ValueError, match="Nesterov"):  # per group too
+        FusedSGD([{"params": _params()[:2]}, {"params": _params()[2:], "nesterov": True}], lr=0.1, momentum=0.9,
+                 dampening=0.5)
+    with pytest.raises(ValueError, match="differentiable"):
+        FusedAdamW(_params(), differentiable=True)
     with pytest.raises(ValueError, match="fused"):
         FusedSGD(_params(), fused="sometimes")
     with pytest.raises(ValueError, match="capturable"):

@@ -1,0 +1,65 @@
+"""Memory layouts the multi-tensor kernels can walk.
+
+The kernels treat a param, its grad and its state buffers as one flat array each, so
+all of them must be dense (no gaps, no overlap) with the same strides. Params and grads
+that are not (a sliced view, a transposed grad of a contiguous param, an expanded
+grad) are stepped through dense working copies here, and the param copy is written
+back after the update. The common case (everything dense and alike) costs two stride
+checks per tensor and no copy.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its storage span without gaps or overlap in some dimension
+    order (contiguous, channels_last, a transpose, ...): what the kernels can walk flat."""
+    if t.is_contiguous() or t.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def like_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor in ``p``'s working layout: ``p``'s strides when ``p`` is
+    dense, else contiguous (what ``empty_like(preserve_format)`` gives)."""
+    return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+
+def state_in_layout(value: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of a loaded state tensor (any layout, device, dtype) in ``p``'s working layout."""
+    if value.shape != p.shape:
+        raise ValueError(f"optimizer state of shape {tuple(value.shape)} for a param of shape {tuple(p.shape)}; "
+                         "the state_dict belongs to a different model")
+    return like_param(p, dtype).copy_(value.detach())
+
+
+def dense_work_lists(params: list, grads: list) -> tuple[list, list, list]:
+    """(params, grads, write_back) the kernels can walk: non-dense params replaced by
+    contiguous copies (``write_back`` lists the (param, copy) pairs to copy back after the
+    update), grads whose layout differs from their (working) param copied into it."""
+    work_p, work_g, write_back = params, grads, []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g.stride() == p.stride() and p.is_contiguous():  # the usual case, checked cheaply
+            continue
+        w = p
+        if not is_dense(p):
+            w = p.contiguous()
+            write_back.append((p, w))
+        if w.stride() != g.stride() or not is_dense(g):
+            g = torch.empty_like(w, dtype=g.dtype).copy_(g)
+        if w is not p or g is not grads[i]:
+            if work_p is params:  # copy the lists only when something changes
+                work_p, work_g = list(params), list(grads)
+            work_p[i], work_g[i] = w, g
+    return work_p, work_g, write_back
+
+
+def write_back_params(write_back: list) -> None:
+    for p, w in write_back:
+        p.copy_(w)
