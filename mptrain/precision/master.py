@@ -26,7 +26,7 @@ from torch import nn
 
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module, run_module_in_fp32
-from mptrain.precision.plugin import HALF, MptrainPrecision
+from mptrain.precision.plugin import HALF, MptrainPrecision, _unwrap_optimizer
 
 
 class MasterPrecision(MptrainPrecision):
@@ -201,6 +201,7 @@ class MasterPrecision(MptrainPrecision):
         return s.scale_tensor.to(device) if s is not None else torch.ones((), device=device)
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+        optimizer = _unwrap_optimizer(optimizer)
         if self.phase != "low" or not G.is_mptrain_fused(optimizer) or not clip_val or clip_val <= 0:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm or GradClipAlgorithmType.NORM)
         found = self._prepare(optimizer)
@@ -213,6 +214,7 @@ class MasterPrecision(MptrainPrecision):
             self._fused_clip[id(optimizer)] = float(clip_val)  # folded into grad_scale at the step
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer = _unwrap_optimizer(optimizer)
         if self.phase == "low" and G.is_mptrain_fused(optimizer) and id(optimizer) not in self._fused_unscaled:
             # Fabric clips the params' grads itself: unscale them in place this once.
             found = self._prepare(optimizer)

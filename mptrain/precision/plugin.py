@@ -208,6 +208,7 @@ class MptrainPrecision(_LightningPrecision):
     def optimizer_step(self, optimizer: Any, model: Any = None, closure: Optional[Callable[[], Any]] = None,
                        **kwargs: Any) -> Any:
         """lightning.Trainer passes the closure (training_step + backward); Fabric calls after backward."""
+        optimizer = _unwrap_optimizer(optimizer)
         self._ensure_ready(optimizer)
         if closure is None:  # Fabric
             return self._step(optimizer, **kwargs)
@@ -292,6 +293,7 @@ class MptrainPrecision(_LightningPrecision):
         """lightning.Trainer's ``gradient_clip_val``: clips the unscaled (master) grads."""
         if clip_val is None or clip_val <= 0:
             return
+        optimizer = _unwrap_optimizer(optimizer)
         self._ensure_ready(optimizer)
         self._prepare(optimizer)
         params = [p for p in self.main_params(optimizer) if p.grad is not None]
@@ -303,6 +305,7 @@ class MptrainPrecision(_LightningPrecision):
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Fabric's clip_gradients: main grads unscaled; a step to be skipped gets finite (zeroed) grads
         so that torch's ``error_if_nonfinite`` does not pre-empt the skip."""
+        optimizer = _unwrap_optimizer(optimizer)
         self._ensure_ready(optimizer)
         self._prepare(optimizer)
         G.zero_nonfinite_(p.grad for p in self.main_params(optimizer) if p.grad is not None)
@@ -384,7 +387,7 @@ class MptrainPrecision(_LightningPrecision):
         if self.phase == "fp32":
             return
         self._module = self._module or model
-        for opt in optimizers:
+        for opt in map(_unwrap_optimizer, optimizers):
             self._ensure_ready(opt)
             self._to_fp32(model, opt)
         model.float()
@@ -452,6 +455,12 @@ class MptrainPrecision(_LightningPrecision):
     def teardown(self) -> None:
         self._pending.clear()
         self._loss_bad = None
+
+
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Fabric's or Lightning's wrapper."""
+    inner = getattr(optimizer, "_optimizer", None)  # Fabric's and Lightning's wrappers both keep it here
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
 def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -183,9 +183,14 @@ def test_fused_path_folds_norm_clipping_into_the_step():
 
 
 class Manual(Classifier):
+    """Manual optimization with clipping: SGD(lr=1) makes the master update the clipped grad."""
+
     def __init__(self, net):
-        super().__init__(net, lr=0.1)
+        super().__init__(net, lr=1.0, optimizer="sgd")
         self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -195,7 +200,7 @@ class Manual(Classifier):
             loss = loss * float("inf")
         opt.zero_grad()
         self.manual_backward(loss)
-        self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        self.clip_gradients(opt, gradient_clip_val=1e-3, gradient_clip_algorithm="norm")
         opt.step()
         return loss
 
@@ -207,13 +212,17 @@ def test_manual_optimization(name):
     plugin = precision_plugin(name, loss_scaler={"init_scale": 256.0} if name.startswith("16") else None)
     snaps = []
 
-    class Snap(StepRecorder):
+    class Snap(StepRecorder):  # what the optimizer steps: the fp32 masters in bf16-master
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            snaps.append([p.detach().clone() for p in pl_module.parameters()])
+            snaps.append([p.detach().clone() for g in trainer.optimizers[0].param_groups for p in g["params"]])
 
     trainer(plugin, max_epochs=1, limit_train_batches=3, callbacks=[Snap()]).fit(model, loader())
     changed = [not all(torch.equal(a, b) for a, b in zip(snaps[k], snaps[k + 1])) for k in range(2)]
     assert changed == [True, False] and plugin.skipped_steps == 1
+    assert all(p.dtype == torch.float32 for p in snaps[0])
+    # SGD(lr=1): the first update is the clipped, unscaled grad itself
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(a - b) for a, b in zip(snaps[1], snaps[0])]))
+    assert 0.9e-3 < float(norm) <= 1.01e-3
 
 
 def test_validate_and_predict_after_fit_keep_the_conversion_once():

@@ -88,3 +88,20 @@ def test_fabric_accumulation_window_is_skipped_whole():
     _, _, _, snaps, _ = _fabric_run(plugin, steps=3, nan_at={1}, accumulate=2)
     assert all(torch.equal(a, b) for a, b in zip(snaps[1], snaps[2]))
     assert plugin.skipped_steps == 1
+
+
+def test_fabric_switch_to_fp32_takes_fabrics_wrappers():
+    plugin = MasterPrecision("bf16-master")
+    fabric, model, opt, _, _ = _fabric_run(plugin, steps=2)
+    masters = {n: plugin.master_for(p).clone() for n, p in model.module.named_parameters()
+               if plugin.master_for(p) is not None}
+    plugin.switch_to_fp32(model, [opt])
+    assert plugin.precision == "32-true" and plugin.phase == "fp32"
+    for n, p in model.module.named_parameters():
+        assert p.dtype == torch.float32
+        if n in masters:
+            assert torch.equal(p.detach(), masters[n])
+    assert [p for g in opt.param_groups for p in g["params"]] == list(model.module.parameters())
+    x, y = classification_data(n=8)[:]
+    fabric.backward(F.cross_entropy(model(x), y))
+    opt.step()
