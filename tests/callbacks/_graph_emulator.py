@@ -16,6 +16,7 @@ import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 SYNCING = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "_unique2", "unique_dim",
            "unique_consecutive"}
@@ -52,11 +53,10 @@ class _Record(TorchDispatchMode):
         bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
         if name in SYNCING or bool_index:  # a boolean index is a nonzero: its size is read on the host
             raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing (aten.{name})")
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in value if isinstance(value, (list, tuple)) else [value]:
-                    self._save(t)
+        # every tensor that existed before the capture, not only the schema's mutable arguments:
+        # some kernels write more than they declare (native_batch_norm's running statistics)
+        for t in tree_leaves((args, kwargs)):
+            self._save(t)
         out = func(*args, **kwargs)
         recorded = _outputs(func, out)
         self.fresh.update(t.untyped_storage().data_ptr() for t, fresh in recorded if fresh)
