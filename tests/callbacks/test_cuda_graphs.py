@@ -1,8 +1,10 @@
 """cuda_graphs=True on the CPU: every setup-time refusal, the error for a failed capture, and the wiring.
 
-The capture itself needs a GPU (tests/gpu/test_cuda_graphs.py).  Here the graphed forward and the
-graphed optimizer step run their eager (warm-up) path inside a real ``lightning.Trainer`` fit, which
-must train exactly like the plain plugin, and their checks (inputs, calls, hooks, hyperparameters) fire.
+Real captures need a GPU (tests/gpu/test_cuda_graphs.py).  Here the graphed forward and the graphed
+optimizer step run inside real ``lightning.Trainer`` fits: in their eager warm-up path, which must
+train exactly like the plain plugin; and captured and replayed on a CPU emulation of CUDA graphs
+(``_graph_emulator.py``), which must train like eager too (losses, weights, skipped steps).  Their
+checks (inputs, calls, hooks, hyperparameters, host syncs) fire.
 """
 from __future__ import annotations
 
