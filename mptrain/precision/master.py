@@ -17,6 +17,7 @@ fp32 values into the masters bitwise.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Optional
 
@@ -74,9 +75,10 @@ class MasterPrecision(MptrainPrecision):
             for name, b in m.named_buffers(recurse=False):
                 if b.is_floating_point():
                     setattr(m, name, b.to(self.param_dtype))
-        # torch tags hooks with attributes: plain functions, not bound methods.
-        self._hooks.append(module.register_state_dict_post_hook(lambda *a: self._state_dict_hook(*a)))
-        self._hooks.append(module.register_load_state_dict_pre_hook(lambda *a: self._load_state_dict_hook(*a)))
+        # torch tags hooks with attributes (a bound method takes none); partials also pickle with the module.
+        cls = type(self)
+        self._hooks.append(module.register_state_dict_post_hook(functools.partial(cls._state_dict_hook, self)))
+        self._hooks.append(module.register_load_state_dict_pre_hook(functools.partial(cls._load_state_dict_hook, self)))
         return module
 
     def master_for(self, p: torch.Tensor) -> Optional[torch.Tensor]:
