@@ -15,9 +15,6 @@ from mptrain.data.sampling import ShardedSampler, seed_worker
 def training_device(datamodule: Optional[L.LightningDataModule] = None) -> torch.device:
     """The device the attached trainer trains on; without one, this process's GPU or the CPU."""
     trainer = getattr(datamodule, "trainer", None)
-    fabric = getattr(trainer, "fabric", None)
-    if fabric is not None:
-        return fabric.device
     strategy = getattr(trainer, "strategy", None)
     if strategy is not None and hasattr(strategy, "root_device"):
         return strategy.root_device

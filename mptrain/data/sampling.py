@@ -1,12 +1,12 @@
 """Per-rank, per-epoch deterministic sampling and worker seeding.
 
-Why our own sampler instead of Fabric's: ``Fabric.setup_dataloaders`` does shard (it swaps a
-Random/SequentialSampler for a ``DistributedSampler`` and wraps any other sampler in a
-``DistributedSamplerWrapper``), but it pads the last shard with repeated samples, so a sample
-can land on two ranks in one epoch, and a plain ``RandomSampler`` draws its permutation from the
-global RNG when the epoch starts, which a mid-epoch resume cannot reproduce.  ``ShardedSampler``
-subclasses ``DistributedSampler`` so Fabric leaves it alone; its order is a pure function of
-(seed, epoch), it drops the ragged tail instead of padding, and it can start mid-epoch.
+Why our own sampler instead of Lightning's: with ``use_distributed_sampler`` Lightning swaps a
+Random/SequentialSampler for a ``DistributedSampler``, which pads the last shard with repeated
+samples, so a sample can land on two ranks in one epoch.  ``ShardedSampler`` subclasses
+``DistributedSampler`` so Lightning leaves it alone; its order is a pure function of (seed,
+epoch), the same on every rank, so a resumed run replays exactly what the uninterrupted run
+drew (it has no state of its own: the Trainer's resumable loader fast-forwards it by the
+samples already drawn this epoch); it drops the ragged tail instead of padding.
 """
 from __future__ import annotations
 
@@ -55,8 +55,6 @@ class ShardedSampler(DistributedSampler):
         self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else int(seed)
         self.drop_last = drop_last
         self.epoch = 0
-        self._epoch_set = False
-        self._start = 0  # samples of this rank's shard to skip at the next iteration (resume)
         self.dataset = dataset
 
     @property
@@ -69,11 +67,6 @@ class ShardedSampler(DistributedSampler):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
-        self._epoch_set = True
-
-    def skip(self, num_samples: int) -> None:
-        """Start the next iteration ``num_samples`` into this rank's shard (mid-epoch resume)."""
-        self._start = int(num_samples)
 
     def _shard_size(self, world: int) -> int:
         if self.drop_last or self.total < world:
@@ -81,7 +74,7 @@ class ShardedSampler(DistributedSampler):
         return -(-self.total // world)
 
     def __len__(self) -> int:
-        return max(0, self._shard_size(self.num_replicas) - self._start)
+        return max(0, self._shard_size(self.num_replicas))
 
     def indices(self, epoch: int) -> list[int]:
         world, rank = world_and_rank()
@@ -101,17 +94,7 @@ class ShardedSampler(DistributedSampler):
         shard = self.indices(self.epoch)
         if self.dataset is not None and hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
-        start, self._start = self._start, 0
-        if not self._epoch_set:
-            # Nobody calls set_epoch (a bare loop): still give each epoch a fresh order.
-            self.epoch += 1
-        return iter(shard[start:])
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.seed = int(state["epoch"]), int(state["seed"])
+        return iter(shard)  # iterating is pure: a resume may iterate to fast-forward (the epoch is set_epoch's)
 
 
 def seed_worker(worker_id: int) -> None:

@@ -167,3 +167,27 @@ def test_lm_text_windows_shift_by_one(tmp_path, level):
     xb, yb = next(iter(dm.train_dataloader()))
     assert xb.shape == (4, 12) and xb.dtype == torch.int64
     assert dm.vocab_size == len(dm.vocab)
+
+
+def test_recipe_data_and_model_resume_mid_epoch_bitwise(tmp_path):
+    """The quickstart's data module (ShardedSampler, shuffled) and model (dropout) under
+    mptrain.Trainer: 4 steps, checkpoint, resume to 8 equals 8 uninterrupted steps."""
+    from mptrain import Trainer
+    from mptrain.models import ImageClassifier
+
+    def run(root, max_steps, ckpt_path=None):
+        torch.manual_seed(0)
+        model = ImageClassifier(arch="digits_cnn", optimizer="adamw", lr=3e-3, warmup_steps=2, total_steps=8)
+        trainer = Trainer(precision="32-true", accelerator="cpu", max_steps=max_steps, checkpoint_every_n_steps=4,
+                          seed=0, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, default_root_dir=root)
+        trainer.fit(model, datamodule=DigitsDataModule(batch_size=16), ckpt_path=ckpt_path)
+        return model, trainer
+
+    full, _ = run(tmp_path / "a", 8)
+    run(tmp_path / "b", 4)
+    mid = next((tmp_path / "b").rglob("last.ckpt"))
+    resumed, trainer = run(tmp_path / "c", 8, ckpt_path=str(mid))
+    assert trainer.global_step == 8
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

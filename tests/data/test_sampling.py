@@ -38,25 +38,30 @@ def test_unshuffled_keeps_order(monkeypatch):
     assert s == [1, 3, 5]
 
 
-def test_skip_resumes_mid_epoch(monkeypatch):
+def test_order_is_a_function_of_seed_and_epoch_only(monkeypatch):
+    """No state of its own: torchdata's StatefulDataLoader then fast-forwards it on resume
+    (a state_dict without the position would restart the epoch)."""
+    from torchdata.stateful_dataloader import Stateful
+
     monkeypatch.setattr(sampling, "world_and_rank", lambda: (1, 0))
-    s = ShardedSampler(20, seed=0)
-    s.set_epoch(1)
-    full = list(s)
-    s.skip(7)
-    assert len(s) == 13
-    assert list(s) == full[7:]
-    assert list(s) == full  # the skip applies to one iteration only
+    a, b = ShardedSampler(20, seed=3), ShardedSampler(20, seed=3)
+    a.set_epoch(2)
+    b.set_epoch(2)
+    assert list(a) == list(b) and not isinstance(a, Stateful)
 
 
-def test_without_set_epoch_each_iteration_reshuffles(monkeypatch):
+def test_iterating_is_pure_and_set_epoch_reshuffles(monkeypatch):
+    """A resume iterates the sampler to fast-forward it: that must not change the order."""
     monkeypatch.setattr(sampling, "world_and_rank", lambda: (1, 0))
     s = ShardedSampler(30, seed=0)
-    assert list(s) != list(s)
+    first = list(s)
+    assert list(s) == first
+    s.set_epoch(1)
+    assert list(s) != first
 
 
-def test_fabric_leaves_it_alone():
-    # Fabric swaps only samplers that are not DistributedSampler instances.
+def test_lightning_leaves_it_alone():
+    # Lightning's use_distributed_sampler swaps only samplers that are not DistributedSampler instances.
     assert isinstance(ShardedSampler(4), DistributedSampler)
 
 
