@@ -291,6 +291,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("mptrain bench e2e: needs a CUDA GPU (none visible); --quick runs tiny models on the CPU",
               file=sys.stderr)
         return 2
+    kernels = fused_kernel_status(args.quick)
+    print(f"[e2e] mptrain fused kernels: {kernels}", flush=True)
     results: list[Result] = []
     for model in args.models:
         for name in sorted(args.cases, key=lambda n: CASES[n].precision == "best"):  # "best" after the modes
@@ -300,7 +302,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             results.append(res)
             done = f"{res.samples_per_s:.1f}/s" if res.status == "ok" else f"{res.status}: {res.message.splitlines()[0]}"
             print(f"[e2e] {model} {name} ({precision}): {done} ({res.wall_s:.1f} s)", flush=True)
-            _write_json(args, results)  # after every case: a run cut short keeps what it measured
+            _write_json(args, results, kernels)  # after every case: a run cut short keeps what it measured
+    print(f"mptrain fused kernels: {kernels}")
     print(format_table(results))
     for model in args.models:
         ratios = summarize(results, model)["ratios"]
@@ -308,12 +311,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 1 if any(r.status == "error" for r in results) else 0
 
 
-def _write_json(args: argparse.Namespace, results: list[Result]) -> None:
+def fused_kernel_status(quick: bool) -> str:
+    """Build (or load) the CUDA extension before the first case, so no case pays the build, and
+    say whether the mptrain cases run the fused kernels or PyTorch's reference code."""
+    if quick:
+        return "not used (--quick runs the CPU references)"
+    from mptrain.ops.build import extension_status, get_extension
+
+    get_extension(required=False)
+    status = extension_status()
+    if status != "built":
+        return f"NOT BUILT -- the mptrain cases run the slow reference code, not mptrain's speed: {status.describe()}"
+    return status.describe()
+
+
+def _write_json(args: argparse.Namespace, results: list[Result], kernels: str) -> None:
     if not args.out:
         return
     from mptrain.bench.common import device_meta
 
-    payload = {"meta": {**device_meta(), "warmup": args.warmup, "steps": args.steps, "quick": args.quick},
+    payload = {"meta": {**device_meta(), "warmup": args.warmup, "steps": args.steps, "quick": args.quick,
+                        "fused_kernels": kernels},
                "summary": {m: summarize(results, m) for m in args.models}, "results": [asdict(r) for r in results]}
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)

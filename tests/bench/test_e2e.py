@@ -32,6 +32,7 @@ def test_quick_run_prints_the_table_and_writes_json(tmp_path, capsys):
         ratio = data["summary"][model]["ratios"]["mptrain_best / lightning_best"]
         assert ratio is None or ratio > 0
     assert "vs L best" in printed and "img/s" in printed and "seq/s" in printed
+    assert data["meta"]["fused_kernels"].startswith("not used")
     assert not errors, errors
 
 
