@@ -123,3 +123,37 @@ class CompatModule(L.LightningModule):
 
     def predict_dataloader(self):
         return self._loader(16, 30)
+
+
+class CompatDataModule(L.LightningDataModule):
+    """The module's data as a LightningDataModule that records its hook calls in ``calls``."""
+
+    HOOKS = ("prepare_data", "setup", "teardown", "train_dataloader", "val_dataloader", "test_dataloader",
+             "predict_dataloader", "state_dict", "load_state_dict", "on_before_batch_transfer",
+             "on_after_batch_transfer", "transfer_batch_to_device")
+
+    def __init__(self, batch_size: int = 8):
+        super().__init__()
+        self.batch_size = batch_size
+        self.calls: list[str] = []
+        for name in self.HOOKS:
+            setattr(self, name, self._recording(name, getattr(self, name)))
+
+    def _recording(self, name, fn):
+        def hook(*args, **kwargs):
+            self.calls.append(name)
+            return fn(*args, **kwargs)
+        return hook
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(2)
+        return DataLoader(_dataset(SAMPLES, 1), batch_size=self.batch_size, shuffle=True, generator=g)
+
+    def val_dataloader(self):
+        return DataLoader(_dataset(24, 11), batch_size=self.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(_dataset(24, 21), batch_size=self.batch_size)
+
+    def predict_dataloader(self):
+        return DataLoader(_dataset(8, 31), batch_size=self.batch_size)

@@ -46,17 +46,21 @@ def _metrics(d: dict) -> dict:
 
 
 def run(trainer_cls: Callable, root: Path, module_kwargs: dict, trainer_kwargs: Callable[[Path], dict],
-        after_fit: Callable | None = None, module_cls: type = CompatModule, **trainer_extra) -> Observed:
-    """Seed, build the module and the trainer (``trainer_kwargs(root)`` gives fresh callbacks),
-    fit, then ``after_fit(trainer, model, extra)`` for test/predict/reload checks."""
+        after_fit: Callable | None = None, module_cls: type = CompatModule, datamodule_cls: type | None = None,
+        **trainer_extra) -> Observed:
+    """Seed, build the module (and the datamodule) and the trainer (``trainer_kwargs(root)`` gives
+    fresh callbacks), fit, then ``after_fit(trainer, model, extra)`` for test/predict/reload checks."""
     root.mkdir(parents=True, exist_ok=True)
     L.seed_everything(SEED, workers=True)
     model = module_cls(**module_kwargs)
+    datamodule = None if datamodule_cls is None else datamodule_cls()
     trainer = trainer_cls(**{**base_kwargs(root), **trainer_kwargs(root), **trainer_extra})
-    trainer.fit(model)
+    trainer.fit(model, datamodule=datamodule)
     extra: dict = {}
     if after_fit is not None:
         after_fit(trainer, model, extra)
+    if datamodule is not None:
+        extra["datamodule_calls"] = list(datamodule.calls)
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     csv_path = root / "logs" / "version_0" / "metrics.csv"
     rows = list(csv.DictReader(csv_path.open())) if csv_path.exists() else []

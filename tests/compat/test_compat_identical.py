@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 
-from compat_modules import CompatModule
+from compat_modules import CompatDataModule, CompatModule
 from compat_run import assert_identical, assert_same_values, run
 
 
@@ -91,6 +91,25 @@ def test_test_predict_and_load_from_checkpoint(tmp_path):
     assert_identical(ref, ours)
     best = next(f for f in ours.files if f.endswith(".ckpt"))
     assert_same_values(ours.checkpoints[best]["state_dict"], ours.extra["reloaded_weights"], "reloaded")
+
+
+def _test_and_predict(trainer, model, extra):
+    extra["test"] = trainer.test(model, datamodule=trainer.datamodule, verbose=False)
+    extra["predict"] = trainer.predict(model, datamodule=trainer.datamodule)
+
+
+def test_datamodule_is_identical(tmp_path):
+    """A LightningDataModule's hooks (prepare_data, setup, loaders, state_dict, batch transfer,
+    teardown) are called as under Lightning, and its loaders feed fit, test and predict."""
+    import mptrain
+
+    kwargs = lambda root: dict(max_epochs=2, callbacks=[ModelCheckpoint(monitor="val_loss")])  # noqa: E731
+    ref = run(L.Trainer, tmp_path / "lightning", {}, kwargs, _test_and_predict, datamodule_cls=CompatDataModule)
+    ours = run(mptrain.Trainer, tmp_path / "mptrain", {}, kwargs, _test_and_predict, precision="32-true",
+               datamodule_cls=CompatDataModule)
+    assert "state_dict" in ref.extra["datamodule_calls"] and "train_dataloader" in ref.extra["datamodule_calls"]
+    assert len(ref.extra["predict"]) == 1
+    assert_identical(ref, ours)
 
 
 def test_default_precision_is_lightnings(tmp_path):
