@@ -46,6 +46,10 @@ class Fp32Finetune(Callback):
         if self.steps and not (trainer.max_steps and trainer.max_steps > 0):
             raise ValueError(f"Fp32Finetune(steps={self.steps}) needs max_steps > 0 (got max_steps="
                              f"{trainer.max_steps}); use epochs=N in an epoch-based run")
+        total, what = (trainer.max_epochs, "epochs") if self.epochs else (trainer.max_steps, "steps")
+        if (self.epochs or self.steps) > total:
+            raise ValueError(f"Fp32Finetune({what}={self.epochs or self.steps}) is more than the whole run "
+                             f"(max_{what}={total}); use at most max_{what}, or precision='32-true'")
 
     def _due(self, trainer) -> bool:
         if self.epochs:

@@ -81,6 +81,9 @@ def test_epochs_in_a_step_based_run_is_refused_at_setup():
             t.fit(Classifier(mlp()), loader())
     with pytest.raises(ValueError, match="not both"):
         Fp32Finetune(epochs=1, steps=2)
+    with pytest.raises(ValueError, match=r"epochs=3\) is more than the whole run \(max_epochs=2\)"):
+        trainer(MasterPrecision("bf16-master"), max_epochs=2, callbacks=[Fp32Finetune(epochs=3)]).fit(
+            Classifier(mlp()), loader())
     with pytest.raises(ValueError, match="needs max_steps > 0"):
         trainer(MasterPrecision("bf16-master"), max_epochs=2, callbacks=[Fp32Finetune(steps=2)]).fit(
             Classifier(mlp()), loader())
