@@ -105,6 +105,19 @@ def test_bad_recipe_file_is_one_line(case, workdir, capsys):
     assert not (workdir / "FLAG").exists()
 
 
+def test_error_in_setup_before_any_loop_is_one_line(workdir, capsys, monkeypatch):
+    from mptrain.models import ImageClassifier
+
+    def broken(self):
+        raise ValueError("model.optimizer settings cannot work here")
+
+    monkeypatch.setattr(ImageClassifier, "configure_optimizers", broken)
+    rc, out, err = run(capsys, "fit", "--config", QUICK, *TINY)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and "Traceback" not in err
+    assert lines[-1] == "mptrain fit: error: during fit setup: model.optimizer settings cannot work here"
+
+
 def test_missing_recipe_file(workdir, capsys):
     assert_config_error(capsys, workdir, ["fit", "--config", "nowhere.yaml"], "nowhere.yaml", "cannot read")
 

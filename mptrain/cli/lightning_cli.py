@@ -74,7 +74,8 @@ class MptrainCLI(LightningCLI):
         parser = self._subcommand_parsers.get(sub) if sub else None
         return parser_keys(parser) if parser is not None else {"": list(self.subcommands())}
 
-    def before_instantiate_classes(self) -> None:
+    def _set_seed(self) -> None:
+        """The config checks run first: a mistake is reported before anything else is printed."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         plain = config.clone().as_dict()
         trainer_class = self.trainer_class if isinstance(self.trainer_class, type) else object
@@ -82,6 +83,10 @@ class MptrainCLI(LightningCLI):
                            if k in plain}, trainer_class)
         check_trainer_values(plain.get("trainer") or {})
         check_ckpt_path(plain.get("ckpt_path"), self.subcommand or "")
+        super()._set_seed()
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
         try:
             fill_vocab_size(config)
         except CONSTRUCTION_ERRORS as e:
@@ -89,7 +94,13 @@ class MptrainCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's run, then one machine-readable line: step, log dir, the run's metrics."""
-        super()._run_subcommand(subcommand)
+        try:
+            super()._run_subcommand(subcommand)
+        except CONSTRUCTION_ERRORS as e:
+            if self.trainer.state.stage is not None:  # a loop was running: a failure, keep the traceback
+                raise
+            # setup before any loop (prepare_data / setup / configure_optimizers): a config mistake
+            raise ConfigError(f"during {subcommand} setup: {one_line(innermost_error(str(e)))}") from None
         trainer = self.trainer
         log_dir = trainer.log_dir  # a broadcast under DDP: every rank asks
         if trainer.is_global_zero:
