@@ -239,7 +239,7 @@ def summarize(results: list[Result], model: str) -> dict:
 
 def format_table(results: list[Result]) -> str:
     head = (f"{'model':<9} {'case':<40} {'precision':<12} {'batch':>5} {'throughput':>14} {'vs L best':>9} "
-            f"{'ms/step':>8} {'GPU ms':>7} {'peak GB':>8} {'syncs/step':>10} {'skips':>5}")
+            f"{'ms/step':>8} {'event ms':>8} {'peak GB':>8} {'syncs/step':>10} {'skips':>5}")
     lines = [head, "-" * len(head)]
     for r in results:
         prefix = f"{r.model:<9} {r.case:<40} {r.precision:<12} {r.batch:>5}"
@@ -251,7 +251,7 @@ def format_table(results: list[Result]) -> str:
         cells = [f"{r.samples_per_s:8.1f} {unit}", _fmt(best and r.samples_per_s / best.samples_per_s, "{:.3f}x"),
                  f"{r.step_ms:8.2f}", _fmt(r.gpu_step_ms, "{:.2f}"), _fmt(r.peak_mem_gb, "{:.2f}"),
                  _fmt(r.syncs_per_step, "{:g}"), _fmt(r.skipped_steps, "{}")]
-        widths = (14, 9, 8, 7, 8, 10, 5)
+        widths = (14, 9, 8, 8, 8, 10, 5)
         lines.append(prefix + "".join(f" {c:>{w}}" for c, w in zip(cells, widths)))
     return "\n".join(lines)
 
