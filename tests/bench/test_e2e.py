@@ -11,6 +11,7 @@ CASES = ["mptrain:bf16-master", "lightning:bf16-mixed", "lightning+compile:bf16-
          "mptrain+cuda_graphs:bf16-master"]
 
 
+@pytest.mark.slow
 def test_quick_run_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--quick", "--models", "resnet50,bert", "--cases", ",".join(CASES), "--warmup", "1",
