@@ -7,7 +7,7 @@ where the step already synced, or once every ``check_every`` steps, never on eve
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -26,6 +26,7 @@ class NonFiniteGuard:
         self.consecutive = torch.zeros((), dtype=torch.int32)
         self.total = torch.zeros((), dtype=torch.int64)
         self.steps = 0  # optimizer steps seen (host counter, no sync)
+        self.free_reads: Optional[bool] = None  # None: reads are free on the CPU only
 
     def update(self, found_inf: torch.Tensor) -> None:
         """After a step: count it as skipped when ``found_inf`` is set (device ops only)."""
@@ -43,7 +44,8 @@ class NonFiniteGuard:
         ``describe(skips)`` builds the message (step, scale, first non-finite parameter);
         it runs only when raising.  ``synced``: the step already read the device.
         """
-        if not (synced or self.consecutive.device.type == "cpu" or self.steps % self.check_every == 0):
+        free = self.consecutive.device.type == "cpu" if self.free_reads is None else self.free_reads
+        if not (synced or free or self.steps % self.check_every == 0):
             return
         skips = int(self.consecutive.item())
         if skips >= self.max_consecutive_skips:

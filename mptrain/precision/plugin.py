@@ -344,7 +344,8 @@ class MptrainPrecision(_LightningPrecision):
     def _poll_auto_fallback(self, synced: bool) -> None:
         if self.auto is None:
             return
-        if synced or self._device_type() == "cpu" or self.guard.steps % self.guard.check_every == 0:
+        free = self._device_type() == "cpu" if self.guard.free_reads is None else self.guard.free_reads
+        if synced or free or self.guard.steps % self.guard.check_every == 0:
             for name in self.poll_auto_fallback():
                 log.warning("auto_fp32_fallback: module %r produced inf/NaN; it runs in fp32 from step %d on",
                             name, self.guard.steps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import Callback
 
 from _models import Classifier, mlp
 from _plain_lightning import StepRecorder, loader, trainer
@@ -114,3 +115,53 @@ def test_torch_fused_optimizer_skips_on_the_device(name, monkeypatch):
     assert rec.unchanged(1) and not rec.unchanged(0) and not rec.unchanged(2)
     assert plugin.skipped_steps == 1 and not host_reads
     assert all(int(st["step"]) == 2 for st in model.trainer.optimizers[0].state.values())  # AdamW skipped one
+
+
+@pytest.mark.parametrize("name,opt", [("bf16-master", "mptrain"), ("16-master", "mptrain"), ("bf16-master", "torch"),
+                                      ("16-mixed", "torch"), ("32-true", "torch")])
+def test_no_host_read_per_step_with_fused_optimizers(name, opt, monkeypatch):
+    """What a GPU run pays: no .item()/bool()/int()/float() of a tensor in mptrain.precision per step, except the
+    guard's read every check_every steps (reads are free on the CPU, so they are declared not free here)."""
+    import os
+    import sys
+
+    from mptrain.optim import FusedAdamW
+
+    torch.manual_seed(0)
+    model = Classifier(mlp(), inf_at_steps={3})
+    model.configure_optimizers = (lambda: FusedAdamW(model.parameters(), lr=1e-2)) if opt == "mptrain" else \
+        (lambda: torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    plugin = _plugin(name)
+    plugin.guard.free_reads = False
+    plugin.guard.check_every = 4
+    reads = []
+    precision_dir = os.path.dirname(plugin_file())
+
+    def counting(method):
+        def read(self, *a, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(precision_dir):
+                reads.append((plugin.guard.steps, f"{os.path.basename(caller)}:{sys._getframe(1).f_lineno}"))
+            return method(self, *a, **k)
+        return read
+
+    for attr in ("item", "__bool__", "__int__", "__float__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, attr, counting(getattr(torch.Tensor, attr)))
+    snaps = {}
+
+    class Snap(Callback):  # reads nothing on the host
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            snaps[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+    trainer(plugin, max_steps=9, callbacks=[Snap()]).fit(model, loader(n=320))
+    monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(snaps[3], snaps[4])) and plugin.skipped_steps == 1
+    # the guard's reads at steps 4 and 8 only (guard.steps counts after the update)
+    assert sorted({step for step, _ in reads}) == [4, 8], reads
+    assert len(reads) == 2, reads
+
+
+def plugin_file():
+    import mptrain.precision.plugin as module
+
+    return module.__file__
