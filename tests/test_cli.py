@@ -118,6 +118,15 @@ def test_error_in_setup_before_any_loop_is_one_line(workdir, capsys, monkeypatch
     assert lines[-1] == "mptrain fit: error: during fit setup: model.optimizer settings cannot work here"
 
 
+@pytest.mark.parametrize("text, expected", [("trainer:\n  max_stepz: 3\n", "Did you mean 'max_steps'"),
+                                            ("trainerr:\n  max_steps: 3\n", "Did you mean 'trainer'"),
+                                            ("model:\n  init_args:\n    lrr: 3\n", "Did you mean 'lr'")])
+def test_unknown_key_in_a_recipe_file(text, expected, workdir, capsys):
+    extra = workdir / "extra.yaml"
+    extra.write_text(text)
+    assert_config_error(capsys, workdir, ["fit", "--config", QUICK, "--config", str(extra)], "unknown key", expected)
+
+
 def test_missing_recipe_file(workdir, capsys):
     assert_config_error(capsys, workdir, ["fit", "--config", "nowhere.yaml"], "nowhere.yaml", "cannot read")
 

@@ -82,6 +82,13 @@ def explain_parse_error(message: str, valid_keys: Optional[dict[str, list[str]]]
         cls = re.search(r"Problem with given class_path '([^']+)'", message)
         valid = _init_params(cls.group(1)) if cls else valid_keys.get(group, [])
         return str(unknown_key(f"{path}.{option.group(1)}" if path else option.group(1), valid))
+    not_accepted = re.search(r"does not accept option '([^']+)'", message)
+    if not_accepted:
+        key = not_accepted.group(1)
+        group = key.split(".")[0]
+        if "." in key and group in valid_keys:
+            return str(unknown_key(key, valid_keys[group]))
+        return str(unknown_key(key.split(".")[0], valid_keys.get("", [])))
     no_action = re.search(r'No action for key "([^"]+)"', message)
     if no_action:
         key = no_action.group(1)

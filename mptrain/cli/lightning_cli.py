@@ -14,6 +14,7 @@ one line and exit 2 before anything is created:
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
@@ -66,7 +67,7 @@ class MptrainCLI(LightningCLI):
         except Exception as e:  # jsonargparse's ArgumentError (exit_on_error=False)
             if type(e).__name__ != "ArgumentError":
                 raise
-            raise ConfigError(explain_parse_error(str(e), self.valid_keys(args))) from None
+            raise ConfigError(explain_parse_error(str(e), self.valid_keys(sys.argv[1:] if args is None else args))) from None
 
     def valid_keys(self, args: Any) -> dict[str, list[str]]:
         """Group -> its keys in the chosen subcommand's parser (for did-you-mean)."""
