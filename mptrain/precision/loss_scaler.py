@@ -7,7 +7,6 @@ only called when someone asks for ``.scale`` (logging) or when the caller checks
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

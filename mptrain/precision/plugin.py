@@ -32,7 +32,7 @@ from lightning_utilities import apply_to_collection
 from torch import nn
 
 from mptrain.precision import grads as G
-from mptrain.precision.fallback import AutoFallback, Fp32Fallback, cpu_lacks_native_bf16
+from mptrain.precision.fallback import AutoFallback, Fp32Fallback
 from mptrain.precision.loss_scaler import DynamicLossScaler
 from mptrain.precision.nonfinite import NonFiniteGuard
 
@@ -468,4 +468,4 @@ def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
-__all__ = ["MptrainPrecision", "HALF", "cpu_lacks_native_bf16"]
+__all__ = ["MptrainPrecision", "HALF"]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import Callback
 
 from _models import Classifier, mlp

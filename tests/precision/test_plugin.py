@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from _models import Classifier, mlp
 from _plain_lightning import StepRecorder, loader, trainer
