@@ -316,7 +316,9 @@ class Scheduled(Classifier):
     def configure_optimizers(self):
         from mptrain.optim import FusedAdamW
 
-        opt = FusedAdamW(self.parameters(), lr=1e-2) if self.opt == "mptrain" else \
+        # fused=False: on the CPU the custom op reads the captured step's lr tensor as a float (a host read to the
+        # emulator), where CUDA reads it on the device; the reference path computes with the tensor
+        opt = FusedAdamW(self.parameters(), lr=1e-2, fused=False) if self.opt == "mptrain" else \
             torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -370,7 +372,7 @@ def test_emulated_tiny_bert_replays_like_eager(monkeypatch):
             from mptrain.models.schedules import per_step, warmup_linear
             from mptrain.optim import FusedAdamW
 
-            opt = FusedAdamW(decay_groups(self, 0.01), lr=1e-2)
+            opt = FusedAdamW(decay_groups(self, 0.01), lr=1e-2, fused=False)  # as in Scheduled
             return {"optimizer": opt, "lr_scheduler": per_step(warmup_linear(opt, 3, lambda: 7))}
 
     runs = []
