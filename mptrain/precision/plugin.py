@@ -198,6 +198,8 @@ class MptrainPrecision(_LightningPrecision):
             raise ValueError(f"{self!r} does not support torch.optim.LBFGS: it re-evaluates the closure inside "
                              "step(), where the loss scale and the non-finite skip cannot apply. Use another "
                              "optimizer or Lightning's own precision='32-true'")
+        if not self._lightning and not self._ready:  # Fabric: the device is known at the first optimizer
+            self.check_device(self._device())
         self._setup_optimizer(optimizer)
         self._ready.add(id(optimizer))
         self._optimizers.append(optimizer)
