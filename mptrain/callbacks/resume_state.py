@@ -47,13 +47,19 @@ class ResumeState(Callback):
                                f"Trainer): the RNG is not restored, so this run will not repeat the original one")
             return
         saved, self._loaded = self._loaded, None
-        if not isinstance(saved.get("rng"), list) or not saved["rng"] or not isinstance(saved.get("layout"), dict):
+        layout = saved.get("layout")
+        if not isinstance(saved.get("rng"), list) or not saved["rng"] or not isinstance(layout, dict) \
+                or not set(_LAYOUT_KEYS) <= set(layout):
             raise CheckpointError(f"checkpoint {trainer.ckpt_path!r}: its ResumeState entry is damaged (keys "
-                                  f"{sorted(saved)}; expected a non-empty 'rng' list and a 'layout' dict)")
+                                  f"{sorted(saved)}; expected a non-empty 'rng' list and a 'layout' dict with "
+                                  f"{list(_LAYOUT_KEYS)})")
         _check_layout(saved["layout"], _layout(trainer))
         _warn_if_order_not_restorable(trainer, saved["layout"])
         rngs = saved["rng"]
         set_rng_state(rngs[trainer.global_rank % len(rngs)])
+
+
+_LAYOUT_KEYS = ("world_size", "accumulate_grad_batches", "num_training_batches", "batch_in_epoch")
 
 
 def _layout(trainer) -> dict[str, int]:

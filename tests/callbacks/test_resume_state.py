@@ -81,13 +81,14 @@ def test_mid_epoch_resume_with_another_epoch_layout_is_refused(tmp_path, change,
         _fit(tmp_path, STEPS, ckpt_path="last", **change)
 
 
-def test_a_damaged_resume_entry_is_a_checkpoint_error(tmp_path):
+@pytest.mark.parametrize("damage", [dict(rng=None), dict(layout={"world_size": 1})])
+def test_a_damaged_resume_entry_is_a_checkpoint_error(tmp_path, damage):
     from mptrain import CheckpointError
 
     _fit(tmp_path, SAVE_AT)
     last = tmp_path / "checkpoints" / "last.ckpt"
     state = torch.load(last, weights_only=True)
-    state["callbacks"]["ResumeState"] = {"layout": {}}
+    state["callbacks"]["ResumeState"].update(damage)
     torch.save(state, last)
     with pytest.raises(CheckpointError, match="last.ckpt.*ResumeState entry is damaged"):
         _fit(tmp_path, STEPS, ckpt_path="last")
