@@ -243,6 +243,6 @@ def test_host_sync_in_forward_fails_at_capture_naming_the_line():
         def configure_optimizers(self):
             return FusedAdamW(self.parameters(), lr=1e-3)
 
-    with pytest.raises(CudaGraphError, match=r"could not capture the training forward: .* at .*test_cuda_graphs\.py:"
+    with pytest.raises(CudaGraphError, match=r"could not capture the training forward: .* at .*test_cuda_graphs_cuda\.py:"
                                              r"\d+ in forward: `return self\.net\(x\[x\.sum\(1\) > -1e9\]\)"):
         _fit(Syncing(mlp()), _device_loader(classification_data(n=64), 16), "bf16-master", True)
