@@ -154,12 +154,13 @@ def _compile_kwargs(quick: bool) -> dict:
 def run_case(model: str, name: str, precision: str, warmup: int, steps: int, quick: bool) -> Result:
     spec = CASES[name]
     total = warmup + steps
-    module, batches, batch = build(model, total, "cpu" if quick else "cuda", quick, stock=spec.trainer == "lightning")
-    res = Result(model, name, precision, batch)
+    res = Result(model, name, precision, batch=0)
     timer = StepTimer(warmup, steps)
-    _fresh_memory()
+    _fresh_memory()  # the last case's trainer and module (reference cycles) are freed before the peak is reset
     start = time.perf_counter()
     try:
+        module, batches, res.batch = build(model, total, "cpu" if quick else "cuda", quick,
+                                           stock=spec.trainer == "lightning")
         use_optimizer(module, optimizer_factory(spec.optimizer))
         if spec.trainer == "lightning":
             module = module.to(memory_format=torch.channels_last) if model == "resnet50" else module
