@@ -115,13 +115,21 @@ class MasterPrecision(MptrainPrecision):
                 else:
                     self._fp32_init[id(p)] = v.detach().to(p.device, torch.float32, copy=True)
 
+    def _forget_optimizers(self) -> None:
+        super()._forget_optimizers()
+        self._pairs.clear()  # the masters themselves stay reachable through _master_of for the next setup
+
     def _release_fp32_init(self) -> None:
         self._fp32_init.clear()
 
     # -- optimizer ---------------------------------------------------------------
     def _init_for(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 value a new master starts from: the fp32 init or loaded weights, else a previous
+        optimizer's master (a second ``fit``), else the half value itself."""
         init = self._fp32_init.pop(id(p), None)
-        return (init if init is not None else p.detach()).to(p.device, torch.float32, copy=True)
+        if init is None:
+            init = self.master_for(p)
+        return (init if init is not None else p).detach().to(p.device, torch.float32, copy=True)
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if G.is_mptrain_fused(optimizer):

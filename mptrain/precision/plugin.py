@@ -173,6 +173,7 @@ class MptrainPrecision(_LightningPrecision):
         if self._module is None:
             self._module = getattr(model, "module", model)
         self.check_device(self._device())
+        self._forget_optimizers()  # each fit/validate connects its own optimizers; earlier ones are let go
         for opt in optimizers:
             self._ensure_ready(opt)
         self._release_fp32_init()
@@ -190,6 +191,10 @@ class MptrainPrecision(_LightningPrecision):
 
     def _release_fp32_init(self) -> None:
         """Masters were built: fp32 copies kept for params no optimizer holds would only cost memory."""
+
+    def _forget_optimizers(self) -> None:
+        self._ready.clear()
+        self._optimizers = []
 
     def _ensure_ready(self, optimizer: torch.optim.Optimizer) -> None:
         if id(optimizer) in self._ready:

@@ -127,3 +127,16 @@ def test_norm_layers_compute_in_fp32_and_return_half():
     assert out.dtype == torch.bfloat16
     ref = torch.nn.functional.layer_norm(h.float(), (64,), model.net[1].weight, model.net[1].bias).bfloat16()
     assert torch.equal(out, ref)
+
+
+def test_a_second_fit_keeps_the_masters():
+    torch.manual_seed(0)
+    model = Classifier(mlp())
+    plugin = MasterPrecision("bf16-master")
+    trainer(plugin, max_steps=2).fit(model, loader())
+    w = model.net[0].weight
+    first = plugin.master_for(w).clone()
+    assert not torch.equal(first, first.bfloat16().float())
+    model.lr = 0.0  # the second fit's optimizer changes nothing: its masters must be the first fit's
+    trainer(plugin, max_steps=1).fit(model, loader())
+    assert torch.equal(plugin.master_for(w), first)
