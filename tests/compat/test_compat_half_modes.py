@@ -76,3 +76,29 @@ def test_lightning_trainer_takes_the_master_plugin(case, tmp_path, tmp_path_fact
     ours = run(L.Trainer, tmp_path, *CASES[case], plugins=[mptrain.MasterPrecision("bf16-master")])
     _assert_same_behaviour(ref, ours, "lightning.Trainer(plugins=[MasterPrecision('bf16-master')])")
     assert ours.dtypes == EXPECTED_DTYPES["bf16-master"]
+
+
+def _weight_change(observed, initial: dict) -> float:
+    """Total L2 change of the fp32 weights in the run's last checkpoint (the masters in *-master)."""
+    (last,) = [c for c in observed.checkpoints.values()]
+    sd = last["state_dict"]
+    return sum(float((sd[k].float() - v.float()).norm()) for k, v in initial.items() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("precision", ["16-master", "16-mixed", "bf16-master"])
+def test_clipping_acts_on_unscaled_gradients(precision, tmp_path):
+    """gradient_clip_val clips the true gradients: the weights move as far as in 32-true. Clipping
+    the loss-scaled gradients would shrink every step by the scale (2**8 here: low enough that no
+    step overflows and is skipped, which would also shorten the distance)."""
+    import mptrain
+    from compat_modules import CompatModule
+    from compat_run import SEED
+
+    L.seed_everything(SEED, workers=True)
+    initial = {k: v.clone() for k, v in CompatModule().state_dict().items()}
+    kwargs = lambda root: dict(max_steps=8, gradient_clip_val=0.01, limit_val_batches=1)  # noqa: E731
+    ref = run(L.Trainer, tmp_path / "ref", {"scheduler": "steplr_epoch"}, kwargs)
+    ours = run(mptrain.Trainer, tmp_path / "ours", {"scheduler": "steplr_epoch"}, kwargs, precision=precision,
+               loss_scaler={"init_scale": 2.0**8} if precision.startswith("16") else None)
+    moved_ref, moved = _weight_change(ref, initial), _weight_change(ours, initial)
+    assert moved_ref > 0 and 0.5 < moved / moved_ref < 2.0, (moved, moved_ref)
