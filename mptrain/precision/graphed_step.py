@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from mptrain.precision.graph_capture import CudaGraphError, capture
+from mptrain.precision.plugin import _unwrap_optimizer
 
 _FIX = "The optimizer must honour found_inf on the device (mptrain.optim's fused optimizers, or torch's with " \
        "fused=True, capturable=True)."
@@ -70,6 +71,7 @@ class GraphedStep:
                 f"with {'no closure (Fabric?)' if closure is None else f'arguments {sorted(kwargs)}'}. Call "
                 "optimizer.step() without arguments from LightningModule.optimizer_step, or use cuda_graphs=False")
         plugin = self.plugin
+        optimizer = _unwrap_optimizer(optimizer)  # as the plugin's own optimizer_step
         plugin._ensure_ready(optimizer)
         if self.optimizer is None:
             self.optimizer = optimizer
