@@ -78,3 +78,25 @@ def test_manual_optimization_master_modes_train(precision, tmp_path):
     per_epoch = len(ours.losses) // 3
     first, last = sum(ours.losses[:per_epoch]), sum(ours.losses[-per_epoch:])
     assert last < 0.7 * first, (first, last)
+
+
+# cuda_graphs=True captures one train step; the Lightning features it cannot follow are refused at
+# setup, before the device check, so the refusals show on the CPU too.
+def test_cuda_graphs_refuses_gradient_accumulation(tmp_path):
+    _fit_refused(tmp_path, r"cuda_graphs=True.*accumulate_grad_batches=2", precision="bf16-master",
+                 cuda_graphs=True, accumulate_grad_batches=2)
+
+
+def test_cuda_graphs_refuses_manual_optimization(tmp_path):
+    import mptrain
+
+    model = ManualModule()
+    with pytest.raises(Exception, match=r"cuda_graphs=True.*manual optimization"):
+        mptrain.Trainer(**{**base_kwargs(tmp_path), "max_steps": 2}, precision="bf16-master",
+                        cuda_graphs=True).fit(model)
+    assert "training_step" not in model.calls
+
+
+def test_cuda_graphs_refuses_detect_anomaly(tmp_path):
+    _fit_refused(tmp_path, r"cuda_graphs=True.*detect_anomaly", precision="bf16-master", cuda_graphs=True,
+                 detect_anomaly=True)
