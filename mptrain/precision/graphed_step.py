@@ -25,12 +25,15 @@ fixed at capture: a change raises :class:`CudaGraphError`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, Optional
 
 import torch
 
 from mptrain.precision.graph_capture import CudaGraphError, capture
 from mptrain.precision.plugin import _unwrap_optimizer
+
+log = logging.getLogger("mptrain")
 
 _FIX = "The optimizer must honour found_inf on the device (mptrain.optim's fused optimizers, or torch's with " \
        "fused=True, capturable=True)."
@@ -127,6 +130,8 @@ class GraphedStep:
         self.update.replay()
         self.replays += 1
         self._finish(optimizer)
+        log.info("cuda_graphs=True: the train step was captured at optimizer step %d; later steps replay it",
+                 self.steps - 1)
 
     def _replay(self, optimizer: torch.optim.Optimizer, model: Any) -> None:
         plugin, key = self.plugin, id(optimizer)
