@@ -147,9 +147,9 @@ def numerics_main(argv: Optional[list[str]] = None) -> int:
     example = _trim(batch_to_input(model, batch), cfg.max_samples)
     report = compare_layerwise(model, example, precision=str(precision), rtol=cfg.rtol, atol=cfg.atol,
                                backward=cfg.backward, train_mode=cfg.train_mode)
-    print(report.table(top=cfg.top))
     if cfg.json:
         with open(cfg.json, "w") as f:
             f.write(report.to_json())
         print(f"wrote {cfg.json}")
+    print(report.table(top=cfg.top))  # its last line: the worst module and why
     return 0

@@ -52,7 +52,12 @@ class Tolerance:
     (relative L2, on its fp32 input) must also stay within ``local_factor * u``: that is
     what catches one wrong layer whose damage is small next to the inherited error.
     ``rtol`` / ``atol`` given explicitly are used as they are for every module (and rtol
-    bounds the own error too)."""
+    bounds the own error too).
+
+    The reduction size K of a layer does not widen the bound: products are accumulated in
+    fp32, so a K-term dot product of rounded inputs has an error of about ``u`` relative to
+    the output's RMS whatever K (random-sign rounding errors grow like sqrt(K), and so does
+    the output); it is depth, the number of roundings in series, that adds up."""
 
     unit_roundoff: float
     factor: float = TOL_FACTOR

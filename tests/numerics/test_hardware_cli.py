@@ -111,6 +111,8 @@ def test_numerics_cli_runs_the_recipe(recipe, tmp_path, capsys):
     assert numerics_main(["--config", str(recipe), "--json", str(out), "--device", "cpu"]) == 0
     text = capsys.readouterr().out
     assert "layerwise fp32 vs 16-true" in text  # the recipe's precision
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("summary: ") and "worst: boom: creates inf/NaN" in last, last
     data = json.loads(out.read_text())
     assert data["first_bad"] == "boom" and data["worst"][0] == "boom"
     assert numerics_main(["--config", str(recipe), "--precision", "bf16-mixed", "--device", "cpu", "--backward=true"]) == 0
