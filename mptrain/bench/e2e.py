@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -76,6 +77,7 @@ class Result:
     skipped_steps: Optional[int] = None
     wall_s: Optional[float] = None
     message: Optional[str] = None
+    sync_sites: Optional[dict] = None  # "file:line" of the Python call that synchronized -> count
 
 
 class StepTimer(L.Callback):
@@ -87,6 +89,7 @@ class StepTimer(L.Callback):
         self.cuda = torch.cuda.is_available()
         self.t0 = self.t1 = self.gpu_ms = None
         self.syncs: Optional[int] = None
+        self.sync_sites: Optional[dict] = None
         self._events = self._caught = self._catcher = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -111,7 +114,9 @@ class StepTimer(L.Callback):
         if self.cuda and self._catcher is not None:
             torch.cuda.set_sync_debug_mode("default")
             self._catcher.__exit__(None, None, None)
-            self.syncs = sum("synchroniz" in str(w.message) for w in self._caught)
+            syncs = [w for w in self._caught if "synchroniz" in str(w.message)]
+            self.syncs = len(syncs)
+            self.sync_sites = dict(Counter(f"{w.filename}:{w.lineno}" for w in syncs))
             self._catcher = None
             self._events[1].record()
             torch.cuda.synchronize()
@@ -194,6 +199,7 @@ def _record(res: Result, timer: StepTimer, steps: int, skipped) -> None:
     res.step_ms, res.samples_per_s = 1e3 * elapsed / steps, steps * res.batch / elapsed
     res.gpu_step_ms = timer.gpu_ms
     res.syncs_per_step = None if timer.syncs is None else timer.syncs / steps
+    res.sync_sites = timer.sync_sites
     res.skipped_steps = skipped
     res.peak_mem_gb = torch.cuda.max_memory_allocated() / 2**30 if timer.cuda else None
 
@@ -306,6 +312,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             _write_json(args, results, kernels)  # after every case: a run cut short keeps what it measured
     print(f"mptrain fused kernels: {kernels}")
     print(format_table(results))
+    for r in results:
+        if r.sync_sites:
+            print(f"host syncs, {r.model} {r.case}: " + ", ".join(f"{k} x{n}" for k, n in r.sync_sites.items()))
     for model in args.models:
         ratios = summarize(results, model)["ratios"]
         print(f"{model}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in ratios.items()))

@@ -79,4 +79,5 @@ def test_sync_counter_counts_synchronizing_calls_in_the_window(monkeypatch):
         warnings.warn("unrelated")
         timer.on_train_batch_end(None, None, None, None, step)
     assert timer.syncs == 2 and timer.gpu_ms == 3.0
+    assert list(timer.sync_sites.values()) == [2] and __file__ in next(iter(timer.sync_sites))
     assert calls == ["sync", "warn", "default", "sync"]
