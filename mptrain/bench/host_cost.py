@@ -136,6 +136,16 @@ def run(device: str = "cuda", quick: bool = False, iters: Optional[int] = None) 
         raise RuntimeError("host_cost --device cuda: no CUDA device here; use --device cpu")
     fused = True if device == "cuda" else "auto"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    threads = torch.get_num_threads()
+    if device == "cpu":  # host work is one thread's; intra-op threads only add sync noise at tiny shapes
+        torch.set_num_threads(1)
+    try:
+        return _measure(device, quick, iters, fused, sync)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(device, quick, iters, fused, sync) -> list[Row]:
     rows = []
     for op, shape, kind, build in cases(device, quick):
         n = iters or (20 if quick else (1000 if kind == TINY else 50))
