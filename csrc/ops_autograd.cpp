@@ -9,6 +9,8 @@
 //
 // Forward and backward call the ops through the dispatcher (below autograd), never the
 // kernels directly, so torch.compile's tracing (fake tensors, AOTAutograd) sees them as ops.
+// Optional tensors stay std::optional into Function::apply: an undefined at::Tensor there
+// would be taken for a variable (and fail asking for its device).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -50,12 +52,12 @@ using LnBwd = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, c
                                                  const OptTensor&, at::IntArrayRef, bool);
 
 struct NormFunction : public torch::autograd::Function<NormFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const Tensor& b,
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& w, const OptTensor& b,
                                at::IntArrayRef shape, double eps, bool rms) {
     static const auto fwd = op<LnFwd>("mptrain::layer_norm");
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [y, stats] = fwd.call(x, shape, opt(w), opt(b), eps, rms);
-    ctx->save_for_backward({x, w, b, stats});
+    auto [y, stats] = fwd.call(x, shape, w, b, eps, rms);
+    ctx->save_for_backward({x, w.value_or(Tensor()), b.value_or(Tensor()), stats});
     ctx->saved_data["shape"] = shape;
     ctx->saved_data["rms"] = rms;
     ctx->mark_non_differentiable({stats});
@@ -68,8 +70,11 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     const auto shape = ctx->saved_data["shape"].toIntVector();
     at::AutoDispatchBelowADInplaceOrView below;  // once differentiable: skip the backward op's autograd kernel
     auto [dx, dw, db] = bwd.call(grads[0], s[0], s[3], opt(s[1]), opt(s[2]), shape, ctx->saved_data["rms"].toBool());
-    return {undef_if(ctx->needs_input_grad(0), dx), undef_if(s[1].defined() && ctx->needs_input_grad(1), dw),
-            undef_if(s[2].defined() && ctx->needs_input_grad(2), db), Tensor(), Tensor(), Tensor()};
+    // needs_input_grad counts edges, and an absent weight / bias has none.
+    const bool need_w = s[1].defined() && ctx->needs_input_grad(1);
+    const bool need_b = s[2].defined() && ctx->needs_input_grad(s[1].defined() ? 2 : 1);
+    return {undef_if(ctx->needs_input_grad(0), dx), undef_if(need_w, dw), undef_if(need_b, db), Tensor(), Tensor(),
+            Tensor()};
   }
 };
 
@@ -82,7 +87,7 @@ std::tuple<Tensor, Tensor> layer_norm_autograd(const Tensor& x, at::IntArrayRef 
     at::AutoDispatchBelowADInplaceOrView below;
     return fwd.call(x, shape, w, b, eps, rms);
   }
-  auto r = NormFunction::apply(x, w.value_or(Tensor()), b.value_or(Tensor()), shape, eps, rms);
+  auto r = NormFunction::apply(x, w, b, shape, eps, rms);
   return {r[0], r[1]};
 }
 
@@ -91,10 +96,11 @@ using SmFwd = Tensor(const Tensor&, const OptTensor&, double, bool);
 using SmBwd = Tensor(const Tensor&, const Tensor&, double);
 
 struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& mask, double scale, bool causal) {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& mask, double scale,
+                               bool causal) {
     static const auto fwd = op<SmFwd>("mptrain::scaled_masked_softmax");
     at::AutoDispatchBelowADInplaceOrView below;
-    Tensor y = fwd.call(x, opt(mask), scale, causal);
+    Tensor y = fwd.call(x, mask, scale, causal);
     ctx->save_for_backward({y});
     ctx->saved_data["scale"] = scale;
     return {y};
@@ -114,7 +120,7 @@ Tensor softmax_autograd(const Tensor& x, const OptTensor& mask, double scale, bo
     at::AutoDispatchBelowADInplaceOrView below;
     return fwd.call(x, mask, scale, causal);
   }
-  return SoftmaxFunction::apply(x, mask.value_or(Tensor()), scale, causal)[0];
+  return SoftmaxFunction::apply(x, mask, scale, causal)[0];
 }
 
 // ---- LSTM layer: outputs (out, c_n) differentiable; c_all and the gate workspace saved.
@@ -127,21 +133,27 @@ using LayerBwd = Grads6(const OptTensor&, const OptTensor&, const Tensor&, const
 
 struct LSTMLayerFunction : public torch::autograd::Function<LSTMLayerFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& h0, const Tensor& c0,
-                               const Tensor& w_ih, const Tensor& w_hh, const Tensor& b_ih, const Tensor& b_hh) {
+                               const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh) {
     static const auto fwd = op<LayerFwd>("mptrain::lstm_layer");
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, c_n, c_all, ws] = fwd.call(x, h0, c0, w_ih, w_hh, opt(b_ih), opt(b_hh));
+    auto [out, c_n, c_all, ws] = fwd.call(x, h0, c0, w_ih, w_hh, b_ih, b_hh);
     ctx->set_materialize_grads(false);  // an unused out or c_n costs no zero tensor
     ctx->save_for_backward({x, h0, c0, w_ih, w_hh, out, c_all, ws});
     ctx->mark_non_differentiable({c_all, ws});
+    ctx->saved_data["b_ih"] = b_ih.has_value() && b_ih->defined();
+    ctx->saved_data["b_hh"] = b_hh.has_value() && b_hh->defined();
     return {out, c_n, c_all, ws};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op<LayerBwd>("mptrain::lstm_layer_backward");
     const auto s = ctx->get_saved_variables();
+    // needs_input_grad counts edges: x, h0, c0, w_ih, w_hh, then each bias that is present.
+    const bool has_bi = ctx->saved_data["b_ih"].toBool(), has_bh = ctx->saved_data["b_hh"].toBool();
     std::array<bool, 7> n{};
-    for (size_t i = 0; i < 7; ++i) n[i] = ctx->needs_input_grad(i);
+    for (size_t i = 0; i < 5; ++i) n[i] = ctx->needs_input_grad(i);
+    n[5] = has_bi && ctx->needs_input_grad(5);
+    n[6] = has_bh && ctx->needs_input_grad(has_bi ? 6 : 5);
     const std::array<bool, 6> need = {n[0], n[1], n[2], n[3], n[4], n[5] || n[6]};
     at::AutoDispatchBelowADInplaceOrView below;
     auto [dx, dh0, dc0, dw_ih, dw_hh, db] =
@@ -154,7 +166,7 @@ struct LSTMLayerFunction : public torch::autograd::Function<LSTMLayerFunction> {
 std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_layer_autograd(const Tensor& x, const Tensor& h0, const Tensor& c0,
                                                                const Tensor& w_ih, const Tensor& w_hh,
                                                                const OptTensor& b_ih, const OptTensor& b_hh) {
-  auto r = LSTMLayerFunction::apply(x, h0, c0, w_ih, w_hh, b_ih.value_or(Tensor()), b_hh.value_or(Tensor()));
+  auto r = LSTMLayerFunction::apply(x, h0, c0, w_ih, w_hh, b_ih, b_hh);
   return {r[0], r[1], r[2], r[3]};
 }
 
