@@ -86,7 +86,8 @@ def _grads(tensors):
 
 
 def _norm_pair(rms, rows, hidden, dtype, device, fused):
-    x, w = _grads([torch.randn(rows, hidden, dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device)])
+    x = torch.randn(rows, hidden, dtype=dtype, device=device, requires_grad=True)
+    w = torch.ones(hidden, dtype=dtype, device=device, requires_grad=True)
     if rms:
         return (lambda: ops.rms_norm(x, (hidden,), w, fused=fused)), (lambda: F.rms_norm(x, (hidden,), w)), [x, w]
     b = torch.zeros(hidden, dtype=dtype, device=device, requires_grad=True)
