@@ -12,6 +12,7 @@
 // and backward call mptrain::lstm_cell / mptrain::lstm_cell_backward through the
 // dispatcher (below autograd), so torch.compile traces them as ops.
 // Host-only code; a .cu so that the extension build (mptrain_ext.cpp + csrc/*.cu) picks it up.
+#include "autograd_node.h"
 #include "type_shim.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,10 +37,6 @@ namespace {
 
 using torch::autograd::variable_list;
 
-std::optional<at::Tensor> opt(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
 using Grads6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using CellFwd = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                                const at::Tensor&, const at::Tensor&,
@@ -48,11 +45,6 @@ using CellFwd = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&
 using CellBwd = Grads6(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const at::Tensor&,
                        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                        const at::Tensor&, std::array<bool, 6>);
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
 
 // The step's autograd node, written like torch's generated nodes rather than as a
 // torch::autograd::Function (whose apply() builds a CppNode through generic wrapping --
@@ -67,7 +59,12 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 // retain_graph (a second one then raises, as before).
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
-using NodePtr = decltype(torch::autograd::Edge::function);  // shared_ptr<Node>, or intrusive_ptr in newer torch
+using mpt::has_fw_grad;
+using mpt::make_node;
+using mpt::NodePtr;
+using mpt::op;
+using mpt::opt;
+using mpt::requires_grad;
 
 struct LSTMCellBackward : public Node {
   SavedVariable x, h, c, w_ih, w_hh, ws, c1;  // c1 is an output (saved without its grad_fn)
@@ -105,23 +102,6 @@ struct LSTMCellBackward : public Node {
   }
 };
 
-// A new node, owned as torch owns its nodes in this version (std::shared_ptr with torch's
-// deleteNode, which unlinks long chains without deep recursion; or intrusive_ptr).
-template <typename N, typename P = NodePtr>
-P make_node() {
-  if constexpr (std::is_same_v<P, std::shared_ptr<Node>>) {
-    return std::shared_ptr<N>(new N(), [](auto* n) { deleteNode(n); });  // torch::autograd::deleteNode (ADL)
-  } else {
-    return c10::make_intrusive<N>();
-  }
-}
-
-bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
-bool has_fw_grad(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
-
-}  // namespace
-
-namespace {
 
 // The AutogradCUDA kernel of mptrain::lstm_cell -> (h', c', workspace); biases may be None.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_cell_autograd(const at::Tensor& x, const at::Tensor& h,

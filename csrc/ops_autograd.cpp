@@ -1,5 +1,7 @@
 // Autograd for the custom ops on CUDA tensors, in C++ (the LSTM cell's node is in
-// lstm_autograd.cu): mptrain::layer_norm, mptrain::scaled_masked_softmax, mptrain::lstm_layer.
+// lstm_autograd.cu): mptrain::layer_norm and mptrain::scaled_masked_softmax as hand-written
+// nodes (called per layer, many times a step), mptrain::lstm_layer as a
+// torch::autograd::Function (once per layer and sequence: its overhead does not matter).
 //
 // Why C++: a Python autograd.Function costs ~95 us of host time each way per call on an
 // H200 host, more than the kernels themselves at small and medium shapes; these nodes cost
@@ -9,15 +11,25 @@
 //
 // Forward and backward call the ops through the dispatcher (below autograd), never the
 // kernels directly, so torch.compile's tracing (fake tensors, AOTAutograd) sees them as ops.
+// Optional tensors stay std::optional into Function::apply: an undefined at::Tensor there
+// would be taken for a variable (and fail asking for its device). A node is built only when
+// a gradient is needed (grad mode on, an input requiring grad).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <array>
-#include <initializer_list>
+#include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
+
+#include "autograd_node.h"
+#include "check.h"
 
 namespace {
 
@@ -26,95 +38,122 @@ using OptTensor = std::optional<Tensor>;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 Tensor undef_if(bool keep, const Tensor& t) { return keep ? t : Tensor(); }
+using mpt::has_fw_grad;
+using mpt::make_node;
+using mpt::op;
+using mpt::opt;
+using mpt::requires_grad;
 
-// Whether autograd must record this call (else the op runs below autograd, no node built).
-bool track(std::initializer_list<const Tensor*> ts) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (const Tensor* t : ts) {
-    if (t->defined() && t->requires_grad()) return true;
-  }
-  return false;
-}
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-// ---- LayerNorm / RMSNorm
+// ---- LayerNorm / RMSNorm: a hand-written node (autograd_node.h says why), edges for
+// (input, weight, bias) at fixed positions as torch's generated nodes have them (an
+// absent parameter's edge is invalid and gets no gradient).
 using LnFwd = std::tuple<Tensor, Tensor>(const Tensor&, at::IntArrayRef, const OptTensor&, const OptTensor&, double,
                                          bool);
 using LnBwd = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
                                                  const OptTensor&, at::IntArrayRef, bool);
 
-struct NormFunction : public torch::autograd::Function<NormFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const Tensor& b,
-                               at::IntArrayRef shape, double eps, bool rms) {
-    static const auto fwd = op<LnFwd>("mptrain::layer_norm");
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [y, stats] = fwd.call(x, shape, opt(w), opt(b), eps, rms);
-    ctx->save_for_backward({x, w, b, stats});
-    ctx->saved_data["shape"] = shape;
-    ctx->saved_data["rms"] = rms;
-    ctx->mark_non_differentiable({stats});
-    return {y, stats};
+struct NormBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable x, w, b, stats;  // stats: a non-differentiable output (no grad_fn to cycle)
+  std::vector<int64_t> shape;
+  bool rms = false;
+
+  std::string name() const override { return "MptLayerNormBackward"; }
+
+  void release_variables() override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (torch::autograd::SavedVariable* v : {&x, &w, &b, &stats}) v->reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  variable_list apply(variable_list&& grads) override {
     static const auto bwd = op<LnBwd>("mptrain::layer_norm_backward");
-    const auto s = ctx->get_saved_variables();
-    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const std::lock_guard<std::mutex> lock(mutex_);  // see torch's Note [Thread Safety on Autograd Node]
+    variable_list out(3);
+    if (!grads[0].defined()) return out;  // only stats was used: nothing flows back
+    const Tensor sw = w.unpack(), sb = b.unpack();
     at::AutoDispatchBelowADInplaceOrView below;  // once differentiable: skip the backward op's autograd kernel
-    auto [dx, dw, db] = bwd.call(grads[0], s[0], s[3], opt(s[1]), opt(s[2]), shape, ctx->saved_data["rms"].toBool());
-    return {undef_if(ctx->needs_input_grad(0), dx), undef_if(s[1].defined() && ctx->needs_input_grad(1), dw),
-            undef_if(s[2].defined() && ctx->needs_input_grad(2), db), Tensor(), Tensor(), Tensor()};
+    auto [dx, dw, db] = bwd.call(grads[0], x.unpack(), stats.unpack(), opt(sw), opt(sb), shape, rms);
+    if (task_should_compute_output(0)) out[0] = std::move(dx);
+    if (sw.defined() && task_should_compute_output(1)) out[1] = std::move(dw);
+    if (sb.defined() && task_should_compute_output(2)) out[2] = std::move(db);
+    return out;
   }
 };
 
 std::tuple<Tensor, Tensor> layer_norm_autograd(const Tensor& x, at::IntArrayRef shape, const OptTensor& w,
                                                const OptTensor& b, double eps, bool rms) {
-  const Tensor& wt = w.has_value() ? *w : x;
-  const Tensor& bt = b.has_value() ? *b : x;
-  if (!track({&x, &wt, &bt})) {
-    static const auto fwd = op<LnFwd>("mptrain::layer_norm");
-    at::AutoDispatchBelowADInplaceOrView below;
-    return fwd.call(x, shape, w, b, eps, rms);
+  static const auto fwd = op<LnFwd>("mptrain::layer_norm");
+  const Tensor wt = w.value_or(Tensor()), bt = b.value_or(Tensor());
+  for (const Tensor* t : {&x, &wt, &bt}) {
+    MPT_CHECK(!has_fw_grad(*t), "layer_norm: forward-mode AD (dual tensors) is not supported by the fused kernel; "
+              "use fused=False (the reference) for jvp / forward AD");
   }
-  auto r = NormFunction::apply(x, w.value_or(Tensor()), b.value_or(Tensor()), shape, eps, rms);
-  return {r[0], r[1]};
+  const bool track = at::GradMode::is_enabled() && (requires_grad(x) || requires_grad(wt) || requires_grad(bt));
+  std::tuple<Tensor, Tensor> r;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    r = fwd.call(x, shape, w, b, eps, rms);
+  }
+  if (track) {
+    auto node = make_node<NormBackward>();
+    auto* n = static_cast<NormBackward*>(node.get());
+    n->set_next_edges(torch::autograd::collect_next_edges(x, wt, bt));
+    torch::autograd::set_history(std::get<0>(r), node);
+    n->x = torch::autograd::SavedVariable(x, false);
+    n->w = torch::autograd::SavedVariable(wt, false);
+    n->b = torch::autograd::SavedVariable(bt, false);
+    n->stats = torch::autograd::SavedVariable(std::get<1>(r), false);
+    n->shape = shape.vec();
+    n->rms = rms;
+  }
+  return r;
 }
 
-// ---- scaled masked softmax (the backward reads only the output)
+// ---- scaled masked softmax: a hand-written node; the backward reads only the output.
 using SmFwd = Tensor(const Tensor&, const OptTensor&, double, bool);
 using SmBwd = Tensor(const Tensor&, const Tensor&, double);
 
-struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& mask, double scale, bool causal) {
-    static const auto fwd = op<SmFwd>("mptrain::scaled_masked_softmax");
-    at::AutoDispatchBelowADInplaceOrView below;
-    Tensor y = fwd.call(x, opt(mask), scale, causal);
-    ctx->save_for_backward({y});
-    ctx->saved_data["scale"] = scale;
-    return {y};
+struct SoftmaxBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable y;  // the output: saved without its grad_fn (no reference cycle)
+  double scale = 1.0;
+
+  std::string name() const override { return "MptScaledMaskedSoftmaxBackward"; }
+
+  void release_variables() override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    y.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  variable_list apply(variable_list&& grads) override {
     static const auto bwd = op<SmBwd>("mptrain::scaled_masked_softmax_backward");
-    const auto s = ctx->get_saved_variables();
+    const std::lock_guard<std::mutex> lock(mutex_);
+    variable_list out(1);
+    if (!grads[0].defined() || !task_should_compute_output(0)) return out;
+    const Tensor sy = y.unpack(getptr());
     at::AutoDispatchBelowADInplaceOrView below;
-    return {bwd.call(grads[0], s[0], ctx->saved_data["scale"].toDouble()), Tensor(), Tensor(), Tensor()};
+    out[0] = bwd.call(grads[0], sy, scale);
+    return out;
   }
 };
 
 Tensor softmax_autograd(const Tensor& x, const OptTensor& mask, double scale, bool causal) {
-  if (!track({&x})) {
-    static const auto fwd = op<SmFwd>("mptrain::scaled_masked_softmax");
+  static const auto fwd = op<SmFwd>("mptrain::scaled_masked_softmax");
+  MPT_CHECK(!has_fw_grad(x), "scaled_masked_softmax: forward-mode AD (dual tensors) is not supported by the fused "
+            "kernel; use fused=False (the reference) for jvp / forward AD");
+  Tensor y;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return fwd.call(x, mask, scale, causal);
+    y = fwd.call(x, mask, scale, causal);
   }
-  return SoftmaxFunction::apply(x, mask.value_or(Tensor()), scale, causal)[0];
+  if (at::GradMode::is_enabled() && x.requires_grad()) {
+    auto node = make_node<SoftmaxBackward>();
+    auto* n = static_cast<SoftmaxBackward*>(node.get());
+    n->set_next_edges(torch::autograd::collect_next_edges(x));
+    torch::autograd::set_history(y, node);
+    n->y = torch::autograd::SavedVariable(y, true);
+    n->scale = scale;
+  }
+  return y;
 }
 
 // ---- LSTM layer: outputs (out, c_n) differentiable; c_all and the gate workspace saved.
@@ -127,21 +166,27 @@ using LayerBwd = Grads6(const OptTensor&, const OptTensor&, const Tensor&, const
 
 struct LSTMLayerFunction : public torch::autograd::Function<LSTMLayerFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& h0, const Tensor& c0,
-                               const Tensor& w_ih, const Tensor& w_hh, const Tensor& b_ih, const Tensor& b_hh) {
+                               const Tensor& w_ih, const Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh) {
     static const auto fwd = op<LayerFwd>("mptrain::lstm_layer");
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, c_n, c_all, ws] = fwd.call(x, h0, c0, w_ih, w_hh, opt(b_ih), opt(b_hh));
+    auto [out, c_n, c_all, ws] = fwd.call(x, h0, c0, w_ih, w_hh, b_ih, b_hh);
     ctx->set_materialize_grads(false);  // an unused out or c_n costs no zero tensor
     ctx->save_for_backward({x, h0, c0, w_ih, w_hh, out, c_all, ws});
     ctx->mark_non_differentiable({c_all, ws});
+    ctx->saved_data["b_ih"] = b_ih.has_value() && b_ih->defined();
+    ctx->saved_data["b_hh"] = b_hh.has_value() && b_hh->defined();
     return {out, c_n, c_all, ws};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op<LayerBwd>("mptrain::lstm_layer_backward");
     const auto s = ctx->get_saved_variables();
+    // needs_input_grad counts edges: x, h0, c0, w_ih, w_hh, then each bias that is present.
+    const bool has_bi = ctx->saved_data["b_ih"].toBool(), has_bh = ctx->saved_data["b_hh"].toBool();
     std::array<bool, 7> n{};
-    for (size_t i = 0; i < 7; ++i) n[i] = ctx->needs_input_grad(i);
+    for (size_t i = 0; i < 5; ++i) n[i] = ctx->needs_input_grad(i);
+    n[5] = has_bi && ctx->needs_input_grad(5);
+    n[6] = has_bh && ctx->needs_input_grad(has_bi ? 6 : 5);
     const std::array<bool, 6> need = {n[0], n[1], n[2], n[3], n[4], n[5] || n[6]};
     at::AutoDispatchBelowADInplaceOrView below;
     auto [dx, dh0, dc0, dw_ih, dw_hh, db] =
@@ -154,7 +199,7 @@ struct LSTMLayerFunction : public torch::autograd::Function<LSTMLayerFunction> {
 std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_layer_autograd(const Tensor& x, const Tensor& h0, const Tensor& c0,
                                                                const Tensor& w_ih, const Tensor& w_hh,
                                                                const OptTensor& b_ih, const OptTensor& b_hh) {
-  auto r = LSTMLayerFunction::apply(x, h0, c0, w_ih, w_hh, b_ih.value_or(Tensor()), b_hh.value_or(Tensor()));
+  auto r = LSTMLayerFunction::apply(x, h0, c0, w_ih, w_hh, b_ih, b_hh);
   return {r[0], r[1], r[2], r[3]};
 }
 

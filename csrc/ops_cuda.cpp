@@ -123,7 +123,7 @@ void scale_cuda(at::TensorList src, at::TensorList dst, const OptTensor& scale, 
   multi_tensor_scale(vec(src), vec(dst), scale, found_inf);
 }
 
-void unscale_cuda(at::TensorList tensors, const Tensor& inv_scale, const Tensor& found_inf) {
+void unscale_cuda(at::TensorList tensors, const Tensor& inv_scale, const OptTensor& found_inf) {
   const auto t = vec(tensors);
   multi_tensor_scale(t, t, inv_scale, found_inf);
 }

@@ -69,9 +69,11 @@ def per_call_us(fn: Callable[[], object], iters: int, sync: Callable[[], None], 
     return best / n * 1e6
 
 
-def _fwd_bwd(forward, dy):
+def _fwd_bwd(forward, dy, leaves):
+    """Forward, then every leaf's gradient (autograd.grad: no accumulation into .grad)."""
+
     def step():
-        torch.autograd.backward(forward(), dy)
+        torch.autograd.grad(forward(), leaves, dy)
 
     return step
 
@@ -84,18 +86,20 @@ def _grads(tensors):
 
 
 def _norm_pair(rms, rows, hidden, dtype, device, fused):
-    x, w = _grads([torch.randn(rows, hidden, dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device)])
+    x = torch.randn(rows, hidden, dtype=dtype, device=device, requires_grad=True)
+    w = torch.ones(hidden, dtype=dtype, device=device, requires_grad=True)
     if rms:
-        return (lambda: ops.rms_norm(x, (hidden,), w, fused=fused)), (lambda: F.rms_norm(x, (hidden,), w)), x
+        return (lambda: ops.rms_norm(x, (hidden,), w, fused=fused)), (lambda: F.rms_norm(x, (hidden,), w)), [x, w]
     b = torch.zeros(hidden, dtype=dtype, device=device, requires_grad=True)
-    return (lambda: ops.layer_norm(x, (hidden,), w, b, fused=fused)), (lambda: F.layer_norm(x, (hidden,), w, b)), x
+    return ((lambda: ops.layer_norm(x, (hidden,), w, b, fused=fused)), (lambda: F.layer_norm(x, (hidden,), w, b)),
+            [x, w, b])
 
 
 def _softmax_pair(batch, heads, s, dtype, device, fused):
     (x,) = _grads([torch.randn(batch, heads, s, s, dtype=dtype, device=device)])
     mask = torch.rand(batch, 1, s, s, device=device) < 0.1
     return ((lambda: ops.scaled_masked_softmax(x, mask, fused=fused)),
-            (lambda: torch.softmax(x.masked_fill(mask, float("-inf")), -1)), x)
+            (lambda: torch.softmax(x.masked_fill(mask, float("-inf")), -1)), [x])
 
 
 def _lstm_pair(batch, hidden, dtype, device, fused):
@@ -104,7 +108,8 @@ def _lstm_pair(batch, hidden, dtype, device, fused):
     ref = torch.nn.LSTMCell(hidden, hidden, device=device, dtype=dtype)
     ours = FusedLSTMCell.from_module(ref, fused=fused)
     x, h, c = _grads([torch.randn(batch, hidden, dtype=dtype, device=device) for _ in range(3)])
-    return (lambda: ours(x, (h, c))[0]), (lambda: ref(x, (h, c))[0]), h
+    # The modules share their Parameter objects: one set of leaves for both.
+    return (lambda: ours(x, (h, c))[0]), (lambda: ref(x, (h, c))[0]), [x, h, c, *ref.parameters()]
 
 
 def cases(device: str, quick: bool):
@@ -136,18 +141,29 @@ def run(device: str = "cuda", quick: bool = False, iters: Optional[int] = None) 
         raise RuntimeError("host_cost --device cuda: no CUDA device here; use --device cpu")
     fused = True if device == "cuda" else "auto"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    threads = torch.get_num_threads()
+    if device == "cpu":  # host work is one thread's; intra-op threads only add sync noise at tiny shapes
+        torch.set_num_threads(1)
+    try:
+        return _measure(device, quick, iters, fused, sync)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(device, quick, iters, fused, sync) -> list[Row]:
     rows = []
     for op, shape, kind, build in cases(device, quick):
         n = iters or (20 if quick else (1000 if kind == TINY else 50))
-        ours, ref, _ = build(fused)
-        plain = build(False)[0]
+        ours, ref, leaves = build(fused)
+        plain, _, plain_leaves = build(False)
         dy = torch.ones_like(ref())
         torch.testing.assert_close(ours().float(), ref().float(), atol=2e-2, rtol=2e-2)  # same computation
         rows.append(Row(op, shape, kind, "fwd", per_call_us(ours, n, sync), per_call_us(ref, n, sync),
                         per_call_us(plain, n, sync)))
-        rows.append(Row(op, shape, kind, "fwd+bwd", per_call_us(_fwd_bwd(ours, dy), n, sync),
-                        per_call_us(_fwd_bwd(ref, dy), n, sync), per_call_us(_fwd_bwd(plain, dy), n, sync)))
-        del ours, ref, plain, dy
+        rows.append(Row(op, shape, kind, "fwd+bwd", per_call_us(_fwd_bwd(ours, dy, leaves), n, sync),
+                        per_call_us(_fwd_bwd(ref, dy, leaves), n, sync),
+                        per_call_us(_fwd_bwd(plain, dy, plain_leaves), n, sync)))
+        del ours, ref, plain, dy, leaves, plain_leaves
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows

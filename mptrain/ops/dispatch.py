@@ -39,10 +39,10 @@ def _load(required: bool) -> bool:
     return _cuda_kernels
 
 
-try:  # torch.compile runs the loader while tracing and treats its answer as a constant
-    _load = torch._dynamo.assume_constant_result(_load)
-except AttributeError:  # pragma: no cover - torch without dynamo
-    pass
+# torch.compile runs the loader while tracing and treats its answer as a constant (what
+# torch.compiler.assume_constant_result sets; set directly, since importing torch._dynamo
+# to call it would add ~1 s to `import mptrain`). tests/ops/test_dispatch.py checks it works.
+_load._dynamo_marked_constant = True
 
 
 def use_op(op: str, x: torch.Tensor, fused, dtype=None) -> bool:

@@ -51,7 +51,8 @@ SCHEMAS = {
                            "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "multi_tensor_scale_": "multi_tensor_scale_(Tensor[] src, Tensor(a!)[] dst, Tensor? scale, "
                            "Tensor(b!)? found_inf) -> ()",
-    "multi_tensor_unscale_": "multi_tensor_unscale_(Tensor(a!)[] tensors, Tensor inv_scale, Tensor(b!) found_inf) -> ()",
+    "multi_tensor_unscale_": "multi_tensor_unscale_(Tensor(a!)[] tensors, Tensor inv_scale, "
+                             "Tensor(b!)? found_inf) -> ()",
     "multi_tensor_check_finite_": "multi_tensor_check_finite_(Tensor[] tensors, Tensor(a!) found_inf) -> ()",
     "multi_tensor_l2norm": "multi_tensor_l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)",
     "multi_tensor_adam_": "multi_tensor_adam_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "

@@ -108,8 +108,9 @@ def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
         sc = _device_scalar(scale, device, "scale", "multi_tensor_scale_")
         if not _use_op("multi_tensor_scale_", s + d, fused):
             reference.multi_tensor_scale(s, d, sc, found_inf)
-        elif not d:
-            OPS["multi_tensor_check_finite_"](s, found_inf)
+        elif not d or (in_place and sc is None):  # nothing to write: only the check
+            if found_inf is not None:
+                OPS["multi_tensor_check_finite_"](s, found_inf)
         elif in_place:
             OPS["multi_tensor_unscale_"](s, sc, found_inf)
         else:

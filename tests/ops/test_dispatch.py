@@ -50,3 +50,23 @@ def test_cuda_without_kernels_falls_back_and_fused_true_raises(monkeypatch):
         dispatch.use_op("layer_norm", x, True)
     with pytest.raises(TypeError, match="float32/float16/bfloat16"):
         dispatch.use_op("layer_norm", x.double(), True)
+
+
+def test_loading_the_extension_is_a_constant_under_torch_compile(monkeypatch):
+    """The first CUDA call may happen inside torch.compile: the loader runs at trace time
+    and its answer is a constant, not a graph break."""
+    from torch._dynamo.utils import counters
+
+    from mptrain.ops import build
+
+    monkeypatch.setattr(dispatch, "_cuda_kernels", None)
+    monkeypatch.setattr(build, "get_extension", lambda required=False: None)
+    torch._dynamo.reset()
+    counters.clear()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(x):
+        return x + 1 if dispatch._load(False) else x - 1
+
+    assert torch.equal(f(torch.zeros(2)), torch.full((2,), -1.0))
+    assert not counters["graph_break"]
