@@ -185,7 +185,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for (index, device, _dtype, master), params in buckets.items():
             self._step_bucket(self.param_groups[index], device, master, params, grad_scale,
                               per_device_inf.get(device))
-        if unscale_grads and grad_scale is not None and not (not torch.is_tensor(grad_scale) and grad_scale == 1):
+        if unscale_grads and grad_scale is not None and (torch.is_tensor(grad_scale) or grad_scale != 1):
             unscale_grads_(buckets, grad_scale, per_device_inf, self.fused)
         return loss
 
