@@ -48,7 +48,7 @@ print(f\"warm load: {time.perf_counter() - t:.2f} s\")"'
 stage tests 170 python3 -m pytest tests/gpu -q -rfE --timeout=120 --maxfail=30 -p no:cacheprovider -o addopts=""
 stage kernels 130 python3 -m mptrain.bench.kernels --no-host --json "$OUT/kernels.json"
 stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
-stage e2e 540 python3 -m mptrain.bench.e2e --json "$OUT/e2e.json"
+stage e2e 540 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json"
 
 echo "=== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

@@ -6,10 +6,20 @@ from mptrain import ops
 from mptrain.ops import dispatch
 
 
-def test_fused_false_is_the_reference_and_auto_on_cpu_is_the_op():
+def test_fused_false_is_the_reference_and_auto_on_cpu_is_the_op_only_when_compiling():
     x = torch.randn(2, 8)
     assert dispatch.use_op("layer_norm", x, False) is False
-    assert dispatch.use_op("layer_norm", x, "auto") is True
+    # eager CPU: the reference directly (the op's CPU kernel is the same code behind the dispatcher)
+    assert dispatch.use_op("layer_norm", x, "auto") is False
+    seen = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(t):
+        seen.append(dispatch.use_op("layer_norm", t, "auto"))
+        return t + 1
+
+    f(x)
+    assert seen == [True]
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
@@ -25,13 +35,16 @@ def test_fused_true_on_the_cpu_raises_with_the_fix():
         ops.layer_norm(torch.randn(2, 8), 8, fused=True)
 
 
-def test_fused_false_calls_the_reference_not_the_op(monkeypatch):
+def test_fused_false_and_eager_cpu_call_the_reference_not_the_op(monkeypatch):
     called = []
     monkeypatch.setattr(ops.layer_norm.__globals__["reference"], "layer_norm",
                         lambda *a, **k: called.append(1) or torch.zeros(()))
     ops.layer_norm(torch.randn(2, 8), 8, fused=False)
     ops.layer_norm(torch.randn(2, 8), 8)
-    assert called == [1]
+    assert called == [1, 1]
+    # the op itself (what CUDA tensors and compiled graphs get) does not call the Python reference
+    torch.ops.mptrain.layer_norm(torch.randn(2, 8), [8], None, None, 1e-5, False)
+    assert called == [1, 1]
 
 
 def test_cuda_without_kernels_falls_back_and_fused_true_raises(monkeypatch):
