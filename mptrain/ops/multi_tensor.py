@@ -183,9 +183,10 @@ def _step_args(op, params, steps, masters, lr, grad_scale, found_inf):
 
 
 def _lr_for_kernel(lr: Scalar, device: torch.device):
-    """(float lr, lr tensor or None): a CUDA lr tensor is read on the device, a CPU one is a float."""
+    """(float lr, lr tensor or None): an lr tensor on the params' device is read there (no host
+    read: a compiled step keeps one graph); a CPU lr tensor for CUDA params is a float."""
     if torch.is_tensor(lr):
-        if lr.device.type == "cpu":
+        if lr.device.type == "cpu" and device.type != "cpu":
             return float(lr), None
         return 0.0, lr.to(device=device, dtype=torch.float32).reshape(())
     return float(lr), None

@@ -78,6 +78,10 @@ def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tenso
         optimizer.grad_scale = grad_scale.reshape(1).float() if grad_scale is not None else None
         # torch's fused Adam subtracts found_inf from its 0-dim step counts in place: 0-dim there.
         optimizer.found_inf = found_inf if is_mptrain_fused(optimizer) else found_inf.reshape(())
+        if is_mptrain_fused(optimizer) and grad_scale is not None:
+            # The engine never reads the grads after the step: skip the optimizer's extra pass that
+            # leaves them unscaled (done for GradScaler parity, which torch's fused optimizers keep).
+            kwargs.setdefault("unscale_grads", False)
         try:
             optimizer.step(**kwargs)
         finally:
