@@ -218,11 +218,13 @@ class _Wrapped(Classifier):
         return self.model(x)
 
 
-def test_compile_compiles_the_model_attribute():
+def test_compile_compiles_the_model_attribute_in_place():
     model = _Wrapped(mlp())
+    keys = list(model.state_dict())
     trainer = quiet_trainer(compile={"backend": "eager"}, max_steps=2)
     trainer.fit(model, _loader(classification_data(n=32), 8))
-    assert isinstance(model.model, torch._dynamo.eval_frame.OptimizedModule) and trainer.global_step == 2
+    assert model.model._compiled_call_impl is not None and trainer.global_step == 2
+    assert list(model.state_dict()) == keys  # checkpoints keep the eager run's keys (no `_orig_mod.`)
 
 
 def test_compile_without_a_model_attribute_is_a_clear_error():

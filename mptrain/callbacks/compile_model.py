@@ -8,10 +8,11 @@ from lightning.pytorch import Callback
 
 
 class CompileModel(Callback):
-    """Replace ``pl_module.model`` by ``torch.compile(pl_module.model, **compile_kwargs)`` at ``setup``.
+    """Compile ``pl_module.model`` in place (``nn.Module.compile(**compile_kwargs)``) at ``setup``.
 
-    Compiling the submodule (not the LightningModule) keeps ``self.log``, hooks and checkpoints
-    exactly as in eager mode; the compiled wrapper shares its parameters with the original.
+    Compiling the submodule (not the LightningModule) keeps ``self.log`` and hooks eager; compiling
+    it in place (not ``torch.compile(model)``, whose wrapper would register as the child and prefix
+    every state-dict key with ``_orig_mod.``) keeps checkpoints identical to an eager run's.
     """
 
     def __init__(self, **compile_kwargs: Any) -> None:
@@ -26,5 +27,6 @@ class CompileModel(Callback):
                 f"{type(pl_module).__name__}.model is {found}. Store the network as `self.model`, or leave "
                 f"compile=False and call torch.compile yourself in configure_model()."
             )
-        if not isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-            pl_module.model = torch.compile(model, **self.compile_kwargs)
+        if getattr(model, "_compiled_call_impl", None) is None and not isinstance(
+                model, torch._dynamo.eval_frame.OptimizedModule):
+            model.compile(**self.compile_kwargs)

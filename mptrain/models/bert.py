@@ -27,6 +27,10 @@ def build_bert_mlm(vocab_size: int, hidden_size: int = 768, num_layers: int = 12
                         num_attention_heads=num_heads, intermediate_size=intermediate_size,
                         max_position_embeddings=max_position_embeddings, hidden_dropout_prob=dropout,
                         attention_probs_dropout_prob=dropout)
+    if attn_implementation == "mptrain_fused_softmax":
+        from mptrain.nn.attention import register_transformers_attention
+
+        register_transformers_attention()
     config._attn_implementation = attn_implementation
     return BertForMaskedLM(config)
 
@@ -63,7 +67,7 @@ class BertMLM(L.LightningModule):
                    lr=(lr, ">0"), weight_decay=(weight_decay, ">=0"), eps=(eps, ">0"), warmup_steps=(warmup_steps, ">=0"),
                    total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
-        self.mlm = fuse(build_bert_mlm(vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
+        self.model = fuse(build_bert_mlm(vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
                                        max_position_embeddings, dropout, attn_implementation), fused_layernorm)
         from torchmetrics.aggregation import SumMetric
 
@@ -77,7 +81,7 @@ class BertMLM(L.LightningModule):
         positions are gathered with a fixed size per sequence (no host sync, static shapes);
         without it, by boolean indexing (exact for any mask count, one host sync per step)."""
         mask = batch.get("attention_mask") if self.hparams.use_attention_mask else None
-        hidden = self.mlm.bert(input_ids=batch["input_ids"], attention_mask=mask)[0]
+        hidden = self.model.bert(input_ids=batch["input_ids"], attention_mask=mask)[0]
         labels = batch["labels"]
         picked = labels != -100
         k = self.hparams.max_predictions
@@ -88,7 +92,7 @@ class BertMLM(L.LightningModule):
             idx = picked.to(hidden.dtype).topk(k, dim=1).indices  # masked positions first
             h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).flatten(0, 1)
             target = labels.gather(1, idx).flatten()
-        logits = self.mlm.cls(h)
+        logits = self.model.cls(h)
         count = (target != -100).sum()
         loss_sum = F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
         return loss_sum, logits, target, count

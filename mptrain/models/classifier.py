@@ -37,18 +37,18 @@ class ImageClassifier(L.LightningModule):
                    weight_decay=(weight_decay, ">=0"), label_smoothing=(label_smoothing, "[0,1)"),
                    warmup_steps=(warmup_steps, ">=0"), min_lr_ratio=(min_lr_ratio, ">=0"), total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
-        self.net = build_image_model(arch, num_classes)
+        self.model = build_image_model(arch, num_classes)
         from torchmetrics.functional.classification import multiclass_accuracy
 
         self._accuracy = multiclass_accuracy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        return self.model(x)
 
     def _loss(self, batch):
         x, y = batch
         if x.dim() == 4 and x.is_cuda:  # channels-last weights (trainer.channels_last) want channels-last input
-            first = next((m.weight for m in self.net.modules() if isinstance(m, torch.nn.Conv2d)), None)
+            first = next((m.weight for m in self.model.modules() if isinstance(m, torch.nn.Conv2d)), None)
             if first is not None and first.is_contiguous(memory_format=torch.channels_last):
                 x = x.contiguous(memory_format=torch.channels_last)
         logits = self(x)

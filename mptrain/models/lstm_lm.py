@@ -59,13 +59,13 @@ class LSTMLanguageModel(L.LightningModule):
                    num_layers=(num_layers, ">=1"), dropout=(dropout, "[0,1)"), lr=(lr, ">0"),
                    weight_decay=(weight_decay, ">=0"), warmup_steps=(warmup_steps, ">=0"), total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
-        self.net = LSTMNet(vocab_size, embedding_dim, hidden_size, num_layers, dropout, tie_weights, fused)
+        self.model = LSTMNet(vocab_size, embedding_dim, hidden_size, num_layers, dropout, tie_weights, fused)
         from torchmetrics.aggregation import SumMetric
 
         self.val_loss_sum, self.val_count = SumMetric(), SumMetric()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.net(tokens)
+        return self.model(tokens)
 
     def _loss(self, batch, reduction: str = "mean") -> torch.Tensor:
         x, y = batch

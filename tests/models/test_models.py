@@ -129,7 +129,7 @@ def test_bert_sparse_head_matches_full_mlm_loss(max_predictions):
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     with torch.no_grad():
         ours = m.training_step(batch, 0)
-        full = m.mlm(input_ids=ids, labels=labels).loss
+        full = m.model(input_ids=ids, labels=labels).loss
     assert ours.item() == pytest.approx(full.item(), rel=1e-5)
     log = Logged(m)
     with torch.no_grad():
@@ -171,14 +171,14 @@ def test_bert_adamw_linear_schedule():
 def test_lstm_lm_loss_perplexity_and_tied_weights():
     torch.manual_seed(0)
     m = LSTMLanguageModel(vocab_size=40, embedding_dim=16, hidden_size=24, num_layers=2, dropout=0.0)
-    assert m.net.head.weight is m.net.embed.weight
-    assert isinstance(m.net.rnn, torch.nn.LSTM)  # FusedLSTM subclasses it
+    assert m.model.head.weight is m.model.embed.weight
+    assert isinstance(m.model.rnn, torch.nn.LSTM)  # FusedLSTM subclasses it
     x = torch.randint(0, 40, (3, 10))
     y = torch.randint(0, 40, (3, 10))
     loss = m.training_step((x, y), 0)
     assert abs(loss.item() - math.log(40)) < 0.5
     loss.backward()
-    assert m.net.embed.weight.grad is not None
+    assert m.model.embed.weight.grad is not None
     log = Logged(m)
     with torch.no_grad():
         m.eval().validation_step((x, y), 0)
@@ -192,7 +192,7 @@ def test_lstm_uses_fused_lstm_when_available():
         from mptrain.nn import FusedLSTM
     except ImportError:
         pytest.skip("mptrain.nn.FusedLSTM not available")
-    assert isinstance(m.net.rnn, FusedLSTM)
+    assert isinstance(m.model.rnn, FusedLSTM)
 
 
 PLAIN_LIGHTNING = {
