@@ -13,6 +13,12 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/mptrain-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+# The GPU image lacks some of mptrain's dependencies (torchdata, jsonargparse): carried as wheels
+# in .whl/ (see the device notes), installed beside the image's packages, never over them.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mptrain-site \
+    .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/mptrain-site"
+fi
 export MPTRAIN_BUILD_DIR=${MPTRAIN_BUILD_DIR:-/tmp/mptrain-ext}
 export MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
