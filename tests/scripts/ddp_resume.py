@@ -33,3 +33,6 @@ fit(out / "cut", 3)
 _, rest, resumed_weights = fit(out / "cut", 8, ckpt_path="last")
 torch.save({"straight": straight, "rest": rest, "straight_weights": straight_weights,
             "resumed_weights": resumed_weights}, out / f"resume.rank{rank}.pt")
+# gloo threads left to the interpreter's teardown can abort the process at exit
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()

@@ -33,3 +33,6 @@ state = trainer._checkpoint_connector.dump_checkpoint()
 torch.save({"weights": state["state_dict"], "world_size": trainer.world_size, "steps": trainer.global_step,
             "skipped": trainer.skipped_steps, "losses": torch.stack(model.losses)},
            f"{out}.rank{trainer.global_rank}.pt")
+# gloo threads left to the interpreter's teardown can abort the process at exit
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
