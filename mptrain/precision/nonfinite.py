@@ -2,8 +2,10 @@
 
 With or without a loss scaler, a step whose loss or gradients hold an inf/NaN is skipped
 (the weights stay untouched).  ``max_consecutive_skips`` skips in a row end the run with
-:class:`NonFiniteError`.  The counters live on the device; they are read on the CPU (free),
-where the step already synced, or once every ``check_every`` steps, never on every step.
+:class:`NonFiniteError`.  The counters live on the device; they are read on the CPU (free) or
+where the step already synced.  On CUDA, every ``check_every`` steps the counter is copied into
+pinned host memory behind an event, and read once a later step finds the event complete: the
+run never waits for the GPU (zero host syncs per step), and stops at most a few steps late.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class NonFiniteGuard:
         self.total = torch.zeros((), dtype=torch.int64)
         self.steps = 0  # optimizer steps seen (host counter, no sync)
         self.free_reads: Optional[bool] = None  # None: reads are free on the CPU only
+        self._snapshot: Optional[tuple[torch.Tensor, "torch.cuda.Event"]] = None  # (pinned copy, its event)
 
     def update(self, found_inf: torch.Tensor) -> None:
         """After a step: count it as skipped when ``found_inf`` is set (device ops only)."""
@@ -45,16 +48,36 @@ class NonFiniteGuard:
         it runs only when raising.  ``synced``: the step already read the device.
         """
         free = self.consecutive.device.type == "cpu" if self.free_reads is None else self.free_reads
-        if not (synced or free or self.steps % self.check_every == 0):
+        if synced or free:
+            self._raise_at(int(self.consecutive.item()), describe)
             return
-        skips = int(self.consecutive.item())
+        if self._snapshot is not None and self._snapshot[1].query():
+            skips = int(self._snapshot[0])
+            self._snapshot = None
+            self._raise_at(skips, describe)
+        if self.steps % self.check_every != 0:
+            return
+        if self.consecutive.device.type != "cuda":
+            self._raise_at(int(self.consecutive.item()), describe)  # one read every check_every steps
+        elif self._snapshot is None and not torch.cuda.is_current_stream_capturing():
+            host = torch.empty((), dtype=self.consecutive.dtype, pin_memory=True)
+            host.copy_(self.consecutive, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._snapshot = (host, event)
+
+    def _raise_at(self, skips: int, describe: Callable[[int], str]) -> None:
         if skips >= self.max_consecutive_skips:
             raise NonFiniteError(describe(skips))
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_snapshot": None}  # a CUDA event does not pickle; the next check takes another
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled in a spawned process (ddp_spawn): torch shares pickled CPU tensors through shared
         # memory, which would make every rank count into the same counters. Each gets its own.
         self.__dict__.update(state)
+        self._snapshot = None
         self.consecutive, self.total = self.consecutive.clone(), self.total.clone()
 
     def state_dict(self) -> dict:
