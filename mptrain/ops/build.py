@@ -196,7 +196,10 @@ def _nvcc_home(nvcc: str) -> Optional[Path]:
 
 
 def find_cuda_home() -> Optional[Path]:
-    """CUDA_HOME / CUDA_PATH, else the toolkit of the nvcc on PATH, else /usr/local/cuda."""
+    """CUDA_HOME / CUDA_PATH, else the toolkit of the nvcc on PATH, else /usr/local/cuda.
+
+    A CUDA_HOME / CUDA_PATH that is set but holds no ``bin/nvcc`` is skipped here (the doctor
+    reports what it finds); :func:`build` refuses it with :func:`check_cuda_home_env`."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var) and (Path(os.environ[var]) / "bin" / "nvcc").exists():
             return Path(os.environ[var])
@@ -207,6 +210,33 @@ def find_cuda_home() -> Optional[Path]:
             return home
     default = Path("/usr/local/cuda")
     return default if (default / "bin" / "nvcc").exists() else None
+
+
+def check_cuda_home_env() -> None:
+    """A CUDA_HOME / CUDA_PATH the user set must point at a toolkit: building with some other
+    nvcc instead would silently compile with a toolkit they did not choose."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(var)
+        if value and not (Path(value) / "bin" / "nvcc").exists():
+            raise ExtensionBuildError(
+                f"{var}={value} has no bin/nvcc" + ("" if Path(value).is_dir() else " (the directory does not exist)"),
+                fix=f"point {var} at the CUDA toolkit (the directory holding bin/nvcc), or unset it to use the "
+                    f"nvcc on PATH or /usr/local/cuda")
+
+
+def ensure_writable_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) and check this process can write there, or say what to set."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ExtensionBuildError(
+            f"cannot write the extension build directory {path}: {e.strerror or e}",
+            fix="set MPTRAIN_BUILD_DIR (or --build-dir) to a directory this process can write, e.g. "
+                "MPTRAIN_BUILD_DIR=/tmp/mptrain-build") from None
+    return path
 
 
 def _extra_include_dirs(cuda_home: Path) -> list[str]:
@@ -385,6 +415,7 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
     temporary source trees.
     """
     csrc = Path(csrc) if csrc is not None else csrc_dir()
+    check_cuda_home_env()
     cuda_home = find_cuda_home()
     srcs = sources(csrc)
     has_cuda = any(s.suffix == ".cu" for s in srcs)
@@ -406,7 +437,7 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
     if "MAX_JOBS" not in os.environ:
         os.environ["MAX_JOBS"] = str(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                         else os.cpu_count() or 1))
-    build_dir = build_dir_for(csrc, root, cuda_home)
+    build_dir = ensure_writable_dir(build_dir_for(csrc, root, cuda_home))
     log = build_dir / "build.log"
     cached = _load_cached(build_dir)
     if cached is not None:
@@ -542,11 +573,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     csrc = Path(args.csrc) if args.csrc else csrc_dir()
     print(f"csrc: {csrc} ({len(sources(csrc))} translation units)")
     print(f"CUDA_HOME: {find_cuda_home()}  archs: {arch_list()}  MAX_JOBS: {os.environ.get('MAX_JOBS', 'auto')}")
-    if args.clean:
-        shutil.rmtree(build_dir_for(csrc, Path(args.build_dir) if args.build_dir else None, find_cuda_home()),
-                      ignore_errors=True)
     t0 = time.perf_counter()
     try:
+        if args.clean:
+            shutil.rmtree(build_dir_for(csrc, Path(args.build_dir) if args.build_dir else None, find_cuda_home()),
+                          ignore_errors=True)
         module, build_dir = build(csrc, Path(args.build_dir) if args.build_dir else None, verbose=args.verbose)
     except ExtensionBuildError as e:
         so = Path(e.failing_file or "")

@@ -193,3 +193,36 @@ def test_warm_start_ignores_a_changed_so_and_reports_load_errors(tmp_path, monke
     with pytest.raises(build.ExtensionBuildError, match="libcuda") as info:
         build.build(csrc, tmp_path / "cache")
     assert info.value.failing_file.endswith(".so") and "driver" in info.value.fix
+
+
+def _fresh_extension_state(monkeypatch):
+    for name, value in (("_module", None), ("_error", None), ("_status", build.ExtensionStatus("not attempted")),
+                        ("_warned", False)):
+        monkeypatch.setattr(build, name, value)
+
+
+@pytest.mark.parametrize("case", ["unwritable build dir", "CUDA_HOME pointing at nothing"])
+def test_bad_build_environment_is_one_clear_message_and_the_references_keep_working(case, tmp_path, monkeypatch):
+    """Issue 13 item 11: neither case may end in a raw traceback or be ignored without a word."""
+    if case == "unwritable build dir":
+        blocker = tmp_path / "a-file"
+        blocker.write_text("not a directory")
+        monkeypatch.setenv("MPTRAIN_BUILD_DIR", str(blocker / "cache"))  # works for root too: a file is in the way
+        want = "cannot write the extension build directory.*MPTRAIN_BUILD_DIR"
+    else:
+        monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-toolkit-here"))
+        want = r"CUDA_HOME=.*no-toolkit-here has no bin/nvcc.*point CUDA_HOME at the CUDA toolkit"
+    r = subprocess.run([sys.executable, "-m", "mptrain.ops.build"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert __import__("re").search(want, r.stderr.replace("\n", " ")), r.stderr
+    _fresh_extension_state(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert build.get_extension() is None
+    assert any("reference" in str(w.message) for w in caught)
+    import torch
+
+    from mptrain import ops
+
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(ops.layer_norm(x, (8,)), torch.nn.functional.layer_norm(x, (8,)))
