@@ -42,3 +42,18 @@ def test_two_ranks_resume_mid_epoch_bitwise(tmp_path):
         assert torch.equal(d["rest"], d["straight"][6:]), f"rank {rank} replayed other batches or randomness"
         for name, t in d["straight_weights"].items():
             assert torch.equal(t, d["resumed_weights"][name]), f"rank {rank}: {name}"
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumed_by_two_ranks_is_refused_naming_both_world_sizes(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    script = str(SCRIPT.parent / "ddp_resize.py")
+    saved = subprocess.run([sys.executable, script, str(tmp_path), "save"], env=env, capture_output=True, text=True,
+                           timeout=600, cwd=tmp_path)
+    assert saved.returncode == 0, saved.stdout[-3000:] + saved.stderr[-3000:]
+    r = subprocess.run([sys.executable, script, str(tmp_path), "resume"], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out[-3000:]
+    assert "REFUSED" in out and "world_size 1 -> 2" in out, out[-3000:]
+    assert "StopIteration" not in out

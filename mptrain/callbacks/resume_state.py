@@ -39,6 +39,14 @@ class ResumeState(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = state_dict
+        layout = state_dict.get("layout")
+        if self._trainer is not None and isinstance(layout, dict) and set(_LAYOUT_KEYS) <= set(layout):
+            # World size and accumulation are known now, before Lightning hands the saved loader state to a
+            # loader whose sampler may be another kind (1 process -> DistributedSampler): refuse here, not
+            # with torchdata's bare AssertionError. Batches per epoch are only known at on_train_start.
+            now = {"world_size": self._trainer.world_size,
+                   "accumulate_grad_batches": self._trainer.accumulate_grad_batches}
+            _check_layout(layout, now, tuple(now))
 
     def on_train_start(self, trainer, pl_module) -> None:
         if not self._loaded:
@@ -72,11 +80,12 @@ def _layout(trainer) -> dict[str, int]:
     }
 
 
-def _check_layout(saved: dict[str, int], now: dict[str, int]) -> None:
+def _check_layout(saved: dict[str, int], now: dict[str, int],
+                  keys: tuple[str, ...] = ("world_size", "accumulate_grad_batches", "num_training_batches")) -> None:
     position = saved["batch_in_epoch"]
     if position == 0 or position >= saved["num_training_batches"] > 0:
         return  # an epoch boundary: any new layout starts a fresh epoch
-    changed = {k: (saved[k], now[k]) for k in ("world_size", "accumulate_grad_batches", "num_training_batches") if saved[k] != now[k]}
+    changed = {k: (saved[k], now[k]) for k in keys if saved[k] != now[k]}
     if changed:
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
         raise ValueError(
