@@ -128,3 +128,24 @@ def test_sigkill_mid_save_keeps_previous_checkpoint_and_next_save_removes_orphan
     assert torch.equal(state["state_dict"]["w"], torch.full((16, 1024, 1024), float(i)))
     AtomicCheckpointIO().save_checkpoint(_state(), tmp_path / "other.ckpt")
     assert not list(tmp_path.glob(".*.ckpt.*")), "the next save left the orphan temp file"
+
+
+@pytest.mark.parametrize("precision", ["bf16-master", "bf16-mixed", "32-true"])
+def test_a_nan_step_leaves_every_checkpoint_finite_and_last_loadable(tmp_path, precision):
+    """Issue 13 item 2: without a loss scaler a NaN step used to poison every later checkpoint."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _models import Classifier, classification_data, mlp, quiet_trainer
+
+    model = Classifier(mlp(), inf_at_steps={2})
+    loader = torch.utils.data.DataLoader(classification_data(n=64), batch_size=8)
+    trainer = quiet_trainer(precision=precision, max_steps=6, enable_checkpointing=True, checkpoint_every_n_steps=1,
+                            default_root_dir=str(tmp_path))
+    trainer.fit(model, loader)
+    assert trainer.skipped_steps == 1
+    saved = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
+    assert any(p.name == "last.ckpt" for p in saved) and len(saved) >= 2
+    io = AtomicCheckpointIO()
+    for path in saved:
+        state = io.load_checkpoint(path)["state_dict"]
+        assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), path.name
+    Classifier.load_from_checkpoint(tmp_path / "checkpoints" / "last.ckpt", net=mlp())
