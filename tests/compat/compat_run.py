@@ -64,7 +64,7 @@ def run(trainer_cls: Callable, root: Path, module_kwargs: dict, trainer_kwargs: 
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     csv_path = root / "logs" / "version_0" / "metrics.csv"
     rows = list(csv.DictReader(csv_path.open())) if csv_path.exists() else []
-    ckpts = {f: torch.load(root / f, map_location="cpu", weights_only=False) for f in files if f.endswith(".ckpt")}
+    ckpts = {f: torch.load(root / f, map_location="cpu", weights_only=True) for f in files if f.endswith(".ckpt")}
     return Observed(calls=list(model.calls), seen=list(model.seen), losses=[float(x) for x in model.losses],
                     callback_metrics=_metrics(trainer.callback_metrics),
                     logged_metrics=_metrics(trainer.logged_metrics),
