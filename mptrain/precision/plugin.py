@@ -16,8 +16,8 @@ flag, clipping sees unscaled grads, and the step is skipped on the device.
 
 Host syncs per step: none with mptrain's fused optimizers or torch's ``fused=True`` ones
 (they honour ``found_inf`` inside the kernel); any other optimizer costs one read of the
-flag before ``step()``, as with torch's GradScaler.  The skip counter is read at most
-every ``guard.check_every`` steps on a GPU.
+flag before ``step()``, as with torch's GradScaler.  On a GPU the skip counter is copied to
+pinned memory every ``guard.check_every`` steps and read once that copy has landed (never waited for).
 """
 from __future__ import annotations
 
