@@ -31,6 +31,14 @@ def _dataset(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, x @ w + 0.01 * torch.randn(n, 1, generator=g))
 
 
+def _recording(calls: list[str], name: str, fn):
+    """``fn`` that first appends ``name`` to ``calls`` (the hook order both trainers must share)."""
+    def hook(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return hook
+
+
 def scheduler_config(kind: str, optimizer: torch.optim.Optimizer):
     """The scheduler part of ``configure_optimizers``' return value, one shape per ``kind``."""
     if kind == "steplr_epoch":
@@ -62,13 +70,7 @@ class CompatModule(L.LightningModule):
         self.losses: list[torch.Tensor] = []
         self.dtypes: tuple | None = None  # (first Linear's weight, model output) at the first training_step
         for name in HOOKS:  # instance attributes: Lightning's is_overridden() still sees the class
-            setattr(self, name, self._recording(name, getattr(self, name)))
-
-    def _recording(self, name, fn):
-        def hook(*args, **kwargs):
-            self.calls.append(name)
-            return fn(*args, **kwargs)
-        return hook
+            setattr(self, name, _recording(self.calls, name, getattr(self, name)))
 
     def forward(self, x):
         return self.net(x)
@@ -137,13 +139,7 @@ class CompatDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.calls: list[str] = []
         for name in self.HOOKS:
-            setattr(self, name, self._recording(name, getattr(self, name)))
-
-    def _recording(self, name, fn):
-        def hook(*args, **kwargs):
-            self.calls.append(name)
-            return fn(*args, **kwargs)
-        return hook
+            setattr(self, name, _recording(self.calls, name, getattr(self, name)))
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(2)
