@@ -43,9 +43,22 @@ def capture(graph: "torch.cuda.CUDAGraph", pool, what: str, fix: str) -> Iterato
                 autocast:
             yield
     except CudaGraphError:
+        _release_generators(device)
         raise
     except Exception as exc:
+        _release_generators(device)
         raise CudaGraphError(describe_capture_error(exc, what, fix)) from exc
+
+
+def _release_generators(device: int) -> None:
+    """Take the device's default CUDA generator out of capture after a failed capture.
+
+    ``capture_end`` raises before it tells the generator the capture is over, so every later
+    random op on the device (``torch.randn``, dropout) would fail with "Offset increment outside
+    graph capture".  A fresh state object with the same seed and offset is not capturing."""
+    gen = torch.cuda.default_generators[device]
+    if hasattr(gen, "graphsafe_set_state"):  # torch >= 2.4
+        gen.graphsafe_set_state(gen.clone_state())
 
 
 def describe_capture_error(exc: BaseException, what: str, fix: str) -> str:
