@@ -124,9 +124,9 @@ def _graph_rows(name, steps, sets, rep_ms, floor, extra, eager, min_steps=4):
 
 
 def _pointwise_case(batch: int, hidden: int, quick: bool) -> list[Result]:
-    from mptrain.ops.lstm import _extension
+    from mptrain.ops.build import get_extension
 
-    ext = _extension()
+    ext = get_extension(required=True)
     H4 = 4 * hidden
 
     def make():
@@ -231,10 +231,10 @@ def _sequence_cases(quick: bool) -> list[Result]:
 
 
 def run(args) -> list[Result]:
-    from mptrain.ops.lstm import _extension
+    from mptrain.ops.build import extension_status, get_extension
 
-    if _extension() is None:
-        raise RuntimeError("LSTM benchmarks: the mptrain extension did not load; see mptrain.ops.extension_status()")
+    if get_extension(required=False) is None:
+        raise RuntimeError(f"LSTM benchmarks: the mptrain extension did not load: {extension_status().describe()}")
     quick = bool(getattr(args, "quick", False))
     results = []
     for batch in (256, 1024):

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _models import Classifier, classification_data, mlp  # noqa: E402
 from mptrain import Trainer  # noqa: E402
 
 
-class SyncGuard:
+class SyncGuard(Callback):
     """Turns on CUDA's sync debug mode ("error") for steps [start, stop)."""
 
     def __init__(self, start: int, stop: int):

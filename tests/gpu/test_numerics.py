@@ -159,6 +159,10 @@ def test_monitor_names_the_culprit_with_the_cuda_trainer(tmp_path):
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
     from mptrain import Trainer
     from mptrain.numerics import OverflowMonitor
 
@@ -182,11 +186,16 @@ def test_monitor_names_the_culprit_with_the_cuda_trainer(tmp_path):
     g = torch.Generator().manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g)),
                       batch_size=8)
-    monitor = OverflowMonitor(log_every_n_steps=4)
-    trainer = Trainer(precision="16-mixed", accelerator="cuda", devices=1, max_epochs=1, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
-                      callbacks=[monitor], log_every_n_steps=4, loss_scaler={"init_scale": 2.0**8})
+    monitor = OverflowMonitor(every_n_steps=4)
+    trainer = Trainer(precision="16-mixed", accelerator="cuda", devices=1, max_epochs=1,
+                      logger=CSVLogger(tmp_path), enable_progress_bar=False, enable_checkpointing=False,
+                      default_root_dir=str(tmp_path), callbacks=[monitor], log_every_n_steps=4,
+                      loss_scaler={"init_scale": 2.0**8})
     trainer.fit(Net(), train_dataloaders=data)
     assert trainer.skipped_steps == 1
-    assert monitor.last_nonfinite_modules == ["bad"]
-    assert "numerics/bad/grad_underflow" in trainer.logged_metrics
+    rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("overflow/bad/grad_nonfinite")]
+    # the inf grad of call 3 lands in the first window (steps 1-4); only ``bad`` has non-finite grads
+    assert float(rows[0]["overflow/bad/grad_nonfinite"]) > 0
+    assert all(float(r["overflow/inp/grad_nonfinite"]) == 0.0 and float(r["overflow/out/grad_nonfinite"]) == 0.0
+               for r in rows)
+    assert all(float(r["overflow/bad/grad_nonfinite"]) == 0.0 for r in rows[1:])
