@@ -14,6 +14,7 @@ from mptrain.models.fusion import fuse
 from mptrain.models.optim import build_optimizer, decay_groups
 from mptrain.models.perplexity import log_epoch_perplexity
 from mptrain.models.schedules import per_step, run_length, warmup_linear
+from mptrain.models.train_loss import log_train_loss
 
 
 def build_bert_mlm(vocab_size: int, hidden_size: int = 768, num_layers: int = 12, num_heads: int = 12,
@@ -105,7 +106,7 @@ class BertMLM(L.LightningModule):
     def training_step(self, batch, batch_idx):
         loss_sum, _, _, count = self(batch)
         loss = loss_sum / count.clamp_min(1)
-        self.log("train/loss", loss.detach(), prog_bar=True)
+        log_train_loss(self, loss)
         return loss
 
     def validation_step(self, batch, batch_idx):

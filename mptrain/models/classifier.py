@@ -12,6 +12,7 @@ from mptrain.models.checks import check_args
 from mptrain.models.optim import build_optimizer, decay_groups
 from mptrain.models.schedules import per_step, run_length, warmup_cosine
 from mptrain.models.vision import build_image_model
+from mptrain.models.train_loss import log_train_loss
 
 
 class ImageClassifier(L.LightningModule):
@@ -56,7 +57,7 @@ class ImageClassifier(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss, _, _ = self._loss(batch)
-        self.log("train/loss", loss.detach(), prog_bar=True)
+        log_train_loss(self, loss)
         return loss
 
     def validation_step(self, batch, batch_idx):

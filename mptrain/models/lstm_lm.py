@@ -14,6 +14,7 @@ from mptrain.models.fusion import lstm
 from mptrain.models.optim import build_optimizer, decay_groups
 from mptrain.models.perplexity import log_epoch_perplexity
 from mptrain.models.schedules import per_step, run_length, warmup_cosine
+from mptrain.models.train_loss import log_train_loss
 
 
 class LSTMNet(nn.Module):
@@ -74,7 +75,7 @@ class LSTMLanguageModel(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
-        self.log("train/loss", loss.detach(), prog_bar=True)
+        log_train_loss(self, loss)
         return loss
 
     def validation_step(self, batch, batch_idx):
