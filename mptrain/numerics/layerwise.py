@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 #: the keys of every row, in this order (outside tests rely on exactly these)
 ROW_KEYS = ("module", "max_abs", "max_rel", "mean_abs", "cosine", "ok", "overflow_frac", "underflow_frac")
@@ -99,30 +100,11 @@ _MAX_STATS = (_MAXABS, _MAXREL)
 # ---------------------------------------------------------------------------------------
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """Floating-point tensors in ``obj`` (tensors, lists, tuples, dicts), in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, dict):
-        return [t for k in obj for t in _tensors(obj[k])]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
-def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by ``fn(tensor)`` (structure kept)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(_map(v, fn) for v in obj)
-    if isinstance(obj, list):
-        return [_map(v, fn) for v in obj]
-    return obj
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def _detach_clone(obj: Any) -> Any:
-    return _map(obj, lambda t: t.detach().clone())
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), obj)
 
 
 def _cast_like(ref: Any, low: Any) -> Any:
@@ -572,8 +554,9 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
     ref_model = copy.deepcopy(model).float().train(train_mode)
     low_model = copy.deepcopy(model).float().train(train_mode)
     low_model = prec.convert_module(low_model) or low_model
-    ref_in = _map(example_input, lambda t: t.to(device=device, dtype=torch.float32) if t.is_floating_point() else t.to(device))
-    low_in = prec.convert_input(_map(example_input, lambda t: t.to(device)))
+    ref_in = tree_map_only(torch.Tensor, lambda t: t.to(device, torch.float32 if t.is_floating_point() else t.dtype),
+                           example_input)
+    low_in = prec.convert_input(tree_map_only(torch.Tensor, lambda t: t.to(device), example_input))
 
     name = getattr(prec, "precision", None) or getattr(prec, "name", None) or str(precision)
     tol = Tolerance(UNIT_ROUNDOFF[_low_dtype(str(name))], rtol=rtol, atol=atol)

@@ -22,6 +22,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from mptrain.numerics.layerwise import _call
+
 QMIN, QMAX = -128, 127
 #: the largest K for which an int32 accumulator of int8 products cannot overflow
 #: (|q| <= 128, so each product is at most 2**14 and K * 2**14 must stay below 2**31).
@@ -240,14 +242,6 @@ class Int8DynamicLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.register_buffer("bias", bias)
 
-    @classmethod
-    def from_float(cls, linear: nn.Linear, config: QuantConfig = QuantConfig()) -> "Int8DynamicLinear":
-        return cls(linear, config)
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The float32 weight the int8 codes stand for (for error reports)."""
-        return self.weight_scale[:, None] * (self.weight_q.to(torch.int32) - self.weight_zero[:, None]).float()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Int8DynamicLinear: input has {x.shape[-1]} features, expected {self.in_features}")
@@ -378,10 +372,3 @@ def quantization_report(model: nn.Module, example_input=None, config: QuantConfi
                      "weight_sqnr_db": w_sqnr, "out_rel_err": o_rel, "out_sqnr_db": o_sqnr})
     return QuantReport(config, rows)
 
-
-def _call(model: nn.Module, example_input):
-    if isinstance(example_input, dict):
-        return model(**example_input)
-    if isinstance(example_input, (tuple, list)):
-        return model(*example_input)
-    return model(example_input)
