@@ -28,10 +28,12 @@ mptrain.bench.graph_timing) and replay it: GPU work and launch gaps only, no hos
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
-from mptrain.bench.common import Result, Rotating, floor_ms, host_us, loop_ms, median_ms, sets_for
+from mptrain.bench.common import Result, floor_ms, host_us, input_sets, loop_ms, median_ms
 from mptrain.bench.graph_timing import step_ms
 from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
 
@@ -61,7 +63,8 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     def make():
         return [torch.randn(batch, hidden, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
 
-    rot = Rotating(make, sets_for(3 * batch * hidden * 2))
+    sets = input_sets(make, 3 * batch * hidden * 2)
+    rot = itertools.cycle(sets)
 
     def run(cell):
         params = list(cell.parameters())
@@ -76,7 +79,7 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
 
     steps = {"ref": run(ref), "ours": run(ours)}
     rep = 50 if quick else 200
-    calls = {k: (lambda s=s: s(rot.next())) for k, s in steps.items()}
+    calls = {k: (lambda s=s: s(next(rot))) for k, s in steps.items()}
     # The row's number is the loop's wall time per call (both sides host-bound: see the
     # module docstring); the CUDA-event median, which under-counts host time and swung
     # from 0.95x to 2.13x between H200 runs, goes into extra.
@@ -93,7 +96,7 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
                  cuda_event_median_ms=t_events,
                  host_us_per_call={k: _host_us(steps[k], cell, rot) for k, cell in (("ref", ref), ("ours", ours))})
     results = [Result(f"lstm cell fwd+bwd bf16 {batch}x{hidden} vs nn.LSTMCell", t_ours, t_ref, floor, extra)]
-    results += _graph_rows(f"lstm cell fwd+bwd bf16 {batch}x{hidden}", steps, rot.sets, rep,
+    results += _graph_rows(f"lstm cell fwd+bwd bf16 {batch}x{hidden}", steps, sets, rep,
                            floor, base, results[0])
     return results
 
@@ -104,10 +107,10 @@ def _host_us(step, cell, rot, calls: int = 200) -> dict:
     which half the host time is in."""
 
     def fwd():
-        x, h, c = rot.next()
+        x, h, c = next(rot)
         return cell(x, (h, c))
 
-    return {"fwd": round(host_us(fwd, calls), 1), "fwd+bwd": round(host_us(lambda: step(rot.next()), calls), 1)}
+    return {"fwd": round(host_us(fwd, calls), 1), "fwd+bwd": round(host_us(lambda: step(next(rot)), calls), 1)}
 
 
 def _graph_rows(name, steps, sets, rep_ms, floor, extra, eager, min_steps=4):
@@ -134,17 +137,17 @@ def _pointwise_case(batch: int, hidden: int, quick: bool) -> list[Result]:
         return [torch.randn(batch, H4, **t), torch.randn(batch, H4, **t), torch.randn(batch, hidden, **t),
                 torch.randn(batch, hidden, **t), torch.randn(batch, hidden, **t)]
 
-    rot = Rotating(make, sets_for(11 * batch * hidden * 2))
+    rot = itertools.cycle(input_sets(make, 11 * batch * hidden * 2))
 
     def ours():
-        ig, hg, c, dh, dc = rot.next()
+        ig, hg, c, dh, dc = next(rot)
         h1, c1, ws = ext.lstm_cell_pointwise_forward(ig, hg, c, None, None)
         return ext.lstm_cell_pointwise_backward(dh, None, dc, c, c1, ws)
 
     torch_ms = None
     if hasattr(torch, "_thnn_fused_lstm_cell"):
         def theirs():
-            ig, hg, c, dh, dc = rot.next()
+            ig, hg, c, dh, dc = next(rot)
             ig, hg = ig.detach().requires_grad_(), hg.detach().requires_grad_()
             hy, cy, _ = torch._thnn_fused_lstm_cell(ig, hg, c)
             return torch.autograd.grad((hy, cy), (ig, hg), (dh, dc))
@@ -179,14 +182,15 @@ def _sequence_cases(quick: bool) -> list[Result]:
             cells[k].bias_ih.data.copy_(getattr(ref, f"bias_ih_l{k}"))
             cells[k].bias_hh.data.copy_(getattr(ref, f"bias_hh_l{k}"))
 
-    rot = Rotating(lambda: torch.randn(T, B, H, device="cuda", dtype=BF16, requires_grad=True), 3)
+    sets = [torch.randn(T, B, H, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
+    rot = itertools.cycle(sets)
     cot = torch.randn(T, B, H, device="cuda", dtype=BF16) * 1e-2
 
     def seq(module):
         params = list(module.parameters())
 
         def fn():
-            x = rot.next()
+            x = next(rot)
             out, _ = module(x)
             return torch.autograd.grad(out, [x] + params, cot)
 
@@ -196,7 +200,7 @@ def _sequence_cases(quick: bool) -> list[Result]:
         params = [p for c in cells for p in c.parameters()]
 
         def fn(x=None):
-            x = rot.next() if x is None else x
+            x = next(rot) if x is None else x
             layer_in = x.unbind(0)
             for cell in cells:
                 h = c = torch.zeros(B, H, device="cuda", dtype=BF16)
@@ -226,7 +230,7 @@ def _sequence_cases(quick: bool) -> list[Result]:
                {"note": "same cuDNN call; FusedLSTM flattens bf16 weights, bf16 nn.LSTM copies them per call"}),
         Result(f"FusedLSTM fused {tag} vs nn.LSTM", t_fused, t_cudnn, None),
         loop_row,
-    ] + _graph_rows(f"FusedLSTMCell loop {tag}", loops, rot.sets[:1], 100 if quick else 400,
+    ] + _graph_rows(f"FusedLSTMCell loop {tag}", loops, sets[:1], 100 if quick else 400,
                     None, {}, loop_row, min_steps=1)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain import ops
-from mptrain.bench.common import Result, Rotating, floor_ms, sets_for
+from mptrain.bench.common import Result, floor_ms, input_sets
 from mptrain.bench.graph_timing import step_ms
 
 # (rows, hidden) from the target table; all bf16.
@@ -81,7 +81,7 @@ def _make_sets(rows, hidden, kind, wdtype):
         b = None if kind == "rms" else rand(hidden).to(wdtype).requires_grad_()
         return x, w, b, rand(rows, hidden, dtype=dt)
 
-    return Rotating(make, sets_for(4 * rows * hidden * dt.itemsize))
+    return input_sets(make, 4 * rows * hidden * dt.itemsize)
 
 
 def _case_name(kind, wdtype, what, rows, hidden):
@@ -103,12 +103,12 @@ def _result(name, t_ours, how, t_torch, how_torch, rows, hidden, elem_bytes, wha
 def _fwd_bwd_rows(rows, hidden, kind, wdtype, rep) -> list[Result]:
     sets = _make_sets(rows, hidden, kind, wdtype)
     ours, theirs = _norms(kind, hidden)
-    expected = _fwd_bwd(theirs, sets.sets[0])
+    expected = _fwd_bwd(theirs, sets[0])
     # torch's LayerNorm needs the weights in x's dtype: the fp32-weight case times its casts
     # too, which is what a *-master model would have to do without the fused kernel.
-    torch_timed = step_ms(lambda s: _fwd_bwd(theirs, s), sets.sets, rep)
+    torch_timed = step_ms(lambda s: _fwd_bwd(theirs, s), sets, rep)
     name = _case_name(kind, wdtype, "fwd+bwd", rows, hidden)
-    return _row(name, lambda s: _fwd_bwd(ours, s), sets.sets, expected, torch_timed, rows, hidden, 10, "fwd+bwd",
+    return _row(name, lambda s: _fwd_bwd(ours, s), sets, expected, torch_timed, rows, hidden, 10, "fwd+bwd",
                 rep)
 
 
@@ -128,10 +128,10 @@ def _row(name, step, inputs, expected, torch_timed, rows, hidden, elem_bytes, wh
 def _fwd_only_rows(rows, hidden, rep) -> list[Result]:
     sets = _make_sets(rows, hidden, "layer", torch.bfloat16)
     ours, theirs = _norms("layer", hidden)
-    expected = _fwd(theirs, sets.sets[0])
-    torch_timed = step_ms(lambda s: _fwd(theirs, s), sets.sets, rep)
+    expected = _fwd(theirs, sets[0])
+    torch_timed = step_ms(lambda s: _fwd(theirs, s), sets, rep)
     name = _case_name("layer", torch.bfloat16, "fwd", rows, hidden) + " [4 B/elem]"
-    return _row(name, lambda s: _fwd(ours, s), sets.sets, expected, torch_timed, rows, hidden, 4, "fwd", rep)
+    return _row(name, lambda s: _fwd(ours, s), sets, expected, torch_timed, rows, hidden, 4, "fwd", rep)
 
 
 def _bwd_only_rows(rows, hidden, rep) -> list[Result]:
@@ -144,7 +144,7 @@ def _bwd_only_rows(rows, hidden, rep) -> list[Result]:
     shape, eps = [hidden], 1e-5
     ours_in, theirs_in = [], []
     with torch.no_grad():
-        for x, w, b, dy in sets.sets:
+        for x, w, b, dy in sets:
             _, mean, rstd, work = ext.layer_norm_forward(x, w, b, hidden, eps, False)
             ours_in.append((dy, x, mean, rstd, w, b, work))
             wt, bt = w.to(x.dtype), b.to(x.dtype)
