@@ -496,16 +496,13 @@ def _import_so(so: Path):
 def _load_cached(build_dir: Path):
     """The module from a build that already loaded once in ``build_dir``, or None (then build)."""
     so, stamp = build_dir / f"{EXT_NAME}.so", build_dir / _STAMP_NAME
-    try:
-        if not (so.is_file() and stamp.read_text().strip() == _so_signature(so)):
-            return None
-    except OSError:
+    if not stamp.is_file():
         return None
     with build_lock(build_dir):  # a concurrent builder of the same hash finishes first
         try:
             if stamp.read_text().strip() != _so_signature(so):
                 return None
-        except OSError:
+        except OSError:  # no .so (or no stamp) any more
             return None
         try:
             return _import_so(so)
