@@ -14,8 +14,8 @@
 Every case is timed the same way for ours and torch (the module call + autograd.grad),
 in interleaved rounds (see _timed). The eager cell rows report the wall time per call of a
 200-call loop (common.loop_ms): CUDA events around each call (median_ms) miss the host time
-spent before a host-bound call's first launch, and that measure swung from 0.95x to 2.13x
-between H200 runs; it stays in the row's extra as cuda_event_median_ms.
+spent before a host-bound call's first launch (that measure swung from 0.95x to 2.13x
+between H200 runs). The host time of one call alone is `mptrain.bench.host_cost`'s table.
 Gradients are taken with autograd.grad (no .grad accumulation) for inputs and parameters.
 
 What the eager numbers measure: one Python module call, the C++/ATen host work of the
@@ -33,7 +33,7 @@ import itertools
 import torch
 from torch import nn
 
-from mptrain.bench.common import Result, floor_ms, host_us, input_sets, loop_ms, median_ms
+from mptrain.bench.common import Result, floor_ms, input_sets, loop_ms, median_ms
 from mptrain.bench.graph_timing import step_ms
 from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
 
@@ -81,10 +81,8 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     rep = 50 if quick else 200
     calls = {k: (lambda s=s: s(next(rot))) for k, s in steps.items()}
     # The row's number is the loop's wall time per call (both sides host-bound: see the
-    # module docstring); the CUDA-event median, which under-counts host time and swung
-    # from 0.95x to 2.13x between H200 runs, goes into extra.
+    # module docstring).
     t = _timed(calls, rep_ms=rep, timer=lambda fn, rep_ms: loop_ms(fn, calls=50 if quick else 200), rounds=3)
-    t_events = _timed(calls, rep_ms=rep)
     t_ours, t_ref = t["ours"], t["ref"]
     bh = batch * hidden
     gemm_flops = 6 * 2 * batch * hidden * 4 * hidden  # 2 fwd + 4 bwd GEMMs of (B, H) x (H, 4H)
@@ -92,25 +90,11 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     base = {"floor": "pointwise bytes only (fwd 11 + bwd 13 elems of B*H)",
             "gemm_floor_ms": 1e3 * gemm_flops / GEMM_FLOPS}
     extra = dict(base, measures="eager module call + autograd.grad, wall time per call of a 200-call loop "
-                 "(common.loop_ms, best of 3 interleaved rounds): host-bound on both sides",
-                 cuda_event_median_ms=t_events,
-                 host_us_per_call={k: _host_us(steps[k], cell, rot) for k, cell in (("ref", ref), ("ours", ours))})
+                 "(common.loop_ms, best of 3 interleaved rounds): host-bound on both sides")
     results = [Result(f"lstm cell fwd+bwd bf16 {batch}x{hidden} vs nn.LSTMCell", t_ours, t_ref, floor, extra)]
     results += _graph_rows(f"lstm cell fwd+bwd bf16 {batch}x{hidden}", steps, sets, rep,
                            floor, base, results[0])
     return results
-
-
-def _host_us(step, cell, rot, calls: int = 200) -> dict:
-    """Host time per call (common.host_us): the forward alone (module call, graph built then
-    dropped) and forward + autograd.grad. Where the eager number is host-bound this says
-    which half the host time is in."""
-
-    def fwd():
-        x, h, c = next(rot)
-        return cell(x, (h, c))
-
-    return {"fwd": round(host_us(fwd, calls), 1), "fwd+bwd": round(host_us(lambda: step(next(rot)), calls), 1)}
 
 
 def _graph_rows(name, steps, sets, rep_ms, floor, extra, eager, min_steps=4):
