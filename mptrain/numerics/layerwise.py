@@ -267,8 +267,7 @@ class LayerwiseReport:
         return [r["module"] for r, _ in self.ranked()[:n]]
 
     def table(self, top: Optional[int] = None) -> str:
-        head = (f"{'module':<44} {'dtype':>8} {'max_abs':>9} {'max_rel':>9} {'mean_abs':>9} {'cosine':>8} "
-                f"{'ovf%':>6} {'unf%':>6} {'ok':>3} {'local_err':>9} {'rel_err':>9}  flags")
+        head = f"{'module':<44} {'dtype':>8} {_STATS_HEAD} {'local_err':>9} {'rel_err':>9}  flags"
         lines = [f"layerwise fp32 vs {self.precision} ({self.tolerance or f'rtol={self.rtol}, atol={self.atol}'}); "
                  f"first_bad={self.first_bad}; worst first", head, "-" * len(head)]
         for row, det in self.ranked()[:top]:
@@ -278,20 +277,12 @@ class LayerwiseReport:
             if not det.get("local_input_ok", True):
                 flags.append("input-overflows-dtype")
             local = det.get("local_rel_err")
-            lines.append(
-                f"{_short(row['module'], 44):<44} {det.get('dtype', ''):>8} {_f(row['max_abs'])} {_f(row['max_rel'])} "
-                f"{_f(row['mean_abs'])} {row['cosine']:8.5f} {100 * row['overflow_frac']:6.2f} "
-                f"{100 * row['underflow_frac']:6.2f} {'yes' if row['ok'] else 'NO':>3} "
-                f"{'—' if local is None else _f(local)} {_f(det['rel_err'])}  {' '.join(flags)}")
+            lines.append(f"{_short(row['module'], 44):<44} {det.get('dtype', ''):>8} {_stats(row)} "
+                         f"{'—' if local is None else _f(local)} {_f(det['rel_err'])}  {' '.join(flags)}")
         if self.grad_rows:
-            lines.append("")
-            lines.append(f"output gradients (backward order); first_bad_grad={self.first_bad_grad}")
-            lines.append(f"{'module':<44} {'max_abs':>9} {'max_rel':>9} {'mean_abs':>9} {'cosine':>8} "
-                         f"{'ovf%':>6} {'unf%':>6} {'ok':>3}")
-            for r in self.grad_rows[:top]:
-                lines.append(f"{_short(r['module'], 44):<44} {_f(r['max_abs'])} {_f(r['max_rel'])} {_f(r['mean_abs'])} "
-                             f"{r['cosine']:8.5f} {100 * r['overflow_frac']:6.2f} {100 * r['underflow_frac']:6.2f} "
-                             f"{'yes' if r['ok'] else 'NO':>3}")
+            lines += ["", f"output gradients (backward order); first_bad_grad={self.first_bad_grad}",
+                      f"{'module':<44} {_STATS_HEAD}"]
+            lines += [f"{_short(r['module'], 44):<44} {_stats(r)}" for r in self.grad_rows[:top]]
         for note in self.notes:
             lines.append(f"note: {note}")
         lines.append(self.verdict())
@@ -331,6 +322,15 @@ class LayerwiseReport:
 
 def _sortable(v: float) -> float:
     return math.inf if v is None or math.isnan(v) else v
+
+
+_STATS_HEAD = f"{'max_abs':>9} {'max_rel':>9} {'mean_abs':>9} {'cosine':>8} {'ovf%':>6} {'unf%':>6} {'ok':>3}"
+
+
+def _stats(r: dict) -> str:
+    """A row's ROW_KEYS statistics under :data:`_STATS_HEAD`."""
+    return (f"{_f(r['max_abs'])} {_f(r['max_rel'])} {_f(r['mean_abs'])} {r['cosine']:8.5f} "
+            f"{100 * r['overflow_frac']:6.2f} {100 * r['underflow_frac']:6.2f} {'yes' if r['ok'] else 'NO':>3}")
 
 
 def _f(v: float) -> str:
