@@ -49,16 +49,9 @@ def tool_versions() -> dict:
         out = _run([nvcc, "--version"])
         m = re.search(r"release ([\d.]+)", out or "")
         v["nvcc"] = f"{m.group(1)} ({nvcc})" if m else f"unknown ({nvcc})"
-    ninja = shutil.which("ninja")
+    ninja = shutil.which("ninja")  # torch's cpp_extension runs the ninja on PATH
     if ninja:
         v["ninja"] = _run([ninja, "--version"]) or "unknown"
-    else:
-        try:  # the pip package ships the binary
-            import ninja as _ninja  # noqa: F401
-
-            v["ninja"] = f"{getattr(_ninja, '__version__', 'installed')} (pip package)"
-        except ImportError:
-            v["ninja"] = None
     return v
 
 
