@@ -57,9 +57,6 @@ class PrecisionTable:
             lines.append(f"{r['precision']:<14} {m:>12} {d:>13} {lat:>11} {sp:>9}  {r['status']}")
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
-        return {"metric": self.metric_name, "rows": self.rows}
-
 
 def accuracy_percent(logits: torch.Tensor, target: torch.Tensor) -> float:
     """Top-1 accuracy in percent (what ``metric="accuracy"`` means)."""

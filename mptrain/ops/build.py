@@ -281,12 +281,13 @@ def gencode_flags(archs: list[str]) -> list[str]:
     return flags
 
 
-def _flags() -> tuple[list[str], list[str]]:
-    cflags = ["-O3"]
+def _all_flags(cuda_home: Optional[Path]) -> tuple[list[str], list[str]]:
+    """(C++ flags, nvcc flags), both with the include dirs the toolkit lacks (see _extra_include_dirs)."""
+    extra = [f"-I{d}" for d in _extra_include_dirs(cuda_home)] if cuda_home is not None else []
     cuda = ["-O3", "--expt-relaxed-constexpr"] + gencode_flags(arch_list())
     if os.environ.get("MPTRAIN_SMALL_KERNEL_ARGS") == "1":
         cuda.append("-DMPT_SMALL_KERNEL_ARGS")
-    return cflags, cuda
+    return ["-O3"] + extra, cuda + extra
 
 
 def _loaded_cublas() -> Optional[Path]:
@@ -391,14 +392,6 @@ def _read_pid(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- build
-
-
-def _all_flags(cuda_home: Optional[Path]) -> tuple[list[str], list[str]]:
-    cflags, cuda_flags = _flags()
-    if cuda_home is not None:
-        extra = [f"-I{d}" for d in _extra_include_dirs(cuda_home)]
-        cflags, cuda_flags = cflags + extra, cuda_flags + extra
-    return cflags, cuda_flags
 
 
 def build_dir_for(csrc: Path, root: Optional[Path] = None, cuda_home: Optional[Path] = None) -> Path:
