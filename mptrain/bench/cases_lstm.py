@@ -128,25 +128,17 @@ def _pointwise_case(batch: int, hidden: int, quick: bool) -> list[Result]:
         h1, c1, ws = ext.lstm_cell_pointwise_forward(ig, hg, c, None, None)
         return ext.lstm_cell_pointwise_backward(dh, None, dc, c, c1, ws)
 
-    torch_ms = None
-    if hasattr(torch, "_thnn_fused_lstm_cell"):
-        def theirs():
-            ig, hg, c, dh, dc = next(rot)
-            ig, hg = ig.detach().requires_grad_(), hg.detach().requires_grad_()
-            hy, cy, _ = torch._thnn_fused_lstm_cell(ig, hg, c)
-            return torch.autograd.grad((hy, cy), (ig, hg), (dh, dc))
+    def theirs():
+        ig, hg, c, dh, dc = next(rot)
+        ig, hg = ig.detach().requires_grad_(), hg.detach().requires_grad_()
+        hy, cy, _ = torch._thnn_fused_lstm_cell(ig, hg, c)
+        return torch.autograd.grad((hy, cy), (ig, hg), (dh, dc))
 
-        torch_ms = median_ms(theirs, rep_ms=50 if quick else 200)
-    t = median_ms(ours, rep_ms=50 if quick else 200)
-    return [
-        Result(
-            f"lstm pointwise fwd+bwd bf16 {batch}x{hidden} (torch fused)",
-            t,
-            torch_ms,
-            floor_ms(28 * batch * hidden * 2),
-            {"floor": "fwd reads 2 gate tensors + c, writes h, c, 4H workspace; bwd 13 elems of B*H"},
-        )
-    ]
+    rep = 50 if quick else 200
+    torch_ms = median_ms(theirs, rep_ms=rep)  # torch first, as before ours in every family
+    return [Result(f"lstm pointwise fwd+bwd bf16 {batch}x{hidden} (torch fused)", median_ms(ours, rep_ms=rep),
+                   torch_ms, floor_ms(28 * batch * hidden * 2),
+                   {"floor": "fwd reads 2 gate tensors + c, writes h, c, 4H workspace; bwd 13 elems of B*H"})]
 
 
 def _sequence_cases(quick: bool) -> list[Result]:

@@ -20,17 +20,10 @@ import torch
 
 from mptrain.bench.common import device_meta, input_sets, median_ms
 
-DTYPES = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8")
+#: minimum compute capability per dtype (torch >= 2.6 has _int_mm, _scaled_mm and float8_e4m3fn)
+MIN_CC = {"fp32": (0, 0), "tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "int8": (7, 5), "fp8": (8, 9)}
+DTYPES = tuple(MIN_CC)
 DEFAULT_SIZES = (1024, 4096, 8192)
-#: (minimum compute capability, what must exist in torch) per dtype
-REQUIREMENTS = {
-    "fp32": ((0, 0), None),
-    "tf32": ((8, 0), None),
-    "fp16": ((7, 0), None),
-    "bf16": ((8, 0), None),
-    "int8": ((7, 5), "_int_mm"),
-    "fp8": ((8, 9), "_scaled_mm"),
-}
 _BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 
 
@@ -65,16 +58,12 @@ def products_per_call(n: int, min_flops: float = 3.5e10) -> int:
 
 
 def unsupported_reason(dtype: str, capability: Optional[tuple[int, int]]) -> Optional[str]:
-    """None when ``dtype`` can run on a device of ``capability`` with this torch, else why not."""
+    """None when ``dtype`` can run on a device of ``capability``, else why not."""
     if capability is None:
         return "no CUDA device"
-    need_cc, attr = REQUIREMENTS[dtype]
+    need_cc = MIN_CC[dtype]
     if tuple(capability) < need_cc:
         return f"needs compute capability >= {need_cc[0]}.{need_cc[1]}, device has {capability[0]}.{capability[1]}"
-    if attr and not hasattr(torch, attr):
-        return f"this torch ({torch.__version__}) has no torch.{attr}"
-    if dtype == "fp8" and not hasattr(torch, "float8_e4m3fn"):
-        return f"this torch ({torch.__version__}) has no float8_e4m3fn"
     return None
 
 

@@ -16,12 +16,12 @@ from typing import Any, Optional
 
 import torch
 
-from mptrain.bench.gemm import REQUIREMENTS, gemm_fn, make_operands
+from mptrain.bench.gemm import MIN_CC, gemm_fn, make_operands
 from mptrain.ops.build import extension_status, find_cuda_home, get_extension
 from mptrain.precision.fallback import cpu_lacks_native_bf16
 
 #: minimum compute capability of each tensor-core path (NVIDIA): the GEMM benchmark's table
-TENSOR_CORE_MIN_CC = {dtype: cc for dtype, (cc, _) in REQUIREMENTS.items() if dtype != "fp32"}
+TENSOR_CORE_MIN_CC = {dtype: cc for dtype, cc in MIN_CC.items() if dtype != "fp32"}
 
 
 def _run(cmd: list[str], timeout: float = 10.0) -> Optional[str]:

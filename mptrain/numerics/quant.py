@@ -121,8 +121,6 @@ def int_mm_supported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     cuBLASLt's int8 GEMM (as wrapped by torch) wants more than 16 rows, K and N
     multiples of 8, and CUDA int8 operands.
     """
-    if not hasattr(torch, "_int_mm"):
-        return "this torch has no torch._int_mm"
     if not (a.is_cuda and b.is_cuda):
         return "operands are not on CUDA"
     if a.dtype != torch.int8 or b.dtype != torch.int8:
@@ -165,7 +163,7 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, pad: bool = True) -> torch.Ten
     the result is still exact.  Without ``pad`` they fall back to the reference.
     """
     _check_mm_operands(a, b)
-    if not (a.is_cuda and hasattr(torch, "_int_mm")):
+    if not a.is_cuda:
         return int8_matmul_reference(a, b)
     if int_mm_supported(a, b) is None:
         # A row-major, B column-major: the layout cuBLASLt's IMMA kernels take without a
