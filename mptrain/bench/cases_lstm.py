@@ -135,7 +135,7 @@ def _pointwise_case(batch: int, hidden: int, quick: bool) -> list[Result]:
         return torch.autograd.grad((hy, cy), (ig, hg), (dh, dc))
 
     rep = 50 if quick else 200
-    torch_ms = median_ms(theirs, rep_ms=rep)  # torch first, as before ours in every family
+    torch_ms = median_ms(theirs, rep_ms=rep)  # timed before ours, as this row always was
     return [Result(f"lstm pointwise fwd+bwd bf16 {batch}x{hidden} (torch fused)", median_ms(ours, rep_ms=rep),
                    torch_ms, floor_ms(28 * batch * hidden * 2),
                    {"floor": "fwd reads 2 gate tensors + c, writes h, c, 4H workspace; bwd 13 elems of B*H"})]
