@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -130,16 +131,13 @@ def _call(model: nn.Module, inp: Any) -> Any:
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return torch.device("cpu")
+    """The device of the model's first parameter or buffer (the CPU for a model with neither)."""
+    return next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
 
 
 def _all_finite(obj: Any) -> torch.Tensor:
-    ts = _tensors(obj)
-    if not ts:
-        return torch.tensor(True)
-    return torch.stack([torch.isfinite(t).all() for t in ts]).all()
+    """One bool tensor (no host sync): every floating-point tensor in ``obj`` is finite."""
+    return torch.stack([torch.isfinite(t).all() for t in _tensors(obj)] or [torch.tensor(True)]).all()
 
 
 def _call_stats(ref: list[torch.Tensor], low: list[torch.Tensor], rtol: float, atol: Optional[float]) -> torch.Tensor:
