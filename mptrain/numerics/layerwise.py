@@ -93,7 +93,6 @@ def _low_dtype(precision_name: str) -> torch.dtype:
 
 # Index of each statistic in the per-call vector (summed or max-ed over calls at the end).
 _N, _NBOTH, _SUMABS, _MAXABS, _MAXREL, _DOT, _REF2, _LOW2, _D2, _OVF, _UNF, _VIOL, _MISMATCH = range(13)
-_MAX_STATS = (_MAXABS, _MAXREL)
 
 
 # ---------------------------------------------------------------------------------------
