@@ -151,12 +151,10 @@ def _sequence_cases(quick: bool) -> list[Result]:
         m.load_state_dict(ref.state_dict())
     ref_cells = [nn.LSTMCell(H, H, device="cuda", dtype=BF16) for _ in range(L)]
     our_cells = [FusedLSTMCell(H, H, device="cuda", dtype=BF16, fused=True) for _ in range(L)]
-    for k in range(L):
-        for cells in (ref_cells, our_cells):
-            cells[k].weight_ih.data.copy_(getattr(ref, f"weight_ih_l{k}"))
-            cells[k].weight_hh.data.copy_(getattr(ref, f"weight_hh_l{k}"))
-            cells[k].bias_ih.data.copy_(getattr(ref, f"bias_ih_l{k}"))
-            cells[k].bias_hh.data.copy_(getattr(ref, f"bias_hh_l{k}"))
+    for k in range(L):  # the cells of a loop get the weights of nn.LSTM's layer k
+        layer = {name: getattr(ref, f"{name}_l{k}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+        ref_cells[k].load_state_dict(layer)
+        our_cells[k].load_state_dict(layer)
 
     sets = [torch.randn(T, B, H, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
     rot = itertools.cycle(sets)
@@ -190,21 +188,16 @@ def _sequence_cases(quick: bool) -> list[Result]:
         return fn
 
     loops = {"ref": cell_loop(ref_cells), "ours": cell_loop(our_cells)}
-    t = _timed(
-        {"cudnn": seq(ref), "auto": seq(auto), "fused": seq(fused), "ref_loop": loops["ref"],
-         "our_loop": loops["ours"]},
-        rep_ms=100 if quick else 400,
-    )
-    t_cudnn, t_auto, t_fused = t["cudnn"], t["auto"], t["fused"]
-    t_ref_loop, t_our_loop = t["ref_loop"], t["our_loop"]
+    t = _timed({"cudnn": seq(ref), "auto": seq(auto), "fused": seq(fused), "ref_loop": loops["ref"],
+                "our_loop": loops["ours"]}, rep_ms=100 if quick else 400)
     tag = f"{L}x{H} T={T} B={B} bf16"
     probe = torch.zeros(1, 1, H, device="cuda", dtype=BF16)
-    loop_row = Result(f"FusedLSTMCell loop {tag} vs LSTMCell loop", t_our_loop, t_ref_loop, None,
+    loop_row = Result(f"FusedLSTMCell loop {tag} vs LSTMCell loop", t["our_loop"], t["ref_loop"], None,
                       {"measures": f"eager: {L}x{T} module calls + one autograd.grad; host-bound (both sides)"})
     return [
-        Result(f"FusedLSTM auto ({auto.resolved_impl(probe)}) {tag} vs nn.LSTM", t_auto, t_cudnn, None,
+        Result(f"FusedLSTM auto ({auto.resolved_impl(probe)}) {tag} vs nn.LSTM", t["auto"], t["cudnn"], None,
                {"note": "same cuDNN call; FusedLSTM flattens bf16 weights, bf16 nn.LSTM copies them per call"}),
-        Result(f"FusedLSTM fused {tag} vs nn.LSTM", t_fused, t_cudnn, None),
+        Result(f"FusedLSTM fused {tag} vs nn.LSTM", t["fused"], t["cudnn"], None),
         loop_row,
     ] + _graph_rows(f"FusedLSTMCell loop {tag}", loops, sets[:1], 100 if quick else 400,
                     None, {}, loop_row, min_steps=1)
