@@ -15,8 +15,8 @@ want() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 diag="--syncs 2 --profile 3 --profile-mode cuda --reports-out $OUT/reports"
 {
   t0=$SECONDS; python3 -m mptrain.ops.build >/dev/null && echo "extension ready: $((SECONDS - t0)) s"
-  want bert && python3 -m mptrain.bench.ddp --recipes bert_base --repeat 2 $diag --json "$OUT/ddp_bert.json"
-  want lightning && python3 -m mptrain.bench.ddp --recipes bert_base --lightning bf16-mixed $diag --json "$OUT/ddp_bert_lightning.json"
-  want resnet && python3 -m mptrain.bench.ddp --recipes resnet50 --json "$OUT/ddp_resnet.json"
+  want bert && python3 -m mptrain.bench.ddp --models bert --repeat 2 $diag --json "$OUT/ddp_bert.json"
+  want lightning && python3 -m mptrain.bench.ddp --models bert --trainer lightning --precision bf16-mixed $diag --json "$OUT/ddp_bert_lightning.json"
+  want resnet && python3 -m mptrain.bench.ddp --models resnet50 --json "$OUT/ddp_resnet.json"
 } 2>&1 | tee "$OUT/ddp_diag.log"
 tar -C "$OUT" -czf "$OUT/reports.tgz" reports && rm -rf "$OUT/reports"

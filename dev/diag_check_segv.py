@@ -1,7 +1,6 @@
 """Diagnostic (not a test): on the GPU machine a TORCH_CHECK raised from our extension
 segfaulted when its message streams a number.  Builds one tiny extension with the
 same check in a .cpp (g++) and a .cu (nvcc) and raises each in a subprocess."""
-import os
 import subprocess
 import sys
 import tempfile

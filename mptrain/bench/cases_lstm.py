@@ -14,8 +14,8 @@
 Every case is timed the same way for ours and torch (the module call + autograd.grad),
 in interleaved rounds (see _timed). The eager cell rows report the wall time per call of a
 200-call loop (common.loop_ms): CUDA events around each call (median_ms) miss the host time
-spent before a host-bound call's first launch, and that measure swung from 0.95x to 2.13x
-between H200 runs; it stays in the row's extra as cuda_event_median_ms.
+spent before a host-bound call's first launch (that measure swung from 0.95x to 2.13x
+between H200 runs). The host time of one call alone is `mptrain.bench.host_cost`'s table.
 Gradients are taken with autograd.grad (no .grad accumulation) for inputs and parameters.
 
 What the eager numbers measure: one Python module call, the C++/ATen host work of the
@@ -28,10 +28,12 @@ mptrain.bench.graph_timing) and replay it: GPU work and launch gaps only, no hos
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
-from mptrain.bench.common import Result, Rotating, floor_ms, host_us, loop_ms, median_ms, sets_for
+from mptrain.bench.common import Result, floor_ms, input_sets, loop_ms, median_ms
 from mptrain.bench.graph_timing import step_ms
 from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
 
@@ -61,7 +63,8 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     def make():
         return [torch.randn(batch, hidden, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
 
-    rot = Rotating(make, sets_for(3 * batch * hidden * 2))
+    sets = input_sets(make, 3 * batch * hidden * 2)
+    rot = itertools.cycle(sets)
 
     def run(cell):
         params = list(cell.parameters())
@@ -76,12 +79,10 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
 
     steps = {"ref": run(ref), "ours": run(ours)}
     rep = 50 if quick else 200
-    calls = {k: (lambda s=s: s(rot.next())) for k, s in steps.items()}
+    calls = {k: (lambda s=s: s(next(rot))) for k, s in steps.items()}
     # The row's number is the loop's wall time per call (both sides host-bound: see the
-    # module docstring); the CUDA-event median, which under-counts host time and swung
-    # from 0.95x to 2.13x between H200 runs, goes into extra.
+    # module docstring).
     t = _timed(calls, rep_ms=rep, timer=lambda fn, rep_ms: loop_ms(fn, calls=50 if quick else 200), rounds=3)
-    t_events = _timed(calls, rep_ms=rep)
     t_ours, t_ref = t["ours"], t["ref"]
     bh = batch * hidden
     gemm_flops = 6 * 2 * batch * hidden * 4 * hidden  # 2 fwd + 4 bwd GEMMs of (B, H) x (H, 4H)
@@ -89,25 +90,11 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     base = {"floor": "pointwise bytes only (fwd 11 + bwd 13 elems of B*H)",
             "gemm_floor_ms": 1e3 * gemm_flops / GEMM_FLOPS}
     extra = dict(base, measures="eager module call + autograd.grad, wall time per call of a 200-call loop "
-                 "(common.loop_ms, best of 3 interleaved rounds): host-bound on both sides",
-                 cuda_event_median_ms=t_events,
-                 host_us_per_call={k: _host_us(steps[k], cell, rot) for k, cell in (("ref", ref), ("ours", ours))})
+                 "(common.loop_ms, best of 3 interleaved rounds): host-bound on both sides")
     results = [Result(f"lstm cell fwd+bwd bf16 {batch}x{hidden} vs nn.LSTMCell", t_ours, t_ref, floor, extra)]
-    results += _graph_rows(f"lstm cell fwd+bwd bf16 {batch}x{hidden}", steps, rot.sets, rep,
+    results += _graph_rows(f"lstm cell fwd+bwd bf16 {batch}x{hidden}", steps, sets, rep,
                            floor, base, results[0])
     return results
-
-
-def _host_us(step, cell, rot, calls: int = 200) -> dict:
-    """Host time per call (common.host_us): the forward alone (module call, graph built then
-    dropped) and forward + autograd.grad. Where the eager number is host-bound this says
-    which half the host time is in."""
-
-    def fwd():
-        x, h, c = rot.next()
-        return cell(x, (h, c))
-
-    return {"fwd": round(host_us(fwd, calls), 1), "fwd+bwd": round(host_us(lambda: step(rot.next()), calls), 1)}
 
 
 def _graph_rows(name, steps, sets, rep_ms, floor, extra, eager, min_steps=4):
@@ -134,32 +121,24 @@ def _pointwise_case(batch: int, hidden: int, quick: bool) -> list[Result]:
         return [torch.randn(batch, H4, **t), torch.randn(batch, H4, **t), torch.randn(batch, hidden, **t),
                 torch.randn(batch, hidden, **t), torch.randn(batch, hidden, **t)]
 
-    rot = Rotating(make, sets_for(11 * batch * hidden * 2))
+    rot = itertools.cycle(input_sets(make, 11 * batch * hidden * 2))
 
     def ours():
-        ig, hg, c, dh, dc = rot.next()
+        ig, hg, c, dh, dc = next(rot)
         h1, c1, ws = ext.lstm_cell_pointwise_forward(ig, hg, c, None, None)
         return ext.lstm_cell_pointwise_backward(dh, None, dc, c, c1, ws)
 
-    torch_ms = None
-    if hasattr(torch, "_thnn_fused_lstm_cell"):
-        def theirs():
-            ig, hg, c, dh, dc = rot.next()
-            ig, hg = ig.detach().requires_grad_(), hg.detach().requires_grad_()
-            hy, cy, _ = torch._thnn_fused_lstm_cell(ig, hg, c)
-            return torch.autograd.grad((hy, cy), (ig, hg), (dh, dc))
+    def theirs():
+        ig, hg, c, dh, dc = next(rot)
+        ig, hg = ig.detach().requires_grad_(), hg.detach().requires_grad_()
+        hy, cy, _ = torch._thnn_fused_lstm_cell(ig, hg, c)
+        return torch.autograd.grad((hy, cy), (ig, hg), (dh, dc))
 
-        torch_ms = median_ms(theirs, rep_ms=50 if quick else 200)
-    t = median_ms(ours, rep_ms=50 if quick else 200)
-    return [
-        Result(
-            f"lstm pointwise fwd+bwd bf16 {batch}x{hidden} (torch fused)",
-            t,
-            torch_ms,
-            floor_ms(28 * batch * hidden * 2),
-            {"floor": "fwd reads 2 gate tensors + c, writes h, c, 4H workspace; bwd 13 elems of B*H"},
-        )
-    ]
+    rep = 50 if quick else 200
+    torch_ms = median_ms(theirs, rep_ms=rep)  # timed before ours, as this row always was
+    return [Result(f"lstm pointwise fwd+bwd bf16 {batch}x{hidden} (torch fused)", median_ms(ours, rep_ms=rep),
+                   torch_ms, floor_ms(28 * batch * hidden * 2),
+                   {"floor": "fwd reads 2 gate tensors + c, writes h, c, 4H workspace; bwd 13 elems of B*H"})]
 
 
 def _sequence_cases(quick: bool) -> list[Result]:
@@ -172,21 +151,20 @@ def _sequence_cases(quick: bool) -> list[Result]:
         m.load_state_dict(ref.state_dict())
     ref_cells = [nn.LSTMCell(H, H, device="cuda", dtype=BF16) for _ in range(L)]
     our_cells = [FusedLSTMCell(H, H, device="cuda", dtype=BF16, fused=True) for _ in range(L)]
-    for k in range(L):
-        for cells in (ref_cells, our_cells):
-            cells[k].weight_ih.data.copy_(getattr(ref, f"weight_ih_l{k}"))
-            cells[k].weight_hh.data.copy_(getattr(ref, f"weight_hh_l{k}"))
-            cells[k].bias_ih.data.copy_(getattr(ref, f"bias_ih_l{k}"))
-            cells[k].bias_hh.data.copy_(getattr(ref, f"bias_hh_l{k}"))
+    for k in range(L):  # the cells of a loop get the weights of nn.LSTM's layer k
+        layer = {name: getattr(ref, f"{name}_l{k}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+        ref_cells[k].load_state_dict(layer)
+        our_cells[k].load_state_dict(layer)
 
-    rot = Rotating(lambda: torch.randn(T, B, H, device="cuda", dtype=BF16, requires_grad=True), 3)
+    sets = [torch.randn(T, B, H, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
+    rot = itertools.cycle(sets)
     cot = torch.randn(T, B, H, device="cuda", dtype=BF16) * 1e-2
 
     def seq(module):
         params = list(module.parameters())
 
         def fn():
-            x = rot.next()
+            x = next(rot)
             out, _ = module(x)
             return torch.autograd.grad(out, [x] + params, cot)
 
@@ -196,7 +174,7 @@ def _sequence_cases(quick: bool) -> list[Result]:
         params = [p for c in cells for p in c.parameters()]
 
         def fn(x=None):
-            x = rot.next() if x is None else x
+            x = next(rot) if x is None else x
             layer_in = x.unbind(0)
             for cell in cells:
                 h = c = torch.zeros(B, H, device="cuda", dtype=BF16)
@@ -210,23 +188,18 @@ def _sequence_cases(quick: bool) -> list[Result]:
         return fn
 
     loops = {"ref": cell_loop(ref_cells), "ours": cell_loop(our_cells)}
-    t = _timed(
-        {"cudnn": seq(ref), "auto": seq(auto), "fused": seq(fused), "ref_loop": loops["ref"],
-         "our_loop": loops["ours"]},
-        rep_ms=100 if quick else 400,
-    )
-    t_cudnn, t_auto, t_fused = t["cudnn"], t["auto"], t["fused"]
-    t_ref_loop, t_our_loop = t["ref_loop"], t["our_loop"]
+    t = _timed({"cudnn": seq(ref), "auto": seq(auto), "fused": seq(fused), "ref_loop": loops["ref"],
+                "our_loop": loops["ours"]}, rep_ms=100 if quick else 400)
     tag = f"{L}x{H} T={T} B={B} bf16"
     probe = torch.zeros(1, 1, H, device="cuda", dtype=BF16)
-    loop_row = Result(f"FusedLSTMCell loop {tag} vs LSTMCell loop", t_our_loop, t_ref_loop, None,
+    loop_row = Result(f"FusedLSTMCell loop {tag} vs LSTMCell loop", t["our_loop"], t["ref_loop"], None,
                       {"measures": f"eager: {L}x{T} module calls + one autograd.grad; host-bound (both sides)"})
     return [
-        Result(f"FusedLSTM auto ({auto.resolved_impl(probe)}) {tag} vs nn.LSTM", t_auto, t_cudnn, None,
+        Result(f"FusedLSTM auto ({auto.resolved_impl(probe)}) {tag} vs nn.LSTM", t["auto"], t["cudnn"], None,
                {"note": "same cuDNN call; FusedLSTM flattens bf16 weights, bf16 nn.LSTM copies them per call"}),
-        Result(f"FusedLSTM fused {tag} vs nn.LSTM", t_fused, t_cudnn, None),
+        Result(f"FusedLSTM fused {tag} vs nn.LSTM", t["fused"], t["cudnn"], None),
         loop_row,
-    ] + _graph_rows(f"FusedLSTMCell loop {tag}", loops, rot.sets[:1], 100 if quick else 400,
+    ] + _graph_rows(f"FusedLSTMCell loop {tag}", loops, sets[:1], 100 if quick else 400,
                     None, {}, loop_row, min_steps=1)
 
 

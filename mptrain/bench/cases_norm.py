@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain import ops
-from mptrain.bench.common import Result, Rotating, floor_ms, sets_for
+from mptrain.bench.common import Result, floor_ms, input_sets
 from mptrain.bench.graph_timing import step_ms
 
 # (rows, hidden) from the issue's target table; all bf16.
@@ -81,7 +81,7 @@ def _make_sets(rows, hidden, kind, wdtype):
         b = None if kind == "rms" else rand(hidden).to(wdtype).requires_grad_()
         return x, w, b, rand(rows, hidden, dtype=dt)
 
-    return Rotating(make, sets_for(4 * rows * hidden * dt.itemsize))
+    return input_sets(make, 4 * rows * hidden * dt.itemsize)
 
 
 def _case_name(kind, wdtype, what, rows, hidden):
@@ -89,27 +89,17 @@ def _case_name(kind, wdtype, what, rows, hidden):
     return f"{'RMSNorm' if kind == 'rms' else 'LayerNorm'} {what} bf16 ({wname}) {rows}x{hidden}"
 
 
-def _result(name, t_ours, how, t_torch, how_torch, rows, hidden, elem_bytes, what):
-    return Result(
-        case=name,
-        ours_ms=t_ours,
-        torch_ms=t_torch,
-        floor_ms=floor_ms(elem_bytes * rows * hidden),
-        extra={"rows": rows, "hidden": hidden, "bytes_per_elem": elem_bytes, "pass": what, "timing": how,
-               "timing_torch": how_torch},
-    )
-
-
-def _fwd_bwd_rows(rows, hidden, kind, wdtype, rep) -> list[Result]:
+def _autograd_rows(rows, hidden, kind, wdtype, rep, what="fwd+bwd") -> list[Result]:
+    """``what`` = "fwd+bwd" (10 B/elem) or "fwd" alone (4 B/elem, no grad), ours against torch."""
     sets = _make_sets(rows, hidden, kind, wdtype)
     ours, theirs = _norms(kind, hidden)
-    expected = _fwd_bwd(theirs, sets.sets[0])
+    do, elem_bytes = (_fwd_bwd, 10) if what == "fwd+bwd" else (_fwd, 4)
+    expected = do(theirs, sets[0])
     # torch's LayerNorm needs the weights in x's dtype: the fp32-weight case times its casts
     # too, which is what a *-master model would have to do without the fused kernel.
-    torch_timed = step_ms(lambda s: _fwd_bwd(theirs, s), sets.sets, rep)
-    name = _case_name(kind, wdtype, "fwd+bwd", rows, hidden)
-    return _row(name, lambda s: _fwd_bwd(ours, s), sets.sets, expected, torch_timed, rows, hidden, 10, "fwd+bwd",
-                rep)
+    torch_timed = step_ms(lambda s: do(theirs, s), sets, rep)
+    name = _case_name(kind, wdtype, what, rows, hidden) + ("" if what == "fwd+bwd" else " [4 B/elem]")
+    return _row(name, lambda s: do(ours, s), sets, expected, torch_timed, rows, hidden, elem_bytes, what, rep)
 
 
 def _row(name, step, inputs, expected, torch_timed, rows, hidden, elem_bytes, what, rep) -> list[Result]:
@@ -122,16 +112,10 @@ def _row(name, step, inputs, expected, torch_timed, rows, hidden, elem_bytes, wh
         print(f"[bench norm] {name} FAILED, skipped:\n{traceback.format_exc()}", flush=True)
         torch.cuda.synchronize()
         return []
-    return [_result(name, *timed, *torch_timed, rows, hidden, elem_bytes, what)]
-
-
-def _fwd_only_rows(rows, hidden, rep) -> list[Result]:
-    sets = _make_sets(rows, hidden, "layer", torch.bfloat16)
-    ours, theirs = _norms("layer", hidden)
-    expected = _fwd(theirs, sets.sets[0])
-    torch_timed = step_ms(lambda s: _fwd(theirs, s), sets.sets, rep)
-    name = _case_name("layer", torch.bfloat16, "fwd", rows, hidden) + " [4 B/elem]"
-    return _row(name, lambda s: _fwd(ours, s), sets.sets, expected, torch_timed, rows, hidden, 4, "fwd", rep)
+    (t_ours, how), (t_torch, how_torch) = timed, torch_timed
+    return [Result(name, t_ours, t_torch, floor_ms(elem_bytes * rows * hidden),
+                   {"rows": rows, "hidden": hidden, "bytes_per_elem": elem_bytes, "pass": what, "timing": how,
+                    "timing_torch": how_torch})]
 
 
 def _bwd_only_rows(rows, hidden, rep) -> list[Result]:
@@ -144,7 +128,7 @@ def _bwd_only_rows(rows, hidden, rep) -> list[Result]:
     shape, eps = [hidden], 1e-5
     ours_in, theirs_in = [], []
     with torch.no_grad():
-        for x, w, b, dy in sets.sets:
+        for x, w, b, dy in sets:
             _, mean, rstd, work = ext.layer_norm_forward(x, w, b, hidden, eps, False)
             ours_in.append((dy, x, mean, rstd, w, b, work))
             wt, bt = w.to(x.dtype), b.to(x.dtype)
@@ -172,10 +156,10 @@ def run(args) -> list[Result]:
     cases = QUICK_CASES if args.quick else CASES
     rep = 50.0 if args.quick else 200.0
     for rows, hidden in cases:
-        results += _fwd_bwd_rows(rows, hidden, "layer", torch.bfloat16, rep)
-        results += _fwd_only_rows(rows, hidden, rep)
+        results += _autograd_rows(rows, hidden, "layer", torch.bfloat16, rep)
+        results += _autograd_rows(rows, hidden, "layer", torch.bfloat16, rep, what="fwd")
         results += _bwd_only_rows(rows, hidden, rep)
     for rows, hidden in cases:
-        results += _fwd_bwd_rows(rows, hidden, "layer", torch.float32, rep)
-        results += _fwd_bwd_rows(rows, hidden, "rms", torch.bfloat16, rep)
+        results += _autograd_rows(rows, hidden, "layer", torch.float32, rep)
+        results += _autograd_rows(rows, hidden, "rms", torch.bfloat16, rep)
     return results

@@ -19,6 +19,7 @@ import torch
 
 from mptrain import ops
 from mptrain.bench.common import Result, floor_ms, median_ms
+from mptrain.bench.graph_timing import capture_graph
 
 #: Calls per timed batch. One call of a multi-tensor op costs the host ~0.3-0.6 ms
 #: (Python + pybind over 392-tensor lists) before its single launch; timed alone, the
@@ -43,15 +44,7 @@ def graph_ms(fn) -> Optional[float]:
     host-bound (then the eager number measures Python + pybind, not the kernel). None if
     the capture fails (the error is printed)."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # warm-up outside the capture (first-call allocations, occupancy queries)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(BACK_TO_BACK):
-                fn()
+        graph, _ = capture_graph(lambda: [fn() for _ in range(BACK_TO_BACK)], warmup=fn)
         return median_ms(graph.replay) / BACK_TO_BACK
     except Exception as e:  # noqa: BLE001 - a diagnostic only: never lose the other numbers
         print(f"[optim] graph timing failed: {type(e).__name__}: {e}")

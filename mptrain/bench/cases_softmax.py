@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from mptrain import ops
-from mptrain.bench.common import Result, Rotating, floor_ms, sets_for
+from mptrain.bench.common import Result, floor_ms, input_sets
 from mptrain.bench.graph_timing import step_ms
 
 # (batch, heads, S): 512x512x512 and 128x2048x2048 rows x cols from the table.
@@ -53,7 +53,7 @@ def _one_case(b, h, s, masked, causal, args) -> list[Result]:
         mask = (torch.rand(b, 1, s, s, device="cuda") < 0.1) if masked else None
         return x, mask, torch.randn(b, h, s, s, device="cuda", dtype=dt)
 
-    sets = Rotating(make, sets_for(2 * b * h * s * s * dt.itemsize))
+    sets = input_sets(make, 2 * b * h * s * s * dt.itemsize)
     ours = lambda x, m: ops.scaled_masked_softmax(x, m, SCALE, causal, fused=True)  # noqa: E731
     tri = torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1) if causal else None
     theirs = lambda x, m: _eager(x, tri if causal else m)  # noqa: E731
@@ -62,10 +62,10 @@ def _one_case(b, h, s, masked, causal, args) -> list[Result]:
     name = f"softmax fwd+bwd bf16 {what} {b * h}x{s}x{s}"
     extra = {"batch": b, "heads": h, "seq": s, "mask": what}
     # Never time a broken kernel.
-    torch.testing.assert_close(_fwd_bwd(ours, sets.sets[0]).float(), _fwd_bwd(theirs, sets.sets[0]).float(),
+    torch.testing.assert_close(_fwd_bwd(ours, sets[0]).float(), _fwd_bwd(theirs, sets[0]).float(),
                                rtol=3e-2, atol=3e-2)
-    t_torch, how_torch = step_ms(lambda st: _fwd_bwd(theirs, st), sets.sets, rep)
-    t_ours, how = step_ms(lambda st: _fwd_bwd(ours, st), sets.sets, rep)
+    t_torch, how_torch = step_ms(lambda st: _fwd_bwd(theirs, st), sets, rep)
+    t_ours, how = step_ms(lambda st: _fwd_bwd(ours, st), sets, rep)
     results = [Result(name, t_ours, t_torch, floor_ms(10 * b * h * s * s),
                       {**extra, "timing": how, "timing_torch": how_torch})]
     if s in HALF_LENGTHS:
@@ -80,12 +80,12 @@ def _halves(b, h, s, causal, sets, ours, theirs, rep, name, extra) -> list[Resul
     ext = ops.get_extension(required=True)
     elems = b * h * s * s
     base = name.replace("fwd+bwd ", "")
-    torch.testing.assert_close(_no_grad(ours)(sets.sets[0]).float(), _no_grad(theirs)(sets.sets[0]).float(),
+    torch.testing.assert_close(_no_grad(ours)(sets[0]).float(), _no_grad(theirs)(sets[0]).float(),
                                rtol=3e-2, atol=3e-2)
-    t_f, how = step_ms(_no_grad(ours), sets.sets, rep)
-    t_f_torch, _ = step_ms(_no_grad(theirs), sets.sets, rep)
+    t_f, how = step_ms(_no_grad(ours), sets, rep)
+    t_f_torch, _ = step_ms(_no_grad(theirs), sets, rep)
     # Saved outputs for the backward: one per input set (a backward reads y and dy).
-    bwd_sets = [(_no_grad(ours)((x, m)), dy) for x, m, dy in sets.sets]
+    bwd_sets = [(_no_grad(ours)((x, m)), dy) for x, m, dy in sets]
 
     def ours_b(st):
         return ext.scaled_masked_softmax_backward(st[1], st[0], SCALE)

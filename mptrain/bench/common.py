@@ -1,14 +1,13 @@
 """Timing and reporting shared by every benchmark (DESIGN §5).
 
-A case is timed with CUDA events (triton's do_bench when available: median of many
-runs after warm-up), on inputs rotated among several sets larger than L2 so the
-numbers measure HBM, not cache.  Each case reports our time, the PyTorch baseline's
-time in the same process, the ratio and our % of the bandwidth floor.
+A case is timed with CUDA events (triton's do_bench: median of many runs after warm-up),
+on inputs rotated among several sets larger than L2 so the numbers measure HBM, not cache.
+Each case reports our time, the PyTorch baseline's time in the same process, the ratio and
+our % of the bandwidth floor.
 """
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
@@ -20,26 +19,13 @@ H200_COPY_BW = 4.25e12
 
 
 def median_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 200.0) -> float:
-    """Median wall time of ``fn`` in milliseconds, measured with CUDA events."""
+    """Median time of ``fn`` in milliseconds: triton's do_bench (CUDA events, L2 flushed before each call)."""
     try:
         from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    except ImportError:
-        pass
-    # Fallback without triton: time each call with its own pair of events.
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(50):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    except ImportError as e:
+        raise ImportError("the GPU benchmarks time with triton's do_bench: pip install triton "
+                          "(torch's CUDA wheels for Linux ship it)") from e
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
 def _loop_seconds(fn: Callable[[], object], calls: int, warmup: int, until_gpu_done: bool) -> float:
@@ -72,26 +58,10 @@ def loop_ms(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> flo
     return 1e3 * _loop_seconds(fn, calls, warmup, until_gpu_done=True)
 
 
-class Rotating:
-    """Cycle through ``n`` input sets so consecutive calls do not hit in L2.
-
-    ``make()`` builds one input set; ``n`` is chosen by the caller so that n sets
-    exceed the L2 (60 MB on the H200) several times over.
-    """
-
-    def __init__(self, make: Callable[[], object], n: int):
-        self.sets = [make() for _ in range(max(1, n))]
-        self.i = 0
-
-    def next(self):
-        s = self.sets[self.i]
-        self.i = (self.i + 1) % len(self.sets)
-        return s
-
-
-def sets_for(bytes_per_set: int, l2_bytes: int = 60 * 2**20, factor: int = 4, max_sets: int = 8) -> int:
-    """How many input sets keep the working set at least ``factor`` x L2."""
-    return max(1, min(max_sets, -(-factor * l2_bytes // max(1, bytes_per_set))))
+def input_sets(make: Callable[[], object], bytes_per_set: int, l2_bytes: int = 60 * 2**20) -> list:
+    """``make()``'s input sets, enough of them (at most 8) that cycling through them keeps the working
+    set at least 4x the L2 (60 MB on the H200): consecutive calls then read HBM, not cache."""
+    return [make() for _ in range(max(1, min(8, -(-4 * l2_bytes // max(1, bytes_per_set)))))]
 
 
 @dataclass

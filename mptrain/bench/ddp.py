@@ -20,6 +20,7 @@ import glob
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -179,9 +180,8 @@ def measure(model: str, nproc: int, tmp: str, probe: dict, args) -> dict:
     """``args.repeat`` launches of one configuration; the median rate is the result (launches on a
     shared host vary by several %, more than the effects we look for)."""
     runs = [launch(model, nproc, f"{tmp}/{model}-{nproc}-{i}", probe, args) for i in range(args.repeat)]
-    rates = sorted(r["samples_per_s"] for r in runs)
-    median = rates[len(rates) // 2] if len(rates) % 2 else 0.5 * (rates[len(rates) // 2 - 1] + rates[len(rates) // 2])
-    return {**runs[0], "samples_per_s": median, "rates": [r["samples_per_s"] for r in runs],
+    rates = [r["samples_per_s"] for r in runs]
+    return {**runs[0], "samples_per_s": statistics.median(rates), "rates": rates,
             "identical_weights": all(r["identical_weights"] for r in runs),
             "identical_buffers": all(r["identical_buffers"] for r in runs)}
 

@@ -10,45 +10,32 @@ the same size.  For int8 the unit is TOP/s (integer operations).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import sys
 from typing import Callable, Optional
 
 import torch
 
-from mptrain.bench.common import Rotating, device_meta, median_ms, sets_for
+from mptrain.bench.common import device_meta, input_sets, median_ms
 
-DTYPES = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8")
+#: minimum compute capability per dtype (torch >= 2.6 has _int_mm, _scaled_mm and float8_e4m3fn)
+MIN_CC = {"fp32": (0, 0), "tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "int8": (7, 5), "fp8": (8, 9)}
+DTYPES = tuple(MIN_CC)
 DEFAULT_SIZES = (1024, 4096, 8192)
-#: (minimum compute capability, what must exist in torch) per dtype
-REQUIREMENTS = {
-    "fp32": ((0, 0), None),
-    "tf32": ((8, 0), None),
-    "fp16": ((7, 0), None),
-    "bf16": ((8, 0), None),
-    "int8": ((7, 5), "_int_mm"),
-    "fp8": ((8, 9), "_scaled_mm"),
-}
 _BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 
 
 def parse_sizes(text: str) -> list[int]:
     """'1024,4096' -> [1024, 4096]; every size a positive integer."""
-    sizes = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            n = int(part)
-        except ValueError:
-            raise ValueError(f"--sizes: {part!r} is not an integer (expected e.g. 1024,4096,8192)") from None
-        if n <= 0:
-            raise ValueError(f"--sizes: {n} must be positive")
-        sizes.append(n)
-    if not sizes:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
         raise ValueError("--sizes: no size given")
-    return sizes
+    bad = [p for p in parts if not p.isdigit() or int(p) == 0]
+    if bad:
+        raise ValueError(f"--sizes: {bad[0]!r} is not a positive integer (expected e.g. 1024,4096,8192)")
+    return [int(p) for p in parts]
 
 
 def parse_dtypes(text: str) -> list[str]:
@@ -71,16 +58,12 @@ def products_per_call(n: int, min_flops: float = 3.5e10) -> int:
 
 
 def unsupported_reason(dtype: str, capability: Optional[tuple[int, int]]) -> Optional[str]:
-    """None when ``dtype`` can run on a device of ``capability`` with this torch, else why not."""
+    """None when ``dtype`` can run on a device of ``capability``, else why not."""
     if capability is None:
         return "no CUDA device"
-    need_cc, attr = REQUIREMENTS[dtype]
+    need_cc = MIN_CC[dtype]
     if tuple(capability) < need_cc:
         return f"needs compute capability >= {need_cc[0]}.{need_cc[1]}, device has {capability[0]}.{capability[1]}"
-    if attr and not hasattr(torch, attr):
-        return f"this torch ({torch.__version__}) has no torch.{attr}"
-    if dtype == "fp8" and not hasattr(torch, "float8_e4m3fn"):
-        return f"this torch ({torch.__version__}) has no float8_e4m3fn"
     return None
 
 
@@ -112,18 +95,15 @@ def gemm_fn(dtype: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     return torch.matmul
 
 
-class _matmul_precision:
-    """Context: fp32 matmuls in IEEE ("highest") or TF32 ("high"), restored afterwards."""
-
-    def __init__(self, dtype: str):
-        self.mode = "high" if dtype == "tf32" else "highest"
-
-    def __enter__(self):
-        self.prev = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(self.mode)
-
-    def __exit__(self, *exc):
-        torch.set_float32_matmul_precision(self.prev)
+@contextlib.contextmanager
+def _matmul_precision(dtype: str):
+    """fp32 matmuls in IEEE ("highest") or TF32 ("high"), restored afterwards."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
 
 
 def run_cases(sizes: list[int], dtypes: list[str], capability: Optional[tuple[int, int]], device="cuda",
@@ -143,12 +123,12 @@ def run_cases(sizes: list[int], dtypes: list[str], capability: Optional[tuple[in
             try:
                 fn = gemm_fn(dtype)
                 per_set = 2 * n * n * _BYTES[dtype]
-                sets = Rotating(lambda: make_operands(dtype, n, device, gen), sets_for(per_set))
+                sets = itertools.cycle(input_sets(lambda: make_operands(dtype, n, device, gen), per_set))
                 reps = products_per_call(n)
                 with _matmul_precision(dtype):
                     def call():
                         for _ in range(reps):
-                            a, b = sets.next()
+                            a, b = next(sets)
                             fn(a, b)
                     call()  # fails here, not inside the timer, if the kernel is missing
                     ms = timer(call) / reps

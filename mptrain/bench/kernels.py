@@ -54,11 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _host_table(args) -> int:
     """The host cost of one eager call per op, beside the GPU times above."""
-    try:
-        from mptrain.bench import host_cost
-    except ImportError as e:
-        print(f"\n== host cost: not available ({e}) ==")
-        return 0
+    from mptrain.bench import host_cost
+
     print("\n== host cost per eager call ==", flush=True)
     host_json = str(Path(args.json).with_name(Path(args.json).stem + "_host.json"))
     return host_cost.main(["--json", host_json] + (["--quick"] if args.quick else []))

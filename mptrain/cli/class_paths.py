@@ -17,7 +17,7 @@ from mptrain.cli.errors import ConfigError
 
 
 def _expected_bases() -> dict[str, tuple[type, ...]]:
-    """Key (``[]`` for list items) -> the base classes a class_path there must subclass."""
+    """Key -> the base classes a class_path there (or in a list there) must subclass."""
     import lightning.pytorch as pl
     import torch
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -32,12 +32,9 @@ def _expected_bases() -> dict[str, tuple[type, ...]]:
         "model": (pl.LightningModule,),
         "data": (pl.LightningDataModule,),
         "trainer.callbacks": (pl.Callback,),
-        "trainer.callbacks[]": (pl.Callback,),
         "trainer.logger": (Logger,),
-        "trainer.logger[]": (Logger,),
         "trainer.profiler": (Profiler,),
         "trainer.plugins": (Precision, CheckpointIO, ClusterEnvironment, LayerSync),
-        "trainer.plugins[]": (Precision, CheckpointIO, ClusterEnvironment, LayerSync),
         "trainer.strategy": (Strategy,),
         "trainer.accelerator": (Accelerator,),
         "optimizer": (torch.optim.Optimizer,),
@@ -95,8 +92,7 @@ def check_class_paths(config: dict, trainer_class: type) -> None:
 def _walk(node: Any, path: str, hint_bases: Optional[tuple[type, ...]], bases: dict) -> None:
     if isinstance(node, list):
         for i, item in enumerate(node):
-            item_bases = bases.get(f"{path}[]") or hint_bases
-            _walk(item, f"{path}[{i}]", item_bases, bases)
+            _walk(item, f"{path}[{i}]", bases.get(path) or hint_bases, bases)
         return
     if not isinstance(node, dict):
         return

@@ -58,6 +58,14 @@ def _init_params(class_path: str) -> list[str]:
     return [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
+def _unknown(key: str, valid_keys: dict[str, list[str]], value: Any = None) -> str:
+    """An unknown ``group.name`` against its group's keys, or an unknown group against the top level."""
+    group = key.split(".")[0]
+    if "." in key and group in valid_keys:
+        return str(unknown_key(key, valid_keys[group], value))
+    return str(unknown_key(group, valid_keys.get("", []), value))
+
+
 def _clean_types(text: str) -> str:
     return re.sub(r"<class '([^']+)'>", r"\1", text).replace("NoneType", "null")
 
@@ -68,12 +76,8 @@ def explain_parse_error(message: str, valid_keys: Optional[dict[str, list[str]]]
     valid_keys = valid_keys or {}
     unrec = re.search(r"nrecognized arguments: (\S+)", message)
     if unrec:
-        arg = unrec.group(1)
-        key, _, value = arg.lstrip("-").partition("=")
-        group = key.split(".")[0]
-        if group in valid_keys and "." in key:
-            return str(unknown_key(key, valid_keys[group], value or None))
-        return str(unknown_key(key, valid_keys.get("", []), value or None))
+        key, _, value = unrec.group(1).lstrip("-").partition("=")
+        return _unknown(key, valid_keys, value or None)
     parser_key = re.search(r'Parser key "([^"]+)"', message)
     path = parser_key.group(1) if parser_key else ""
     option = re.search(r"Option '([^']+)' is not accepted", message) or re.search(r"[Kk]ey '([^']+)' is not expected", message)
@@ -82,17 +86,9 @@ def explain_parse_error(message: str, valid_keys: Optional[dict[str, list[str]]]
         cls = re.search(r"Problem with given class_path '([^']+)'", message)
         valid = _init_params(cls.group(1)) if cls else valid_keys.get(group, [])
         return str(unknown_key(f"{path}.{option.group(1)}" if path else option.group(1), valid))
-    not_accepted = re.search(r"does not accept option '([^']+)'", message)
-    if not_accepted:
-        key = not_accepted.group(1)
-        group = key.split(".")[0]
-        if "." in key and group in valid_keys:
-            return str(unknown_key(key, valid_keys[group]))
-        return str(unknown_key(key.split(".")[0], valid_keys.get("", [])))
-    no_action = re.search(r'No action for key "([^"]+)"', message)
-    if no_action:
-        key = no_action.group(1)
-        return str(unknown_key(key, valid_keys.get(key.split(".")[0], [])))
+    unknown = re.search(r"does not accept option '([^']+)'", message) or re.search(r'No action for key "([^"]+)"', message)
+    if unknown:
+        return _unknown(unknown.group(1), valid_keys)
     given = re.search(r"Given value: (.*)", message)
     expected = re.search(r"Expected a (.*?)(?:\. Got value: (.*))?$", message, re.M)
     subtypes = re.search(r"Subtypes: \[(.*?)\]", message, re.S)

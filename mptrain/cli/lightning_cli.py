@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any
 
+from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -62,11 +63,7 @@ class MptrainCLI(LightningCLI):
         sys.argv's own arguments), every jsonargparse error turned into a ConfigError."""
         try:
             self.config = parser.parse_object(args) if isinstance(args, dict) else parser.parse_args(args)
-        except ConfigError:
-            raise
-        except Exception as e:  # jsonargparse's ArgumentError (exit_on_error=False)
-            if type(e).__name__ != "ArgumentError":
-                raise
+        except ArgumentError as e:  # jsonargparse's, with exit_on_error=False
             raise ConfigError(explain_parse_error(str(e), self.valid_keys(sys.argv[1:] if args is None else args))) from None
 
     def valid_keys(self, args: Any) -> dict[str, list[str]]:

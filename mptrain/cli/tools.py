@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib
 
+from jsonargparse import ArgumentError
+
 from mptrain.cli.errors import ConfigError, explain_parse_error
 
 BENCHES = {"gemm": "mptrain.bench.gemm", "kernels": "mptrain.bench.kernels", "e2e": "mptrain.bench.e2e",
@@ -36,11 +38,7 @@ def run_tool(name: str, argv: list[str]) -> int:
         from mptrain.numerics.cli import doctor_main, numerics_main
 
         return (doctor_main if name == "doctor" else numerics_main)(argv)
-    except ConfigError:
-        raise
-    except Exception as e:  # jsonargparse's ArgumentError (exit_on_error=False)
-        if type(e).__name__ != "ArgumentError":
-            raise
+    except ArgumentError as e:  # jsonargparse's, with exit_on_error=False
         from mptrain.cli.lightning_cli import parser_keys
 
         raise ConfigError(explain_parse_error(str(e), parser_keys(tool_parser(name)))) from None

@@ -10,10 +10,8 @@ from mptrain.data.module import MPTDataModule
 
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     """Images (N, 1, 8, 8) scaled to [0, 1] and int64 labels."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the digits data set needs scikit-learn: pip install scikit-learn") from e
+    from sklearn.datasets import load_digits
+
     bunch = load_digits()
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.int64)

@@ -10,11 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.models.checks import check_args
-from mptrain.models.fusion import fuse
 from mptrain.models.optim import build_optimizer, decay_groups
-from mptrain.models.perplexity import log_epoch_perplexity
 from mptrain.models.schedules import per_step, run_length, warmup_linear
 from mptrain.models.train_loss import log_train_loss
+from mptrain.nn import fuse_modules
 
 
 def build_bert_mlm(vocab_size: int, hidden_size: int = 768, num_layers: int = 12, num_heads: int = 12,
@@ -68,11 +67,13 @@ class BertMLM(L.LightningModule):
                    lr=(lr, ">0"), weight_decay=(weight_decay, ">=0"), eps=(eps, ">0"), warmup_steps=(warmup_steps, ">=0"),
                    total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
-        self.model = fuse(build_bert_mlm(vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
-                                       max_position_embeddings, dropout, attn_implementation), fused_layernorm)
-        from torchmetrics.aggregation import SumMetric
+        self.model = build_bert_mlm(vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
+                                    max_position_embeddings, dropout, attn_implementation)
+        if fused_layernorm:
+            self.model = fuse_modules(self.model)
+        from torchmetrics.aggregation import MeanMetric
 
-        self.val_loss_sum, self.val_count = SumMetric(), SumMetric()
+        self.val_loss = MeanMetric()  # token-weighted over the epoch (and the ranks), for the perplexity
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(summed loss over predicted tokens, their logits, their labels (-100: padding), count).
@@ -114,13 +115,13 @@ class BertMLM(L.LightningModule):
         n = count.clamp_min(1).float()
         correct = ((logits.argmax(-1) == target) & (target != -100)).sum().float()
         self.log_dict({"val/loss": loss_sum.detach() / n, "val/mlm_acc": correct / n})
-        self.val_loss_sum.update(loss_sum.detach().float())
-        self.val_count.update(n)
+        self.val_loss.update(loss_sum.detach().float() / n, weight=n)
 
     def on_validation_epoch_end(self):
         """Perplexity over every masked token of the epoch (exp of the mean loss; averaging
         per-batch exps would overstate it)."""
-        log_epoch_perplexity(self, self.val_loss_sum, self.val_count)
+        self.log("val/perplexity", torch.exp(self.val_loss.compute().clamp(max=50.0)))
+        self.val_loss.reset()
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mptrain.models.checks import check_args
-from mptrain.models.fusion import lstm
 from mptrain.models.optim import build_optimizer, decay_groups
-from mptrain.models.perplexity import log_epoch_perplexity
 from mptrain.models.schedules import per_step, run_length, warmup_cosine
 from mptrain.models.train_loss import log_train_loss
+from mptrain.nn import FusedLSTM
 
 
 class LSTMNet(nn.Module):
@@ -23,7 +22,8 @@ class LSTMNet(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, embedding_dim)
         self.drop = nn.Dropout(dropout)
-        self.rnn = lstm(embedding_dim, hidden_size, num_layers, dropout, fused)
+        self.rnn = (FusedLSTM if fused else nn.LSTM)(embedding_dim, hidden_size, num_layers=num_layers, batch_first=True,
+                                                     dropout=dropout if num_layers > 1 else 0.0)
         self.proj = nn.Linear(hidden_size, embedding_dim) if tie_weights and hidden_size != embedding_dim else None
         self.head = nn.Linear(embedding_dim if tie_weights else hidden_size, vocab_size)
         if tie_weights:
@@ -31,9 +31,7 @@ class LSTMNet(nn.Module):
         nn.init.uniform_(self.embed.weight, -0.1, 0.1)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out = self.rnn(self.drop(self.embed(tokens)))
-        h = out[0] if isinstance(out, tuple) else out
-        h = self.drop(h)
+        h = self.drop(self.rnn(self.drop(self.embed(tokens)))[0])
         if self.proj is not None:
             h = self.proj(h)
         return self.head(h)
@@ -43,7 +41,7 @@ class LSTMLanguageModel(L.LightningModule):
     """Args:
         vocab_size: vocabulary (the CLI fills it from ``data.vocab_size`` when left ``None``).
         embedding_dim / hidden_size / num_layers / dropout / tie_weights: the network.
-        fused: use ``mptrain.nn.FusedLSTM`` (falls back to ``torch.nn.LSTM`` with a warning if absent).
+        fused: ``mptrain.nn.FusedLSTM`` (batch-first, nn.LSTM's interface) rather than ``torch.nn.LSTM``.
         optimizer / lr / weight_decay / warmup_steps / total_steps: AdamW or SGD, warm-up + cosine.
     """
 
@@ -61,9 +59,9 @@ class LSTMLanguageModel(L.LightningModule):
                    weight_decay=(weight_decay, ">=0"), warmup_steps=(warmup_steps, ">=0"), total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
         self.model = LSTMNet(vocab_size, embedding_dim, hidden_size, num_layers, dropout, tie_weights, fused)
-        from torchmetrics.aggregation import SumMetric
+        from torchmetrics.aggregation import MeanMetric
 
-        self.val_loss_sum, self.val_count = SumMetric(), SumMetric()
+        self.val_loss = MeanMetric()  # token-weighted over the epoch (and the ranks), for the perplexity
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -82,12 +80,13 @@ class LSTMLanguageModel(L.LightningModule):
         loss_sum = self._loss(batch, "sum").detach()
         n = batch[1].numel()
         self.log("val/loss", loss_sum / n)
-        self.val_loss_sum.update(loss_sum)
-        self.val_count.update(torch.tensor(float(n), device=loss_sum.device))
+        self.val_loss.update(loss_sum / n, weight=n)
 
     def on_validation_epoch_end(self):
-        """Perplexity over every token of the epoch: exp of the mean loss."""
-        log_epoch_perplexity(self, self.val_loss_sum, self.val_count)
+        """Perplexity over every token of the epoch: exp of the mean loss (averaging per-batch
+        exps would overstate it)."""
+        self.log("val/perplexity", torch.exp(self.val_loss.compute().clamp(max=50.0)))
+        self.val_loss.reset()
 
     def configure_optimizers(self):
         hp = self.hparams

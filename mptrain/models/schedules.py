@@ -26,33 +26,29 @@ def run_length(module, fixed: Optional[int], default: int = 10_000) -> Callable[
     return lambda: total_steps(module, default)
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total: Callable[[], int],
-                  min_ratio: float = 0.0):
-    """Linear warm-up from ~0 to the base LR over ``warmup_steps``, then cosine to ``min_ratio``
-    at step ``total()``."""
+def _warmup_then(optimizer: torch.optim.Optimizer, warmup_steps: int, total: Callable[[], int],
+                 decay: Callable[[float], float]):
+    """Linear warm-up from ~0 to the base LR over ``warmup_steps``, then ``decay(progress)``
+    with progress going from 0 after the warm-up to 1 at step ``total()``."""
 
     def factor(step: int) -> float:
-        steps = total()
-        warm = warmup_steps
-        if step < warm:
-            return (step + 1) / warm
-        progress = min(1.0, (step - warm) / max(1, steps - warm))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return decay(min(1.0, (step - warmup_steps) / max(1, total() - warmup_steps)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total: Callable[[], int],
+                  min_ratio: float = 0.0):
+    """Linear warm-up, then cosine to ``min_ratio`` at step ``total()``."""
+    return _warmup_then(optimizer, warmup_steps, total,
+                        lambda p: min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 def warmup_linear(optimizer: torch.optim.Optimizer, warmup_steps: int, total: Callable[[], int]):
     """Linear warm-up, then linear decay to 0 at step ``total()`` (BERT's schedule)."""
-
-    def factor(step: int) -> float:
-        steps = total()
-        warm = warmup_steps
-        if step < warm:
-            return (step + 1) / warm
-        return max(0.0, (steps - step) / max(1, steps - warm))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return _warmup_then(optimizer, warmup_steps, total, lambda p: 1.0 - p)
 
 
 def per_step(scheduler) -> dict:

@@ -10,28 +10,22 @@ from __future__ import annotations
 
 from torch import nn
 
+from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
 from mptrain.nn.norm import FusedLayerNorm, FusedRMSNorm
 
 
-def _replacements():
-    """(torch class, factory) pairs; the LSTM ones only when mptrain.nn.lstm imports."""
-    pairs = [(nn.LayerNorm, FusedLayerNorm.from_module), (nn.RMSNorm, FusedRMSNorm.from_module)]
-    try:
-        from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
-    except ImportError:
-        return pairs
-
-    def lstm(m):
-        return FusedLSTM.from_module(m) if not m.bidirectional and m.proj_size == 0 else None
-
-    return pairs + [(nn.LSTMCell, FusedLSTMCell.from_module), (nn.LSTM, lstm)]
+def _lstm(m: nn.LSTM):
+    return FusedLSTM.from_module(m) if not m.bidirectional and m.proj_size == 0 else None
 
 
-def _replacement(module, pairs):
-    for cls, make in pairs:
-        if type(module) is cls:
-            return make(module)
-    return None
+#: exact torch class -> the factory of its fused drop-in (None: left as it is)
+_REPLACEMENTS = {nn.LayerNorm: FusedLayerNorm.from_module, nn.RMSNorm: FusedRMSNorm.from_module,
+                 nn.LSTMCell: FusedLSTMCell.from_module, nn.LSTM: _lstm}
+
+
+def _replacement(module):
+    make = _REPLACEMENTS.get(type(module))
+    return None if make is None else make(module)
 
 
 def fuse_modules(model: nn.Module) -> nn.Module:
@@ -40,11 +34,10 @@ def fuse_modules(model: nn.Module) -> nn.Module:
     When ``model`` itself is a supported module it cannot be swapped in place: the fused
     replacement is returned instead (so always use the return value).
     """
-    pairs = _replacements()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            new = _replacement(child, pairs)
+            new = _replacement(child)
             if new is not None:
                 setattr(parent, name, new)
-    top = _replacement(model, pairs)
+    top = _replacement(model)
     return model if top is None else top

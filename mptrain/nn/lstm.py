@@ -100,54 +100,24 @@ class FusedLSTM(nn.LSTM):
     docstring). Parameter names are nn.LSTM's (weight_ih_l0, weight_hh_l0, bias_ih_l0, ...).
     """
 
-    def __init__(
-        self,
-        input_size,
-        hidden_size,
-        num_layers=1,
-        bias=True,
-        batch_first=False,
-        dropout=0.0,
-        bidirectional=False,
-        proj_size=0,
-        device=None,
-        dtype=None,
-        *,
-        impl="auto",
-    ):
+    def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False, dropout=0.0,
+                 bidirectional=False, proj_size=0, device=None, dtype=None, *, impl="auto"):
         if bidirectional:
             raise ValueError("FusedLSTM is unidirectional; use torch.nn.LSTM for bidirectional=True")
         if proj_size:
             raise ValueError(f"FusedLSTM has no projections (proj_size={proj_size}); use torch.nn.LSTM")
         if impl not in IMPLS:
             raise ValueError(f"FusedLSTM: impl={impl!r}, expected one of {IMPLS}")
-        super().__init__(
-            input_size,
-            hidden_size,
-            num_layers=num_layers,
-            bias=bias,
-            batch_first=batch_first,
-            dropout=dropout,
-            device=device,
-            dtype=dtype,
-        )
+        super().__init__(input_size, hidden_size, num_layers=num_layers, bias=bias, batch_first=batch_first,
+                         dropout=dropout, device=device, dtype=dtype)
         self.impl = impl
 
     @classmethod
     def from_module(cls, lstm: nn.LSTM, **kwargs) -> "FusedLSTM":
         """A FusedLSTM sharing ``lstm``'s Parameter objects (optimizers keep working)."""
-        new = cls(
-            lstm.input_size,
-            lstm.hidden_size,
-            num_layers=lstm.num_layers,
-            bias=lstm.bias,
-            batch_first=lstm.batch_first,
-            dropout=lstm.dropout,
-            bidirectional=lstm.bidirectional,
-            proj_size=lstm.proj_size,
-            device="meta",
-            **kwargs,
-        )
+        new = cls(lstm.input_size, lstm.hidden_size, num_layers=lstm.num_layers, bias=lstm.bias,
+                  batch_first=lstm.batch_first, dropout=lstm.dropout, bidirectional=lstm.bidirectional,
+                  proj_size=lstm.proj_size, device="meta", **kwargs)
         for name in new._flat_weights_names:
             setattr(new, name, getattr(lstm, name))
         new._init_flat_weights()

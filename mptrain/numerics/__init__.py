@@ -2,11 +2,12 @@
 
 * :func:`compare_layerwise` -- fp32 shadow comparison of every module (forward and backward);
 * :class:`OverflowMonitor` -- the Lightning callback counting inf/NaN, near-max values and
-  fp16-underflowing gradients per module (it lives in :mod:`mptrain.callbacks`);
+  fp16-underflowing gradients per module (it lives in :mod:`mptrain.callbacks`, re-exported here);
 * :func:`evaluate_precisions` -- metric and latency of a trained model per precision,
   int8 dynamic quantization included (:mod:`mptrain.numerics.quant`);
 * :func:`doctor_report` -- what the hardware and the toolchain can do.
 """
+from mptrain.callbacks.overflow_monitor import OverflowMonitor
 from mptrain.numerics.evaluate import PrecisionTable, evaluate_precisions
 from mptrain.numerics.hardware import doctor_report, format_doctor
 from mptrain.numerics.layerwise import ROW_KEYS, LayerwiseReport, compare_layerwise
@@ -25,19 +26,10 @@ from mptrain.numerics.quant import (
 )
 
 __all__ = [
-    "compare_layerwise", "LayerwiseReport", "ROW_KEYS",
+    "compare_layerwise", "LayerwiseReport", "ROW_KEYS", "OverflowMonitor",
     "evaluate_precisions", "PrecisionTable",
     "doctor_report", "format_doctor",
     "QuantConfig", "QuantReport", "Int8DynamicLinear", "quantize", "dequantize", "quantize_weight",
     "quantize_activation", "quantize_dynamic", "int8_matmul", "int8_matmul_reference", "quantization_report",
 ]
 
-
-def __getattr__(name: str):
-    """``mptrain.numerics.OverflowMonitor`` is the callback of :mod:`mptrain.callbacks`
-    (imported on use: the numerics tools do not need the Trainer's callbacks)."""
-    if name == "OverflowMonitor":
-        from mptrain.callbacks.overflow_monitor import OverflowMonitor
-
-        return OverflowMonitor
-    raise AttributeError(f"module 'mptrain.numerics' has no attribute {name!r}")

@@ -12,8 +12,9 @@ import json
 from typing import Any, Optional, Union
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
-_LABEL_KEYS = ("labels", "label", "target", "targets", "y")
+from mptrain.numerics.evaluate import LABEL_KEYS
 
 
 # ---------------------------------------------------------------------------------------
@@ -92,18 +93,8 @@ def batch_to_input(model: Any, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return batch[0]
     if isinstance(batch, dict):
-        return {k: v for k, v in batch.items() if k not in _LABEL_KEYS}
+        return {k: v for k, v in batch.items() if k not in LABEL_KEYS}
     return batch
-
-
-def _trim(obj: Any, n: int) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj[:n] if obj.dim() > 0 else obj
-    if isinstance(obj, dict):
-        return {k: _trim(v, n) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_trim(v, n) for v in obj)
-    return obj
 
 
 def build_model_and_batch(parser, cfg) -> tuple[Any, Any]:
@@ -144,7 +135,8 @@ def numerics_main(argv: Optional[list[str]] = None) -> int:
     model, batch = build_model_and_batch(parser, cfg)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = model.to(device)
-    example = _trim(batch_to_input(model, batch), cfg.max_samples)
+    example = apply_to_collection(batch_to_input(model, batch), torch.Tensor,
+                                  lambda t: t[:cfg.max_samples] if t.dim() else t)
     report = compare_layerwise(model, example, precision=str(precision), rtol=cfg.rtol, atol=cfg.atol,
                                backward=cfg.backward, train_mode=cfg.train_mode)
     if cfg.json:

@@ -18,13 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
-from mptrain.numerics.layerwise import _call
+from mptrain.numerics.layerwise import _call, _model_device
 from mptrain.numerics.quant import QuantConfig, quantize_dynamic
 
 DEFAULT_PRECISIONS = ("32-true", "bf16-true", "16-true", "int8-dynamic")
 EXTRA_PRECISIONS = ("int8-dynamic",)
+#: keys of a dict batch that hold the target, not the model's input
+LABEL_KEYS = ("labels", "label", "target", "targets", "y")
 #: errors that mean "this device/dtype cannot run this model", reported as unsupported
 _UNSUPPORTED = (RuntimeError, NotImplementedError, TypeError)
 
@@ -54,9 +57,6 @@ class PrecisionTable:
             lines.append(f"{r['precision']:<14} {m:>12} {d:>13} {lat:>11} {sp:>9}  {r['status']}")
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
-        return {"metric": self.metric_name, "rows": self.rows}
-
 
 def accuracy_percent(logits: torch.Tensor, target: torch.Tensor) -> float:
     """Top-1 accuracy in percent (what ``metric="accuracy"`` means)."""
@@ -67,21 +67,11 @@ def _split_batch(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         return batch[0], batch[1]
     if isinstance(batch, dict):
-        for key in ("labels", "label", "target", "targets", "y"):
+        for key in LABEL_KEYS:
             if key in batch:
                 return {k: v for k, v in batch.items() if k != key}, batch[key]
     raise ValueError("evaluate_precisions: cannot split the batch into (input, target); "
                      "pass batch_fn=lambda batch: (input, target)")
-
-
-def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
 
 
 def _prediction(out: Any) -> torch.Tensor:
@@ -95,10 +85,6 @@ def _prediction(out: Any) -> torch.Tensor:
     if isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     raise TypeError(f"evaluate_precisions: cannot find the prediction tensor in a {type(out).__name__} output")
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _prepare(model: nn.Module, precision: str, device: torch.device, quant_config: QuantConfig):
@@ -133,7 +119,7 @@ def _run_one(model, precision, loader, metric, device, quant_config, batch_fn, m
             if max_batches is not None and i >= max_batches:
                 break
             x, y = batch_fn(batch)
-            x, y = convert(_to(x, device)), _to(y, device)
+            x, y = convert(move_data_to_device(x, device)), move_data_to_device(y, device)
             _sync(device)
             t0 = time.perf_counter()
             with ctx():
@@ -143,7 +129,8 @@ def _run_one(model, precision, loader, metric, device, quant_config, batch_fn, m
             pred = _prediction(out).float()
             nonfinite = nonfinite or not bool(torch.isfinite(pred).all())
             if stateful:
-                met.update(pred.to(_metric_device(met, pred.device)), y.to(_metric_device(met, pred.device)))
+                metric_device = getattr(met, "device", pred.device)
+                met.update(pred.to(metric_device), y.to(metric_device))
             else:
                 preds.append(pred.cpu())
                 targets.append(y.cpu() if isinstance(y, torch.Tensor) else torch.as_tensor(y))
@@ -152,10 +139,6 @@ def _run_one(model, precision, loader, metric, device, quant_config, batch_fn, m
     value = met.compute() if stateful else metric(torch.cat(preds), torch.cat(targets))
     timed = times[warmup_batches:] if len(times) > warmup_batches else times
     return float(value), statistics.median(timed), nonfinite
-
-
-def _metric_device(metric, default):
-    return getattr(metric, "device", default)
 
 
 def evaluate_precisions(model: nn.Module, dataloader: Iterable, metric: Any = "accuracy",

@@ -8,7 +8,6 @@ extension builds and loads, and a one-line recommendation.  Everything degrades 
 """
 from __future__ import annotations
 
-import os
 import platform
 import re
 import shutil
@@ -17,14 +16,12 @@ from typing import Any, Optional
 
 import torch
 
-# Minimum compute capability of each tensor-core path (NVIDIA).
-TENSOR_CORE_MIN_CC = {
-    "fp16": (7, 0),  # Volta
-    "int8": (7, 5),  # Turing IMMA (torch._int_mm / cuBLASLt)
-    "tf32": (8, 0),  # Ampere
-    "bf16": (8, 0),  # Ampere
-    "fp8": (8, 9),  # Ada / Hopper (torch._scaled_mm)
-}
+from mptrain.bench.gemm import MIN_CC, gemm_fn, make_operands
+from mptrain.ops.build import extension_status, find_cuda_home, get_extension
+from mptrain.precision.fallback import cpu_lacks_native_bf16
+
+#: minimum compute capability of each tensor-core path (NVIDIA): the GEMM benchmark's table
+TENSOR_CORE_MIN_CC = {dtype: cc for dtype, cc in MIN_CC.items() if dtype != "fp32"}
 
 
 def _run(cmd: list[str], timeout: float = 10.0) -> Optional[str]:
@@ -33,16 +30,6 @@ def _run(cmd: list[str], timeout: float = 10.0) -> Optional[str]:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _nvcc_path() -> Optional[str]:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-        return os.path.join(home, "bin", "nvcc")
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
 
 
 def tool_versions() -> dict:
@@ -56,21 +43,15 @@ def tool_versions() -> dict:
     smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     if smi:
         v["driver"] = smi.splitlines()[0].strip()
-    nvcc = _nvcc_path()
-    if nvcc:
+    cuda_home = find_cuda_home()
+    if cuda_home is not None:
+        nvcc = str(cuda_home / "bin" / "nvcc")
         out = _run([nvcc, "--version"])
         m = re.search(r"release ([\d.]+)", out or "")
         v["nvcc"] = f"{m.group(1)} ({nvcc})" if m else f"unknown ({nvcc})"
-    ninja = shutil.which("ninja")
+    ninja = shutil.which("ninja")  # torch's cpp_extension runs the ninja on PATH
     if ninja:
         v["ninja"] = _run([ninja, "--version"]) or "unknown"
-    else:
-        try:  # the pip package ships the binary
-            import ninja as _ninja  # noqa: F401
-
-            v["ninja"] = f"{getattr(_ninja, '__version__', 'installed')} (pip package)"
-        except ImportError:
-            v["ninja"] = None
     return v
 
 
@@ -84,26 +65,9 @@ def _probe(fn) -> tuple[bool, str]:
 
 
 def _probes(dev: int) -> dict:
-    """Run each tensor-core op once on tiny operands of the right shape."""
-    d = torch.device("cuda", dev)
-    a32 = torch.randn(32, 32, device=d)
-    res = {}
-    res["fp16"] = _probe(lambda: a32.half() @ a32.half())
-    res["bf16"] = _probe(lambda: a32.bfloat16() @ a32.bfloat16())
-    res["tf32"] = _probe(lambda: a32 @ a32)  # always runs; whether it uses TF32 depends on the capability
-    if hasattr(torch, "_int_mm"):
-        ai = torch.randint(-8, 8, (32, 32), device=d, dtype=torch.int8)
-        res["int8"] = _probe(lambda: torch._int_mm(ai, ai.t().contiguous().t()))
-    else:
-        res["int8"] = (False, "torch has no _int_mm")
-    if hasattr(torch, "_scaled_mm") and hasattr(torch, "float8_e4m3fn"):
-        f8 = a32.to(torch.float8_e4m3fn)
-        one = torch.ones((), device=d)
-        res["fp8"] = _probe(lambda: torch._scaled_mm(f8, f8.t().contiguous().t(), scale_a=one, scale_b=one,
-                                                     out_dtype=torch.bfloat16))
-    else:
-        res["fp8"] = (False, "torch has no _scaled_mm / float8")
-    return res
+    """Run each tensor-core product once on tiny operands (those of `mptrain bench gemm`)."""
+    device = torch.device("cuda", dev)
+    return {path: _probe(lambda: gemm_fn(path)(*make_operands(path, 32, device))) for path in TENSOR_CORE_MIN_CC}
 
 
 def gpu_info(probe: bool = True) -> list[dict]:
@@ -127,54 +91,23 @@ def gpu_info(probe: bool = True) -> list[dict]:
 
 def extension_info(build: bool) -> dict:
     """Status of mptrain's CUDA extension (mptrain.ops.build), built only when ``build``."""
-    try:
-        from mptrain.ops import build as ext_build
-    except ImportError as e:
-        return {"available": False, "status": f"mptrain.ops.build not importable: {e}", "build": "not attempted"}
-    info: dict[str, Any] = {"available": None, "status": None}
-    status_fn = getattr(ext_build, "extension_status", None)
-    if status_fn is not None:
-        try:
-            info["status"] = _plain(status_fn())
-        except Exception as e:  # noqa: BLE001
-            info["status"] = f"extension_status() failed: {type(e).__name__}: {e}"
+    info: dict[str, Any] = {"available": None,
+                            "build": "not attempted (no GPU, or --build false; `mptrain doctor --build true` tries anyway)"}
     if build:
-        get = getattr(ext_build, "get_extension", None)
-        if get is None:
-            info["available"] = False
-            info["build"] = "mptrain.ops.build has no get_extension()"
-        else:
-            try:
-                ext = get(required=False)
-                info["available"] = ext is not None
-                info["build"] = "built and loaded" if ext is not None else "not loaded (see status)"
-                if status_fn is not None:
-                    info["status"] = _plain(status_fn())
-            except Exception as e:  # noqa: BLE001 - the doctor reports why, it does not crash
-                info["available"] = False
-                info["build"] = f"build failed: {type(e).__name__}: {str(e)[:500]}"
-    else:
-        info["build"] = "not attempted (no GPU, or --no-build; `mptrain doctor --build` tries anyway)"
+        try:
+            ext = get_extension(required=False)
+            info["available"] = ext is not None
+            info["build"] = "built and loaded" if ext is not None else "not loaded (see status)"
+        except Exception as e:  # noqa: BLE001 - the doctor reports why, it does not crash
+            info["available"], info["build"] = False, f"build failed: {type(e).__name__}: {str(e)[:500]}"
+    info["status"] = extension_status().describe()
     return info
-
-
-def _plain(obj: Any) -> Any:
-    if hasattr(obj, "describe"):  # mptrain.ops.build.ExtensionStatus: state plus reason / log path
-        return obj.describe()
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return str(obj)
 
 
 def recommend(gpus: list[dict]) -> str:
     """One line: which precision to train with here."""
     if not gpus:
-        cpu_bf16 = _cpu_has_bf16()
-        extra = " ('bf16-mixed' is worth trying: this CPU has native bf16)" if cpu_bf16 else ""
+        extra = "" if cpu_lacks_native_bf16() else " ('bf16-mixed' is worth trying: this CPU has native bf16)"
         return f"No CUDA GPU: train on the CPU path with precision='32-true'{extra}; fused kernels are GPU-only."
     g = gpus[0]
     tc = g["tensor_cores"]
@@ -190,22 +123,6 @@ def recommend(gpus: list[dict]) -> str:
     return f"{g['name']} has no tensor cores for half precision: use precision='32-true'."
 
 
-def _cpu_has_bf16() -> bool:
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except AttributeError:
-        return False
-    return "AVX512" in cap.upper() and _cpu_flag("avx512_bf16") or _cpu_flag("amx_bf16")
-
-
-def _cpu_flag(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return flag in f.read()
-    except OSError:
-        return False
-
-
 def doctor_report(build_extension: Optional[bool] = None, probe: bool = True) -> dict:
     """Everything `mptrain doctor` prints, as a dict (JSON-serializable).
 
@@ -215,16 +132,12 @@ def doctor_report(build_extension: Optional[bool] = None, probe: bool = True) ->
     gpus = gpu_info(probe=probe)
     if build_extension is None:
         build_extension = bool(gpus)
-    try:
-        cpu_cap = torch.backends.cpu.get_cpu_capability()
-    except AttributeError:
-        cpu_cap = None
     return {
         "versions": tool_versions(),
         "cuda_available": torch.cuda.is_available(),
         "gpus": gpus,
-        "cpu": {"machine": platform.machine(), "capability": cpu_cap, "threads": torch.get_num_threads(),
-                "bf16_native": _cpu_has_bf16()},
+        "cpu": {"machine": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+                "bf16_native": not cpu_lacks_native_bf16()},
         "matmul_precision": torch.get_float32_matmul_precision(),
         "extension": extension_info(build_extension),
         "recommendation": recommend(gpus),

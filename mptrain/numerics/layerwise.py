@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 #: the keys of every row, in this order (outside tests rely on exactly these)
 ROW_KEYS = ("module", "max_abs", "max_rel", "mean_abs", "cosine", "ok", "overflow_frac", "underflow_frac")
@@ -91,7 +93,6 @@ def _low_dtype(precision_name: str) -> torch.dtype:
 
 # Index of each statistic in the per-call vector (summed or max-ed over calls at the end).
 _N, _NBOTH, _SUMABS, _MAXABS, _MAXREL, _DOT, _REF2, _LOW2, _D2, _OVF, _UNF, _VIOL, _MISMATCH = range(13)
-_MAX_STATS = (_MAXABS, _MAXREL)
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,30 +100,11 @@ _MAX_STATS = (_MAXABS, _MAXREL)
 # ---------------------------------------------------------------------------------------
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """Floating-point tensors in ``obj`` (tensors, lists, tuples, dicts), in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, dict):
-        return [t for k in obj for t in _tensors(obj[k])]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
-def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by ``fn(tensor)`` (structure kept)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(_map(v, fn) for v in obj)
-    if isinstance(obj, list):
-        return [_map(v, fn) for v in obj]
-    return obj
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def _detach_clone(obj: Any) -> Any:
-    return _map(obj, lambda t: t.detach().clone())
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), obj)
 
 
 def _cast_like(ref: Any, low: Any) -> Any:
@@ -148,16 +130,13 @@ def _call(model: nn.Module, inp: Any) -> Any:
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return torch.device("cpu")
+    """The device of the model's first parameter or buffer (the CPU for a model with neither)."""
+    return next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
 
 
 def _all_finite(obj: Any) -> torch.Tensor:
-    ts = _tensors(obj)
-    if not ts:
-        return torch.tensor(True)
-    return torch.stack([torch.isfinite(t).all() for t in ts]).all()
+    """One bool tensor (no host sync): every floating-point tensor in ``obj`` is finite."""
+    return torch.stack([torch.isfinite(t).all() for t in _tensors(obj)] or [torch.tensor(True)]).all()
 
 
 def _call_stats(ref: list[torch.Tensor], low: list[torch.Tensor], rtol: float, atol: Optional[float]) -> torch.Tensor:
@@ -285,8 +264,7 @@ class LayerwiseReport:
         return [r["module"] for r, _ in self.ranked()[:n]]
 
     def table(self, top: Optional[int] = None) -> str:
-        head = (f"{'module':<44} {'dtype':>8} {'max_abs':>9} {'max_rel':>9} {'mean_abs':>9} {'cosine':>8} "
-                f"{'ovf%':>6} {'unf%':>6} {'ok':>3} {'local_err':>9} {'rel_err':>9}  flags")
+        head = f"{'module':<44} {'dtype':>8} {_STATS_HEAD} {'local_err':>9} {'rel_err':>9}  flags"
         lines = [f"layerwise fp32 vs {self.precision} ({self.tolerance or f'rtol={self.rtol}, atol={self.atol}'}); "
                  f"first_bad={self.first_bad}; worst first", head, "-" * len(head)]
         for row, det in self.ranked()[:top]:
@@ -296,20 +274,12 @@ class LayerwiseReport:
             if not det.get("local_input_ok", True):
                 flags.append("input-overflows-dtype")
             local = det.get("local_rel_err")
-            lines.append(
-                f"{_short(row['module'], 44):<44} {det.get('dtype', ''):>8} {_f(row['max_abs'])} {_f(row['max_rel'])} "
-                f"{_f(row['mean_abs'])} {row['cosine']:8.5f} {100 * row['overflow_frac']:6.2f} "
-                f"{100 * row['underflow_frac']:6.2f} {'yes' if row['ok'] else 'NO':>3} "
-                f"{'—' if local is None else _f(local)} {_f(det['rel_err'])}  {' '.join(flags)}")
+            lines.append(f"{_short(row['module'], 44):<44} {det.get('dtype', ''):>8} {_stats(row)} "
+                         f"{'—' if local is None else _f(local)} {_f(det['rel_err'])}  {' '.join(flags)}")
         if self.grad_rows:
-            lines.append("")
-            lines.append(f"output gradients (backward order); first_bad_grad={self.first_bad_grad}")
-            lines.append(f"{'module':<44} {'max_abs':>9} {'max_rel':>9} {'mean_abs':>9} {'cosine':>8} "
-                         f"{'ovf%':>6} {'unf%':>6} {'ok':>3}")
-            for r in self.grad_rows[:top]:
-                lines.append(f"{_short(r['module'], 44):<44} {_f(r['max_abs'])} {_f(r['max_rel'])} {_f(r['mean_abs'])} "
-                             f"{r['cosine']:8.5f} {100 * r['overflow_frac']:6.2f} {100 * r['underflow_frac']:6.2f} "
-                             f"{'yes' if r['ok'] else 'NO':>3}")
+            lines += ["", f"output gradients (backward order); first_bad_grad={self.first_bad_grad}",
+                      f"{'module':<44} {_STATS_HEAD}"]
+            lines += [f"{_short(r['module'], 44):<44} {_stats(r)}" for r in self.grad_rows[:top]]
         for note in self.notes:
             lines.append(f"note: {note}")
         lines.append(self.verdict())
@@ -349,6 +319,15 @@ class LayerwiseReport:
 
 def _sortable(v: float) -> float:
     return math.inf if v is None or math.isnan(v) else v
+
+
+_STATS_HEAD = f"{'max_abs':>9} {'max_rel':>9} {'mean_abs':>9} {'cosine':>8} {'ovf%':>6} {'unf%':>6} {'ok':>3}"
+
+
+def _stats(r: dict) -> str:
+    """A row's ROW_KEYS statistics under :data:`_STATS_HEAD`."""
+    return (f"{_f(r['max_abs'])} {_f(r['max_rel'])} {_f(r['mean_abs'])} {r['cosine']:8.5f} "
+            f"{100 * r['overflow_frac']:6.2f} {100 * r['underflow_frac']:6.2f} {'yes' if r['ok'] else 'NO':>3}")
 
 
 def _f(v: float) -> str:
@@ -572,8 +551,9 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
     ref_model = copy.deepcopy(model).float().train(train_mode)
     low_model = copy.deepcopy(model).float().train(train_mode)
     low_model = prec.convert_module(low_model) or low_model
-    ref_in = _map(example_input, lambda t: t.to(device=device, dtype=torch.float32) if t.is_floating_point() else t.to(device))
-    low_in = prec.convert_input(_map(example_input, lambda t: t.to(device)))
+    ref_in = tree_map_only(torch.Tensor, lambda t: t.to(device, torch.float32 if t.is_floating_point() else t.dtype),
+                           example_input)
+    low_in = prec.convert_input(tree_map_only(torch.Tensor, lambda t: t.to(device), example_input))
 
     name = getattr(prec, "precision", None) or getattr(prec, "name", None) or str(precision)
     tol = Tolerance(UNIT_ROUNDOFF[_low_dtype(str(name))], rtol=rtol, atol=atol)

@@ -22,6 +22,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from mptrain.numerics.layerwise import _call
+
 QMIN, QMAX = -128, 127
 #: the largest K for which an int32 accumulator of int8 products cannot overflow
 #: (|q| <= 128, so each product is at most 2**14 and K * 2**14 must stay below 2**31).
@@ -119,8 +121,6 @@ def int_mm_supported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     cuBLASLt's int8 GEMM (as wrapped by torch) wants more than 16 rows, K and N
     multiples of 8, and CUDA int8 operands.
     """
-    if not hasattr(torch, "_int_mm"):
-        return "this torch has no torch._int_mm"
     if not (a.is_cuda and b.is_cuda):
         return "operands are not on CUDA"
     if a.dtype != torch.int8 or b.dtype != torch.int8:
@@ -163,7 +163,7 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, pad: bool = True) -> torch.Ten
     the result is still exact.  Without ``pad`` they fall back to the reference.
     """
     _check_mm_operands(a, b)
-    if not (a.is_cuda and hasattr(torch, "_int_mm")):
+    if not a.is_cuda:
         return int8_matmul_reference(a, b)
     if int_mm_supported(a, b) is None:
         # A row-major, B column-major: the layout cuBLASLt's IMMA kernels take without a
@@ -239,14 +239,6 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("weight_colsum", q.to(torch.int32).sum(dim=1))  # [out]
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.register_buffer("bias", bias)
-
-    @classmethod
-    def from_float(cls, linear: nn.Linear, config: QuantConfig = QuantConfig()) -> "Int8DynamicLinear":
-        return cls(linear, config)
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The float32 weight the int8 codes stand for (for error reports)."""
-        return self.weight_scale[:, None] * (self.weight_q.to(torch.int32) - self.weight_zero[:, None]).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -378,10 +370,3 @@ def quantization_report(model: nn.Module, example_input=None, config: QuantConfi
                      "weight_sqnr_db": w_sqnr, "out_rel_err": o_rel, "out_sqnr_db": o_sqnr})
     return QuantReport(config, rows)
 
-
-def _call(model: nn.Module, example_input):
-    if isinstance(example_input, dict):
-        return model(**example_input)
-    if isinstance(example_input, (tuple, list)):
-        return model(*example_input)
-    return model(example_input)

@@ -281,12 +281,13 @@ def gencode_flags(archs: list[str]) -> list[str]:
     return flags
 
 
-def _flags() -> tuple[list[str], list[str]]:
-    cflags = ["-O3"]
+def _all_flags(cuda_home: Optional[Path]) -> tuple[list[str], list[str]]:
+    """(C++ flags, nvcc flags), both with the include dirs the toolkit lacks (see _extra_include_dirs)."""
+    extra = [f"-I{d}" for d in _extra_include_dirs(cuda_home)] if cuda_home is not None else []
     cuda = ["-O3", "--expt-relaxed-constexpr"] + gencode_flags(arch_list())
     if os.environ.get("MPTRAIN_SMALL_KERNEL_ARGS") == "1":
         cuda.append("-DMPT_SMALL_KERNEL_ARGS")
-    return cflags, cuda
+    return ["-O3"] + extra, cuda + extra
 
 
 def _loaded_cublas() -> Optional[Path]:
@@ -393,14 +394,6 @@ def _read_pid(path: Path) -> str:
 # ---------------------------------------------------------------- build
 
 
-def _all_flags(cuda_home: Optional[Path]) -> tuple[list[str], list[str]]:
-    cflags, cuda_flags = _flags()
-    if cuda_home is not None:
-        extra = [f"-I{d}" for d in _extra_include_dirs(cuda_home)]
-        cflags, cuda_flags = cflags + extra, cuda_flags + extra
-    return cflags, cuda_flags
-
-
 def build_dir_for(csrc: Path, root: Optional[Path] = None, cuda_home: Optional[Path] = None) -> Path:
     """Where build() compiles ``csrc``: ``<root>/ext-<hash of sources, flags, versions>``."""
     cflags, cuda_flags = _all_flags(cuda_home)
@@ -496,16 +489,13 @@ def _import_so(so: Path):
 def _load_cached(build_dir: Path):
     """The module from a build that already loaded once in ``build_dir``, or None (then build)."""
     so, stamp = build_dir / f"{EXT_NAME}.so", build_dir / _STAMP_NAME
-    try:
-        if not (so.is_file() and stamp.read_text().strip() == _so_signature(so)):
-            return None
-    except OSError:
+    if not stamp.is_file():
         return None
     with build_lock(build_dir):  # a concurrent builder of the same hash finishes first
         try:
             if stamp.read_text().strip() != _so_signature(so):
                 return None
-        except OSError:
+        except OSError:  # no .so (or no stamp) any more
             return None
         try:
             return _import_so(so)

@@ -61,10 +61,11 @@ def _check_forward(report, seconds):
 
 @pytest.mark.parametrize("precision", ["16-master", "bf16-master"])
 def test_layerwise_bert_base(precision):
-    pytest.importorskip("transformers")
-    from mptrain.numerics.report_models import bert_base
-
-    model, example, train_mode = bert_base(torch.device("cuda"))
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    ids = torch.randint(0, model.config.vocab_size, (4, 128), device="cuda")
+    model, example, train_mode = model.cuda(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, False
     t0 = time.perf_counter()
     report = compare_layerwise(model, example, precision=precision, backward=True, train_mode=train_mode)
     _check_forward(report, time.perf_counter() - t0)
@@ -83,10 +84,10 @@ def test_layerwise_resnet50():
     (where the signal enters), accurate parameter grads of the classifier, finite output gradients
     everywhere, and fp16's 3 extra mantissa bits giving the more accurate input-end gradient.
     """
-    pytest.importorskip("torchvision")
-    from mptrain.numerics.report_models import resnet50
-
-    model, example, train_mode = resnet50(torch.device("cuda"))
+    models = pytest.importorskip("torchvision.models")
+    torch.manual_seed(0)
+    # Train mode (BatchNorm on batch statistics): a random-init net in eval mode blows up.
+    model, example, train_mode = models.resnet50(weights=None).cuda(), torch.randn(8, 3, 224, 224, device="cuda"), True
     input_end = {}
     for precision in ("16-master", "bf16-master"):
         t0 = time.perf_counter()

@@ -142,15 +142,3 @@ def test_batch_to_input():
     lin = torch.nn.Linear(2, 2)
     assert batch_to_input(lin, (torch.ones(2), torch.zeros(2))).sum() == 2
     assert set(batch_to_input(lin, {"input_ids": 1, "labels": 2})) == {"input_ids"}
-
-
-def test_report_models_script_writes_reports(tmp_path, capsys):
-    pytest.importorskip("transformers")
-    from mptrain.numerics import report_models
-
-    assert report_models.main(["--out", str(tmp_path), "--models", "bert_base", "--small", "--device", "cpu"]) == 0
-    for precision in ("16-master", "bf16-master"):
-        data = json.loads((tmp_path / f"bert_base_{precision}.json").read_text())
-        assert data["precision"] == precision and data["rows"] and data["grad_rows"]
-        assert (tmp_path / f"bert_base_{precision}.txt").read_text().startswith("layerwise fp32 vs")
-    assert "== bert_base 16-master" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""`python -m mptrain.numerics.report_models --out DIR`: layerwise reports of BERT-base and
+"""`python3 dev/report_models.py --out DIR`: layerwise reports of BERT-base and
 ResNet-50 in 16-master and bf16-master (forward and backward), for the GPU machine.
 
 Both models are built from their configurations with random weights (no download):
@@ -72,7 +72,7 @@ def summarize(name: str, precision: str, report, seconds: float) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mptrain.numerics.report_models", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dev/report_models.py", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for the JSON and text reports")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {list(MODELS)}")
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
