@@ -56,6 +56,8 @@ def _release_generators(device: int) -> None:
     ``capture_end`` raises before it tells the generator the capture is over, so every later
     random op on the device (``torch.randn``, dropout) would fail with "Offset increment outside
     graph capture".  A fresh state object with the same seed and offset is not capturing."""
+    if device >= len(torch.cuda.default_generators):  # CUDA not initialized: nothing was capturing
+        return
     gen = torch.cuda.default_generators[device]
     if hasattr(gen, "graphsafe_set_state"):  # torch >= 2.4
         gen.graphsafe_set_state(gen.clone_state())
