@@ -114,7 +114,8 @@ class StepTimer(L.Callback):
         if self.cuda and self._catcher is not None:
             torch.cuda.set_sync_debug_mode("default")
             self._catcher.__exit__(None, None, None)
-            syncs = [w for w in self._caught if "synchroniz" in str(w.message)]
+            # the debug mode's own "prototype feature" warning is not a synchronization
+            syncs = [w for w in self._caught if "called a synchronizing CUDA operation" in str(w.message)]
             self.syncs = len(syncs)
             self.sync_sites = dict(Counter(f"{w.filename}:{w.lineno}" for w in syncs))
             self._catcher = None
