@@ -177,26 +177,34 @@ class _Fp32OpsMode(TorchFunctionMode):
         self.funcs = funcs  # callable -> op name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # Every torch call of the forward passes here: the path of an unlisted op is one dict lookup.
         name = self.funcs.get(func)
         if name is None:
-            return func(*args, **kwargs)
+            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         if name in CPU_RNN_OPS:
             if not _has_cpu_half(args):
                 return func(*args, **kwargs)
             _say_cpu_rnn_policy()  # once per process, when it first applies
         # The handler runs with this mode popped, so the inner call is not re-intercepted.
-        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
-            if name == "batch_norm":
-                return _batch_norm_fp32(func, args, kwargs)
-            seen: list = []
-            up_args = _upcast(tuple(args), seen)
-            up_kwargs = {k: _upcast(v, seen) for k, v in kwargs.items()}
-            if not seen:
-                return func(*args, **kwargs)
-            # "the input's dtype": the first floating tensor argument decides.
-            out = func(*up_args, **up_kwargs)
-            return _downcast(out, seen[0])
+        if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+                return _fp32_call(name, func, args, kwargs)
+        return _fp32_call(name, func, args, kwargs)
+
+
+def _fp32_call(name: str, func, args, kwargs):
+    """``func`` on fp32 copies of its half tensors, the result in the first one's dtype."""
+    if name == "batch_norm":
+        return _batch_norm_fp32(func, args, kwargs)
+    seen: list = []
+    up_args = _upcast(tuple(args), seen)
+    up_kwargs = {k: _upcast(v, seen) for k, v in kwargs.items()}
+    if not seen:
+        return func(*args, **kwargs)
+    # "the input's dtype": the first floating tensor argument decides.
+    out = func(*up_args, **up_kwargs)
+    return _downcast(out, seen[0])
 
 
 class Fp32Fallback:
