@@ -1,0 +1,240 @@
+"""Sharded training on the CPU: 2 gloo ranks under Lightning's FSDPStrategy with ShardedPrecision.
+
+The tests launch this file as a script (Lightning's FSDP launcher re-runs the command line for
+rank 1, so it cannot run inside pytest); each mode below is one launch running several fits.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+HERE = Path(__file__).resolve()
+
+
+def _launch(tmp_path, mode: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parents[2]))
+    r = subprocess.run([sys.executable, str(HERE), mode, str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return {rank: torch.load(tmp_path / f"{mode}.rank{rank}.pt", weights_only=True) for rank in (0, 1)}
+
+
+@pytest.mark.slow
+def test_sharded_run_follows_the_unsharded_loss_trajectory(tmp_path):
+    out = _launch(tmp_path, "trajectory")
+    for rank, d in out.items():
+        assert len(d["fsdp 32-true"]) == len(d["ddp 32-true"]) == 8
+        torch.testing.assert_close(d["fsdp 32-true"], d["ddp 32-true"], rtol=1e-5, atol=1e-6)
+        # bf16 compute both ways; DDP reduces bf16 grads, FSDP fp32 ones: agreement to bf16's precision
+        torch.testing.assert_close(d["fsdp bf16-master"], d["ddp bf16-master"], rtol=2e-2, atol=2e-2)
+        assert not torch.equal(d["fsdp bf16-master"], d["fsdp 32-true"]), "bf16-master must compute in bf16"
+        assert d["compute dtype"] == torch.bfloat16, "FSDP must all-gather bf16 compute params"
+        assert d["norm dtype"] == torch.float32, "the LayerNorm must keep fp32 params (its own FSDP unit)"
+        assert d["shard dtypes"] == {torch.float32}, "the sharded params (the masters) must be fp32"
+        assert d["shard numel"] < d["full numel"], f"rank {rank} must hold a shard, not the whole model"
+    assert not torch.equal(out[0]["fsdp bf16-master"], out[1]["fsdp bf16-master"]), "ranks saw the same data"
+    full0, full1 = out[0]["full weights"], out[1]["full weights"]
+    for name, t in full0.items():
+        assert t.dtype == torch.float32 and torch.equal(t, full1[name]), name
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_skips_the_step_on_both(tmp_path):
+    out = _launch(tmp_path, "nan")
+    for rank, d in out.items():
+        assert d["skipped"] == 1, f"rank {rank} must skip the step whose grad shard was NaN on rank 0 only"
+        assert d["steps"] == 4
+        assert d["scale"] == 512.0, "one skip halves the scale on every rank (hysteresis=1)"
+        for name, before in d["before skip"].items():
+            assert torch.equal(before, d["after skip"][name]), f"rank {rank}: {name} changed in a skipped step"
+            assert not torch.equal(before, d["final"][name]), f"rank {rank}: {name} never trained"
+    for name, t in out[0]["final"].items():
+        assert torch.equal(t, out[1]["final"][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path, state_dict_type):
+    """16-master, cut after 3 of 8 steps (mid-epoch), resumed from ``last``."""
+    out = _launch(tmp_path, f"checkpoint-{state_dict_type}")
+    for rank, d in out.items():
+        for name, t in d["cut"].items():
+            assert torch.equal(t, d["resumed start"][name]), f"rank {rank}: {name} not restored from the checkpoint"
+        assert d["resumed start scaler"] == d["cut scaler"], f"rank {rank}: loss scaler not restored"
+        assert torch.equal(d["resumed losses"][:1], d["straight losses"][3:4]), f"rank {rank}: first resumed step"
+    saved = out[0]["saved"]
+    if state_dict_type == "full":
+        assert saved["dtypes"] == {torch.float32}, "the checkpoint must hold the fp32 masters"
+        assert saved["precision"]["initial_precision"] == "16-master"
+    else:
+        assert saved["is_dir"], "a sharded checkpoint is a directory of shards"
+    exact = all(torch.equal(d["resumed losses"], d["straight losses"][3:]) and
+                all(torch.equal(t, d["resumed"][n]) for n, t in d["straight"].items()) for d in out.values())
+    if state_dict_type == "full" and not exact:
+        # Reproduced without mptrain (lightning.Trainer + FSDPPrecision("32-true")): Lightning's
+        # FSDPStrategy restores the weights of a full checkpoint but not the optimizer state as saved.
+        pytest.xfail("Lightning's FSDPStrategy full-state-dict resume does not restore the optimizer state exactly")
+    assert exact, "the resumed run must reproduce the uninterrupted one bitwise"
+    assert all(d["scaler"] == d["resumed scaler"] for d in out.values())
+
+
+# -- the launched script ---------------------------------------------------------------------------------------
+
+def _cpu_fsdp_strategy(**kwargs):
+    """Lightning's FSDPStrategy on the CPU.
+
+    Lightning refuses ``strategy="fsdp"`` with ``accelerator="cpu"`` and passes torch's FSDP the CUDA
+    index as ``device_id`` (None on the CPU); torch's FSDP runs on the CPU given ``device_id=cpu``.
+    This subclass changes only that argument, the rest is Lightning's GPU path.
+    """
+    import torch.distributed.fsdp as fsdp
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class OnCpu(fsdp.FullyShardedDataParallel):
+        def __init__(self, module, *args, device_id=None, **kw):
+            super().__init__(module, *args, device_id=torch.device("cpu"), **kw)
+
+    class CpuFSDPStrategy(FSDPStrategy):
+        def _setup_model(self, model):
+            real = fsdp.FullyShardedDataParallel
+            fsdp.FullyShardedDataParallel = OnCpu  # Lightning imports it from here when it wraps
+            try:
+                return super()._setup_model(model)
+            finally:
+                fsdp.FullyShardedDataParallel = real
+
+    kwargs.setdefault("auto_wrap_policy", {torch.nn.Linear})
+    return CpuFSDPStrategy(**kwargs)
+
+
+def _fit(strategy, precision, max_epochs=1, ckpt_path=None, callbacks=(), root=None, optimizer="adamw", **kw):
+    """One fit of the tiny classifier: 64 samples, 2 ranks, batch 8: 4 steps an epoch."""
+    from _models import Classifier, classification_data, mlp
+    from mptrain import Trainer
+
+    torch.manual_seed(0)
+    model = Classifier(mlp(), lr=0.02, optimizer=optimizer)
+    loader = torch.utils.data.DataLoader(classification_data(n=64), batch_size=8, shuffle=True)
+    trainer = Trainer(precision=precision, strategy=strategy, accelerator="cpu", devices=2, max_epochs=max_epochs,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, seed=0, callbacks=list(callbacks), default_root_dir=root, **kw)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def _full_weights(trainer) -> dict:
+    """Every rank gathers the whole model (fp32: the masters)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = trainer.strategy.model
+    with FSDP.summon_full_params(model, writeback=False):
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+class _DtypeProbe(Callback):
+    """Records the dtypes the first Linear and the LayerNorm compute with (the params FSDP all-gathered)."""
+
+    def __init__(self):
+        self.seen: dict = {}
+
+    def on_train_start(self, trainer, pl_module):
+        # the modules themselves (inside their FSDP wrappers): their forward sees the all-gathered params
+        for key, cls in (("compute dtype", torch.nn.Linear), ("norm dtype", torch.nn.LayerNorm)):
+            next(m for m in pl_module.modules() if type(m) is cls).register_forward_hook(self._record(key))
+
+    def _record(self, key):
+        def hook(module, args, output):
+            self.seen.setdefault(key, module.weight.dtype)
+        return hook
+
+
+def _run_trajectory(out: Path) -> dict:
+    result = {}
+    for precision in ("32-true", "bf16-master"):
+        _, ddp = _fit("ddp", precision, max_epochs=2)
+        result[f"ddp {precision}"] = torch.stack(ddp.losses).float()
+        probe = _DtypeProbe()
+        trainer, fsdp = _fit(_cpu_fsdp_strategy(), precision, max_epochs=2, callbacks=[probe])
+        result[f"fsdp {precision}"] = torch.stack(fsdp.losses).float()
+    result.update(probe.seen)
+    shards = list(fsdp.parameters())
+    result["shard dtypes"] = {p.dtype for p in shards}
+    result["shard numel"] = sum(p.numel() for p in shards)
+    result["full weights"] = _full_weights(trainer)
+    result["full numel"] = sum(t.numel() for t in result["full weights"].values())
+    return result
+
+
+def _run_nan(out: Path) -> dict:
+    class NanOnRankZero(Callback):
+        """At step 1, rank 0's local grad shard of the first Linear gets a NaN: the reduce-scatter is over,
+        so only rank 0 can see it; only the all-reduced found_inf makes rank 1 skip too."""
+        snaps: dict = {}
+
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_step == 1 and trainer.global_rank == 0:
+                g = next(p.grad for p in pl_module.parameters() if p.grad is not None and p.grad.numel())
+                g.view(-1)[0] = float("nan")
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step in (1, 2):
+                self.snaps[trainer.global_step] = _full_weights(trainer)
+
+    cb = NanOnRankZero()
+    trainer, _ = _fit(_cpu_fsdp_strategy(), "16-master", loss_scaler={"init_scale": 1024.0, "hysteresis": 1}, callbacks=[cb],
+                      max_epochs=1)
+    return {"skipped": trainer.skipped_steps, "steps": trainer.global_step, "scale": trainer.loss_scaler.scale,
+            "before skip": cb.snaps[1], "after skip": cb.snaps[2], "final": _full_weights(trainer)}
+
+
+class _AtTrainStart(Callback):
+    """What a resumed run starts from: the full weights and the scaler once the checkpoint is restored."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.weights = _full_weights(trainer)
+        self.scaler = trainer.loss_scaler.state_dict()
+
+
+def _run_checkpoint(out: Path, state_dict_type: str) -> dict:
+    strategy = lambda: _cpu_fsdp_strategy(state_dict_type=state_dict_type)  # noqa: E731
+    straight, model = _fit(strategy(), "16-master", max_epochs=2, root=str(out / "straight"))
+    result = {"straight losses": torch.stack(model.losses).float(), "straight": _full_weights(straight),
+              "scaler": straight.loss_scaler.state_dict()}
+    first, _ = _fit(strategy(), "16-master", max_epochs=2, max_steps=3, checkpoint_every_n_steps=3,
+                    root=str(out / "cut"))  # cut mid-epoch
+    result.update({"cut": _full_weights(first), "cut scaler": first.loss_scaler.state_dict()})
+    start = _AtTrainStart()
+    resumed, model = _fit(strategy(), "16-master", max_epochs=2, ckpt_path="last", root=str(out / "cut"),
+                          callbacks=[start])
+    result.update({"resumed losses": torch.stack(model.losses).float(), "resumed": _full_weights(resumed),
+                   "resumed scaler": resumed.loss_scaler.state_dict(), "resumed start": start.weights,
+                   "resumed start scaler": start.scaler})
+    path = Path(first.checkpoint_callback.last_model_path)
+    saved = {"is_dir": path.is_dir()}
+    if path.is_file():
+        ckpt = torch.load(path, weights_only=True)
+        saved["dtypes"] = {t.dtype for t in ckpt["state_dict"].values() if t.is_floating_point()}
+        saved["precision"] = ckpt["ShardedPrecision"]
+    result["saved"] = saved
+    return result
+
+
+def _main(mode: str, out: Path) -> None:
+    sys.path.insert(0, str(HERE.parents[1]))  # tests/: _models
+    if mode == "trajectory":
+        result = _run_trajectory(out)
+    elif mode == "nan":
+        result = _run_nan(out)
+    else:
+        result = _run_checkpoint(out, mode.split("-", 1)[1])
+    torch.save(result, out / f"{mode}.rank{torch.distributed.get_rank()}.pt")
+    torch.distributed.destroy_process_group()  # gloo threads left to interpreter teardown can abort the exit
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], Path(sys.argv[2]))
