@@ -156,10 +156,11 @@ class _DtypeProbe(Callback):
 def _run_trajectory(out: Path) -> dict:
     result = {}
     for precision in ("32-true", "bf16-master"):
-        _, ddp = _fit("ddp", precision, max_epochs=2)
+        # clipping active (the grad norm is ~1): the sharded norm must be the whole model's
+        _, ddp = _fit("ddp", precision, max_epochs=2, gradient_clip_val=0.3)
         result[f"ddp {precision}"] = torch.stack(ddp.losses).float()
         probe = _DtypeProbe()
-        trainer, fsdp = _fit(_cpu_fsdp_strategy(), precision, max_epochs=2, callbacks=[probe])
+        trainer, fsdp = _fit(_cpu_fsdp_strategy(), precision, max_epochs=2, callbacks=[probe], gradient_clip_val=0.3)
         result[f"fsdp {precision}"] = torch.stack(fsdp.losses).float()
     result.update(probe.seen)
     shards = list(fsdp.parameters())
