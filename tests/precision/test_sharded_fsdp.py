@@ -5,6 +5,7 @@ rank 1, so it cannot run inside pytest); each mode below is one launch running s
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -74,43 +75,57 @@ def test_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path, state_dict
         assert saved["precision"]["initial_precision"] == "16-master"
     else:
         assert saved["is_dir"], "a sharded checkpoint is a directory of shards"
-    exact = all(torch.equal(d["resumed losses"], d["straight losses"][3:]) and
-                all(torch.equal(t, d["resumed"][n]) for n, t in d["straight"].items()) for d in out.values())
-    if state_dict_type == "full" and not exact:
-        # Reproduced without mptrain (lightning.Trainer + FSDPPrecision("32-true")): Lightning's
-        # FSDPStrategy restores the weights of a full checkpoint but not the optimizer state as saved.
-        pytest.xfail("Lightning's FSDPStrategy full-state-dict resume does not restore the optimizer state exactly")
-    assert exact, "the resumed run must reproduce the uninterrupted one bitwise"
-    assert all(d["scaler"] == d["resumed scaler"] for d in out.values())
+    for rank, d in out.items():
+        assert torch.equal(d["resumed losses"], d["straight losses"][3:]), f"rank {rank}: resumed run diverged"
+        for name, t in d["straight"].items():
+            assert torch.equal(t, d["resumed"][name]), f"rank {rank}: {name}"
+        assert d["scaler"] == d["resumed scaler"]
 
 
 # -- the launched script ---------------------------------------------------------------------------------------
 
 def _cpu_fsdp_strategy(**kwargs):
-    """Lightning's FSDPStrategy on the CPU.
+    """Lightning's FSDPStrategy on the CPU; two CPU-only differences, the rest is Lightning's GPU path.
 
-    Lightning refuses ``strategy="fsdp"`` with ``accelerator="cpu"`` and passes torch's FSDP the CUDA
-    index as ``device_id`` (None on the CPU); torch's FSDP runs on the CPU given ``device_id=cpu``.
-    This subclass changes only that argument, the rest is Lightning's GPU path.
+    * Lightning refuses ``strategy="fsdp"`` with ``accelerator="cpu"`` and passes torch's FSDP the CUDA
+      index as ``device_id`` (None on the CPU); torch's FSDP runs on the CPU given ``device_id=cpu``.
+    * A full checkpoint's optimizer state is gathered without ``offload_to_cpu``: torch's FSDP1 gathers
+      every state tensor of a parameter (``exp_avg``, ``exp_avg_sq``) through one reused buffer and lets
+      the offload's ``.cpu()`` make the copy, which is no copy for CPU tensors: each would hold the last.
     """
+    import lightning.pytorch.strategies.fsdp as lightning_fsdp
     import torch.distributed.fsdp as fsdp
-    from lightning.pytorch.strategies import FSDPStrategy
 
     class OnCpu(fsdp.FullyShardedDataParallel):
         def __init__(self, module, *args, device_id=None, **kw):
             super().__init__(module, *args, device_id=torch.device("cpu"), **kw)
 
-    class CpuFSDPStrategy(FSDPStrategy):
+    def full_without_offload(module, world_size, rank0_only=True):
+        return fsdp.FullyShardedDataParallel.state_dict_type(
+            module, fsdp.StateDictType.FULL_STATE_DICT, fsdp.FullStateDictConfig(rank0_only=rank0_only),
+            fsdp.FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only))
+
+    class CpuFSDPStrategy(lightning_fsdp.FSDPStrategy):
         def _setup_model(self, model):
-            real = fsdp.FullyShardedDataParallel
-            fsdp.FullyShardedDataParallel = OnCpu  # Lightning imports it from here when it wraps
-            try:
+            with _patched(fsdp, "FullyShardedDataParallel", OnCpu):  # Lightning imports it from there
                 return super()._setup_model(model)
-            finally:
-                fsdp.FullyShardedDataParallel = real
+
+        def optimizer_state(self, optimizer):
+            with _patched(lightning_fsdp, "_get_full_state_dict_context", full_without_offload):
+                return super().optimizer_state(optimizer)
 
     kwargs.setdefault("auto_wrap_policy", {torch.nn.Linear})
     return CpuFSDPStrategy(**kwargs)
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    real = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
 
 
 def _fit(strategy, precision, max_epochs=1, ckpt_path=None, callbacks=(), root=None, optimizer="adamw", **kw):
