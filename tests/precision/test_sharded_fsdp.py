@@ -35,6 +35,8 @@ def test_sharded_run_follows_the_unsharded_loss_trajectory(tmp_path):
         # bf16 compute both ways; DDP reduces bf16 grads, FSDP fp32 ones: agreement to bf16's precision
         torch.testing.assert_close(d["fsdp bf16-master"], d["ddp bf16-master"], rtol=2e-2, atol=2e-2)
         assert not torch.equal(d["fsdp bf16-master"], d["fsdp 32-true"]), "bf16-master must compute in bf16"
+        # mptrain's fused optimizer steps the fp32 shards (no master mode of its own): the same numbers
+        torch.testing.assert_close(d["fsdp bf16-master FusedAdamW"], d["fsdp bf16-master"], rtol=1e-6, atol=1e-6)
         assert d["compute dtype"] == torch.bfloat16, "FSDP must all-gather bf16 compute params"
         assert d["norm dtype"] == torch.float32, "the LayerNorm must keep fp32 params (its own FSDP unit)"
         assert d["shard dtypes"] == {torch.float32}, "the sharded params (the masters) must be fp32"
@@ -80,6 +82,16 @@ def test_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path, state_dict
         for name, t in d["straight"].items():
             assert torch.equal(t, d["resumed"][name]), f"rank {rank}: {name}"
         assert d["scaler"] == d["resumed scaler"]
+
+
+@pytest.mark.slow
+def test_the_bert_recipe_model_shards_with_fp32_fused_layernorms(tmp_path):
+    for rank, d in _launch(tmp_path, "bert").items():
+        assert torch.isfinite(d["loss"]) and d["skipped"] == 0
+        assert d["units"].count("BertLayer") == 2, d["units"]
+        assert d["units"].count("FusedLayerNorm") == 2 * 2 + 2, "each LayerNorm (2 a layer, embeddings, head) " \
+                                                                "must be an fp32 unit of its own"
+        assert d["compute dtype"] == torch.bfloat16 and d["norm dtype"] == torch.float32
 
 
 # -- the launched script ---------------------------------------------------------------------------------------
@@ -129,12 +141,22 @@ def _patched(owner, name, value):
 
 
 def _fit(strategy, precision, max_epochs=1, ckpt_path=None, callbacks=(), root=None, optimizer="adamw", **kw):
-    """One fit of the tiny classifier: 64 samples, 2 ranks, batch 8: 4 steps an epoch."""
+    """One fit of the tiny classifier: 64 samples, 2 ranks, batch 8: 4 steps an epoch.
+
+    ``optimizer``: ``"adamw"`` / ``"sgd"`` (torch's) or ``"fused"`` (mptrain's FusedAdamW)."""
     from _models import Classifier, classification_data, mlp
     from mptrain import Trainer
+    from mptrain.optim import FusedAdamW
+
+    class FusedAdamWClassifier(Classifier):
+        def configure_optimizers(self):
+            return FusedAdamW(self.parameters(), lr=self.lr)
 
     torch.manual_seed(0)
-    model = Classifier(mlp(), lr=0.02, optimizer=optimizer)
+    if optimizer == "fused":
+        model = FusedAdamWClassifier(mlp(), lr=0.02)
+    else:
+        model = Classifier(mlp(), lr=0.02, optimizer=optimizer)
     loader = torch.utils.data.DataLoader(classification_data(n=64), batch_size=8, shuffle=True)
     trainer = Trainer(precision=precision, strategy=strategy, accelerator="cpu", devices=2, max_epochs=max_epochs,
                       logger=False, enable_progress_bar=False, enable_model_summary=False, seed=0, callbacks=list(callbacks), default_root_dir=root, **kw)
@@ -152,7 +174,7 @@ def _full_weights(trainer) -> dict:
 
 
 class _DtypeProbe(Callback):
-    """Records the dtypes the first Linear and the LayerNorm compute with (the params FSDP all-gathered)."""
+    """Records the dtypes the first Linear and the first LayerNorm compute with (the params FSDP all-gathered)."""
 
     def __init__(self):
         self.seen: dict = {}
@@ -160,7 +182,7 @@ class _DtypeProbe(Callback):
     def on_train_start(self, trainer, pl_module):
         # the modules themselves (inside their FSDP wrappers): their forward sees the all-gathered params
         for key, cls in (("compute dtype", torch.nn.Linear), ("norm dtype", torch.nn.LayerNorm)):
-            next(m for m in pl_module.modules() if type(m) is cls).register_forward_hook(self._record(key))
+            next(m for m in pl_module.modules() if isinstance(m, cls)).register_forward_hook(self._record(key))
 
     def _record(self, key):
         def hook(module, args, output):
@@ -178,6 +200,8 @@ def _run_trajectory(out: Path) -> dict:
         trainer, fsdp = _fit(_cpu_fsdp_strategy(), precision, max_epochs=2, callbacks=[probe], gradient_clip_val=0.3)
         result[f"fsdp {precision}"] = torch.stack(fsdp.losses).float()
     result.update(probe.seen)
+    _, fused = _fit(_cpu_fsdp_strategy(), "bf16-master", max_epochs=2, gradient_clip_val=0.3, optimizer="fused")
+    result["fsdp bf16-master FusedAdamW"] = torch.stack(fused.losses).float()
     shards = list(fsdp.parameters())
     result["shard dtypes"] = {p.dtype for p in shards}
     result["shard numel"] = sum(p.numel() for p in shards)
@@ -240,12 +264,38 @@ def _run_checkpoint(out: Path, state_dict_type: str) -> dict:
     return result
 
 
+def _run_bert(out: Path) -> dict:
+    """The bert_large recipe's model and wrapping, tiny: one FSDP unit per BertLayer, fused LayerNorms."""
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    from mptrain import Trainer
+    from mptrain.data import MLMDataModule
+    from mptrain.models import BertMLM
+
+    torch.manual_seed(0)
+    model = BertMLM(vocab_size=200, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, warmup_steps=1,
+                    max_predictions=4)
+    data = MLMDataModule(synthetic=True, vocab_size=200, seq_len=16, batch_size=4, synthetic_batches=8)
+    probe = _DtypeProbe()
+    trainer = Trainer(precision="bf16-master", strategy=_cpu_fsdp_strategy(auto_wrap_policy={BertLayer}),
+                      accelerator="cpu", devices=2, max_steps=4, gradient_clip_val=1.0, limit_val_batches=1,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[probe])
+    trainer.fit(model, datamodule=data)
+    units = [type(m.module).__name__ for m in trainer.strategy.model.modules()
+             if isinstance(m, torch.distributed.fsdp.FullyShardedDataParallel)]
+    return {"loss": trainer.callback_metrics["train/loss"], "skipped": trainer.skipped_steps, "units": units,
+            **probe.seen}
+
+
 def _main(mode: str, out: Path) -> None:
     sys.path.insert(0, str(HERE.parents[1]))  # tests/: _models
     if mode == "trajectory":
         result = _run_trajectory(out)
     elif mode == "nan":
         result = _run_nan(out)
+    elif mode == "bert":
+        result = _run_bert(out)
     else:
         result = _run_checkpoint(out, mode.split("-", 1)[1])
     torch.save(result, out / f"{mode}.rank{torch.distributed.get_rank()}.pt")
