@@ -159,7 +159,8 @@ def _fit(strategy, precision, max_epochs=1, ckpt_path=None, callbacks=(), root=N
         model = Classifier(mlp(), lr=0.02, optimizer=optimizer)
     loader = torch.utils.data.DataLoader(classification_data(n=64), batch_size=8, shuffle=True)
     trainer = Trainer(precision=precision, strategy=strategy, accelerator="cpu", devices=2, max_epochs=max_epochs,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, seed=0, callbacks=list(callbacks), default_root_dir=root, **kw)
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, seed=0,
+                      callbacks=list(callbacks), default_root_dir=root, **kw)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     return trainer, model
 
@@ -226,8 +227,8 @@ def _run_nan(out: Path) -> dict:
                 self.snaps[trainer.global_step] = _full_weights(trainer)
 
     cb = NanOnRankZero()
-    trainer, _ = _fit(_cpu_fsdp_strategy(), "16-master", loss_scaler={"init_scale": 1024.0, "hysteresis": 1}, callbacks=[cb],
-                      max_epochs=1)
+    trainer, _ = _fit(_cpu_fsdp_strategy(), "16-master", loss_scaler={"init_scale": 1024.0, "hysteresis": 1},
+                      callbacks=[cb], max_epochs=1)
     return {"skipped": trainer.skipped_steps, "steps": trainer.global_step, "scale": trainer.loss_scaler.scale,
             "before skip": cb.snaps[1], "after skip": cb.snaps[2], "final": _full_weights(trainer)}
 
