@@ -180,7 +180,7 @@ def _local(value: Any) -> Optional[torch.Tensor]:
         return None
     if hasattr(value, "to_local"):  # DTensor
         return value.to_local()
-    if hasattr(value, "local_shards"):  # ShardedTensor (FSDP1's sharded state dict on older torch)
+    if hasattr(value, "local_shards"):  # ShardedTensor (FSDP1 sharded state dict)
         shards = [s.tensor.reshape(-1) for s in value.local_shards()]
         return torch.cat(shards) if shards else None
     return value

@@ -79,3 +79,39 @@ def test_plain_lightning_refuses_a_sharded_plugin_without_fsdp_at_setup():
     loader = torch.utils.data.DataLoader(classification_data(n=16), batch_size=8)
     with pytest.raises(ValueError, match="runs under strategy='fsdp'"):
         trainer.fit(Classifier(mlp()), loader)
+
+
+def test_a_strategys_own_mixed_precision_is_refused_at_setup():
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import MixedPrecision
+
+    plugin = ShardedPrecision("bf16-master")
+    plugin.convert_module(mlp())
+    wrapped = SimpleNamespace(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                             reduce_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="reduce_dtype=torch.float32. Drop FSDPStrategy\\(mixed_precision=...\\)"):
+        plugin._check_wrapped_precision(wrapped)
+    plugin._check_wrapped_precision(SimpleNamespace(mixed_precision=plugin.mixed_precision_config))
+
+
+def test_fp32_finetune_and_auto_fallback_callbacks_are_refused_at_setup():
+    from types import SimpleNamespace
+
+    from mptrain import AutoFp32Fallback, Fp32Finetune
+
+    plugin = ShardedPrecision("bf16-master")
+    for callback, message in ((Fp32Finetune(steps=1), "Fp32Finetune cannot run"),
+                              (AutoFp32Fallback(), "AutoFp32Fallback cannot run")):
+        module = SimpleNamespace(_trainer=SimpleNamespace(callbacks=[callback]))
+        with pytest.raises(ValueError, match=message):
+            plugin._check_callbacks(module)
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused():
+    from mptrain import NonFiniteError
+
+    plugin = ShardedPrecision("bf16-master")
+    plugin.on_save_checkpoint({"state_dict": {"w": torch.ones(3), "step": torch.tensor(2)}})
+    with pytest.raises(NonFiniteError, match="refusing to save a checkpoint"):
+        plugin.on_save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}})
