@@ -83,14 +83,17 @@ class Trainer(pl.Trainer):
         _check_finetune(fp32_finetune_epochs, fp32_finetune_steps, kwargs)
         _check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback)
         plugins = _as_list(plugins)
-        sharded = is_sharded_strategy(kwargs.get("strategy"))
+        strategy = kwargs.get("strategy")
+        sharded = is_sharded_strategy(strategy)
+        if sharded:
+            _check_sharded_arguments(strategy, fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback,
+                                     cuda_graphs)
         if any(isinstance(p, Precision) for p in plugins):
             _check_user_plugin(precision, loss_scaler, fp32_fallback, fused)
-            _check_sharded_plugin(kwargs.get("strategy"), plugins)
+            _check_sharded_plugin(strategy, plugins)
         else:
             name = normalize_precision("32-true" if precision is None else precision)
-            _check_strategy(kwargs.get("strategy"), name, fp32_finetune_epochs, fp32_finetune_steps,
-                            auto_fp32_fallback, cuda_graphs)
+            _check_mode_for_strategy(strategy, name)
             plugins.append(precision_plugin(name, sharded=sharded, loss_scaler=loss_scaler,
                                             fp32_fallback=fp32_fallback, fused=fused))
         io = next((p for p in plugins if isinstance(p, CheckpointIO)), None)
@@ -170,20 +173,24 @@ def _check_finetune(epochs, steps, lightning_kwargs) -> None:
         raise ValueError(f"fp32_finetune_steps={steps} needs max_steps >= {steps} (got max_steps={max_steps})")
 
 
-def _check_strategy(strategy, name, fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback,
-                    cuda_graphs) -> None:
+def _check_sharded_arguments(strategy, fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback,
+                             cuda_graphs) -> None:
     """What a sharded strategy cannot run is refused here, before any process starts."""
+    refused = {"fp32_finetune_epochs": fp32_finetune_epochs, "fp32_finetune_steps": fp32_finetune_steps,
+               "auto_fp32_fallback": auto_fp32_fallback, "cuda_graphs": cuda_graphs}
+    given = [f"{k}={v!r}" for k, v in refused.items() if v]
+    if given:
+        raise ValueError(f"{', '.join(given)} cannot run with strategy={_name(strategy)!r}: FSDP fixes parameter "
+                         f"dtypes when it wraps the model and replays no graph. Drop them, or train with "
+                         f"strategy='ddp'")
+
+
+def _check_mode_for_strategy(strategy, name: str) -> None:
+    """The sharded strategies run only some modes: refused by name, with the valid ones."""
     if is_sharded_strategy(strategy):
         if name not in ShardedPrecision.MODES:
             raise ValueError(f"precision={name!r} cannot run with strategy={_name(strategy)!r}: the sharded fp32 "
                              f"parameters are the masters. Valid values: {', '.join(ShardedPrecision.MODES)}")
-        refused = {"fp32_finetune_epochs": fp32_finetune_epochs, "fp32_finetune_steps": fp32_finetune_steps,
-                   "auto_fp32_fallback": auto_fp32_fallback, "cuda_graphs": cuda_graphs}
-        given = [f"{k}={v!r}" for k, v in refused.items() if v]
-        if given:
-            raise ValueError(f"{', '.join(given)} cannot run with strategy={_name(strategy)!r}: FSDP fixes parameter "
-                             f"dtypes when it wraps the model and replays no graph. Drop them, or train with "
-                             f"strategy='ddp'")
         return
     from lightning.pytorch.strategies import ModelParallelStrategy
 

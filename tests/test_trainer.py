@@ -290,3 +290,10 @@ def test_master_modes_are_refused_with_the_model_parallel_strategy():
     with pytest.raises(ValueError, match="precision='bf16-master' cannot run with strategy='model_parallel'.*"
                                          "Use strategy='fsdp'"):
         quiet_trainer(strategy="model_parallel", precision="bf16-master")
+
+
+def test_sharding_refusals_also_apply_with_a_users_sharded_plugin():
+    from mptrain import ShardedPrecision
+
+    with pytest.raises(ValueError, match="fp32_finetune_steps=1 cannot run with strategy='fsdp'"):
+        quiet_trainer(strategy="fsdp", plugins=[ShardedPrecision("bf16-master")], fp32_finetune_steps=1, max_steps=2)
