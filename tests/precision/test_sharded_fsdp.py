@@ -6,6 +6,7 @@ rank 1, so it cannot run inside pytest); each mode below is one launch running s
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -194,14 +195,16 @@ class _DtypeProbe(Callback):
 def _run_trajectory(out: Path) -> dict:
     result = {}
     for precision in ("32-true", "bf16-master"):
-        # clipping active (the grad norm is ~1): the sharded norm must be the whole model's
-        _, ddp = _fit("ddp", precision, max_epochs=2, gradient_clip_val=0.3)
+        # clipping active (the grad norm is ~1): the sharded norm must be the whole model's;
+        # accumulation: FSDP reduce-scatters every micro-batch into the fp32 grad shards
+        common = dict(max_epochs=2, gradient_clip_val=0.3, accumulate_grad_batches=2)
+        _, ddp = _fit("ddp", precision, **common)
         result[f"ddp {precision}"] = torch.stack(ddp.losses).float()
         probe = _DtypeProbe()
-        trainer, fsdp = _fit(_cpu_fsdp_strategy(), precision, max_epochs=2, callbacks=[probe], gradient_clip_val=0.3)
+        trainer, fsdp = _fit(_cpu_fsdp_strategy(), precision, callbacks=[probe], **common)
         result[f"fsdp {precision}"] = torch.stack(fsdp.losses).float()
     result.update(probe.seen)
-    _, fused = _fit(_cpu_fsdp_strategy(), "bf16-master", max_epochs=2, gradient_clip_val=0.3, optimizer="fused")
+    _, fused = _fit(_cpu_fsdp_strategy(), "bf16-master", optimizer="fused", **common)
     result["fsdp bf16-master FusedAdamW"] = torch.stack(fused.losses).float()
     shards = list(fsdp.parameters())
     result["shard dtypes"] = {p.dtype for p in shards}
@@ -300,7 +303,12 @@ def _main(mode: str, out: Path) -> None:
     else:
         result = _run_checkpoint(out, mode.split("-", 1)[1])
     torch.save(result, out / f"{mode}.rank{torch.distributed.get_rank()}.pt")
-    torch.distributed.destroy_process_group()  # gloo threads left to interpreter teardown can abort the exit
+    # gloo threads left to interpreter teardown abort the exit ("terminate called without an active
+    # exception"): both ranks meet, drop the trainers' references to the group, then destroy it
+    torch.distributed.barrier()
+    del result
+    gc.collect()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
