@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as FabricFSDPPrecision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
@@ -42,11 +43,11 @@ _REFUSED_CALLBACKS = {
 }
 
 
-class ShardedPrecision(MptrainPrecision, FSDPPrecision):
-    """mptrain's precision engine for ``strategy="fsdp"``: a Lightning ``FSDPPrecision``.
+class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
+    """mptrain's precision engine for ``strategy="fsdp"``: Lightning's ``FSDPPrecision`` (Trainer and Fabric).
 
-    ``lightning.Trainer(strategy="fsdp", plugins=[ShardedPrecision("bf16-master")])``;
-    ``mptrain.Trainer(strategy="fsdp", precision=...)`` picks it by itself.
+    ``lightning.Trainer(strategy="fsdp", plugins=[ShardedPrecision("bf16-master")])``, the same in
+    ``lightning.Fabric(...)``; ``mptrain.Trainer(strategy="fsdp", precision=...)`` picks it by itself.
 
     Args:
         precision: ``"bf16-master"`` / ``"16-master"`` (half compute params all-gathered from the fp32
@@ -118,6 +119,14 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision):
         self._root = model
         return super().connect(model, optimizers, lr_schedulers)
 
+    def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Fabric never calls ``connect``: its first step checks that the optimizer holds FSDP's shards."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self._root is None and not all(map(_is_fsdp_param, params)):
+            raise ValueError(f"{self!r} runs under Lightning's FSDPStrategy, but {type(optimizer).__name__} holds "
+                             f"parameters FSDP does not manage. Use strategy='fsdp' and set up the module before "
+                             f"the optimizer, or mptrain.MasterPrecision({self.initial_precision!r}) unsharded")
+
     def _check_wrapped_precision(self, model: nn.Module) -> None:
         """A ``FSDPStrategy(mixed_precision=...)`` of the user's own would silently override the mode."""
         wanted = self.mixed_precision_config
@@ -172,6 +181,15 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision):
 
         raise NonFiniteError(f"refusing to save a checkpoint: a weight holds inf/NaN at step {self._step_number()} "
                              f"(precision={self.precision!r}); the previous checkpoint is the last good one")
+
+
+def _is_fsdp_param(p: torch.Tensor) -> bool:
+    """A parameter FSDP manages: a flat parameter, or (``use_orig_params``) a view into one."""
+    try:
+        from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
+    except ImportError:  # a torch without the helper: nothing to check against
+        return True
+    return _is_fsdp_flattened(p)
 
 
 def _local(value: Any) -> Optional[torch.Tensor]:

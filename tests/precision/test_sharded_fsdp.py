@@ -95,6 +95,16 @@ def test_the_bert_recipe_model_shards_with_fp32_fused_layernorms(tmp_path):
         assert d["compute dtype"] == torch.bfloat16 and d["norm dtype"] == torch.float32
 
 
+@pytest.mark.slow
+def test_lightning_fabric_takes_the_sharded_plugin(tmp_path):
+    for rank, d in _launch(tmp_path, "fabric").items():
+        torch.testing.assert_close(d["fsdp 32-true"], d["ddp 32-true"], rtol=1e-5, atol=1e-6)
+        # Fabric's FSDP returns fp32 outputs (Lightning's FSDPPrecision.convert_output): the loss is fp32 there
+        torch.testing.assert_close(d["fsdp bf16-master"], d["ddp bf16-master"], rtol=2e-2, atol=2e-2)
+        assert not torch.equal(d["fsdp bf16-master"], d["fsdp 32-true"])
+        assert "holds parameters FSDP does not manage" in d["unsharded"], d["unsharded"]
+
+
 # -- the launched script ---------------------------------------------------------------------------------------
 
 def _cpu_fsdp_strategy(**kwargs):
@@ -109,10 +119,6 @@ def _cpu_fsdp_strategy(**kwargs):
     import lightning.pytorch.strategies.fsdp as lightning_fsdp
     import torch.distributed.fsdp as fsdp
 
-    class OnCpu(fsdp.FullyShardedDataParallel):
-        def __init__(self, module, *args, device_id=None, **kw):
-            super().__init__(module, *args, device_id=torch.device("cpu"), **kw)
-
     def full_without_offload(module, world_size, rank0_only=True):
         return fsdp.FullyShardedDataParallel.state_dict_type(
             module, fsdp.StateDictType.FULL_STATE_DICT, fsdp.FullStateDictConfig(rank0_only=rank0_only),
@@ -120,7 +126,7 @@ def _cpu_fsdp_strategy(**kwargs):
 
     class CpuFSDPStrategy(lightning_fsdp.FSDPStrategy):
         def _setup_model(self, model):
-            with _patched(fsdp, "FullyShardedDataParallel", OnCpu):  # Lightning imports it from there
+            with _fsdp_on_cpu():
                 return super()._setup_model(model)
 
         def optimizer_state(self, optimizer):
@@ -129,6 +135,33 @@ def _cpu_fsdp_strategy(**kwargs):
 
     kwargs.setdefault("auto_wrap_policy", {torch.nn.Linear})
     return CpuFSDPStrategy(**kwargs)
+
+
+def _cpu_fabric_fsdp_strategy(**kwargs):
+    """lightning.fabric's FSDPStrategy on the CPU (``device_id=cpu``, as above)."""
+    from lightning.fabric.strategies import FSDPStrategy
+
+    class CpuFSDPStrategy(FSDPStrategy):
+        def setup_module(self, module):
+            with _fsdp_on_cpu():
+                return super().setup_module(module)
+
+    kwargs.setdefault("auto_wrap_policy", {torch.nn.Linear})
+    return CpuFSDPStrategy(**kwargs)
+
+
+@contextlib.contextmanager
+def _fsdp_on_cpu():
+    """Lightning wraps with ``torch.distributed.fsdp.FullyShardedDataParallel`` imported at the call: for the
+    call, that name gives torch's FSDP ``device_id=cpu``."""
+    import torch.distributed.fsdp as fsdp
+
+    class OnCpu(fsdp.FullyShardedDataParallel):
+        def __init__(self, module, *args, device_id=None, **kw):
+            super().__init__(module, *args, device_id=torch.device("cpu"), **kw)
+
+    with _patched(fsdp, "FullyShardedDataParallel", OnCpu):
+        yield
 
 
 @contextlib.contextmanager
@@ -292,6 +325,44 @@ def _run_bert(out: Path) -> dict:
             **probe.seen}
 
 
+def _fabric_losses(strategy, plugin) -> torch.Tensor:
+    """A hand-written loop under lightning.Fabric: 8 steps of batch 8 a rank, norm clipping active."""
+    import lightning as L
+    from _models import classification_data, mlp
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(mlp())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.02))
+    x, y = classification_data(n=128).tensors
+    losses = []
+    for i in range(fabric.global_rank, 16, 2):
+        loss = torch.nn.functional.cross_entropy(model(x[i * 8:(i + 1) * 8]), y[i * 8:(i + 1) * 8])
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=0.3)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
+def _run_fabric(out: Path) -> dict:
+    from mptrain import ShardedPrecision
+    from mptrain.precision import precision_plugin
+
+    result = {}
+    for mode in ("32-true", "bf16-master"):
+        result[f"ddp {mode}"] = _fabric_losses("ddp", precision_plugin(mode))
+        result[f"fsdp {mode}"] = _fabric_losses(_cpu_fabric_fsdp_strategy(), ShardedPrecision(mode))
+    try:
+        _fabric_losses("ddp", ShardedPrecision("bf16-master"))
+        result["unsharded"] = "accepted"
+    except ValueError as e:
+        result["unsharded"] = str(e)
+    return result
+
+
 def _main(mode: str, out: Path) -> None:
     sys.path.insert(0, str(HERE.parents[1]))  # tests/: _models
     if mode == "trajectory":
@@ -300,6 +371,8 @@ def _main(mode: str, out: Path) -> None:
         result = _run_nan(out)
     elif mode == "bert":
         result = _run_bert(out)
+    elif mode == "fabric":
+        result = _run_fabric(out)
     else:
         result = _run_checkpoint(out, mode.split("-", 1)[1])
     torch.save(result, out / f"{mode}.rank{torch.distributed.get_rank()}.pt")

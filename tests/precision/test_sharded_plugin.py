@@ -19,12 +19,17 @@ def test_modes_sharding_cannot_run_are_refused_naming_the_valid_ones(mode):
         ShardedPrecision(mode)
 
 
-def test_it_is_a_lightning_fsdp_precision_that_fsdp_strategy_accepts():
+def test_it_is_a_lightning_fsdp_precision_that_both_fsdp_strategies_accept():
     plugin = precision_plugin("bf16-master", sharded=True)
     assert isinstance(plugin, ShardedPrecision) and isinstance(plugin, FSDPPrecision)
     strategy = FSDPStrategy()
     strategy.precision_plugin = plugin  # Lightning's setter raises TypeError for any other plugin
     assert strategy.precision_plugin is plugin and plugin.scaler is None
+    from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+
+    fabric_strategy = FabricFSDPStrategy()
+    fabric_strategy.precision = plugin  # Fabric's own FSDPPrecision check
+    assert fabric_strategy.precision is plugin
 
 
 @pytest.mark.parametrize("mode, param, scaler", [("bf16-master", torch.bfloat16, False),
