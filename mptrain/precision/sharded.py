@@ -116,6 +116,7 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
                              f"mptrain.precision_plugin({self.initial_precision!r}) for unsharded training")
         self._check_wrapped_precision(model)
         self._check_callbacks(getattr(model, "module", model))
+        self._warn_if_norms_half(model)
         self._root = model
         return super().connect(model, optimizers, lr_schedulers)
 
@@ -136,6 +137,19 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
             raise ValueError(f"the FSDP model was wrapped with mixed_precision={got}, but {self!r} needs "
                              f"param_dtype={pair(wanted)[0]}, reduce_dtype={pair(wanted)[1]}. Drop "
                              f"FSDPStrategy(mixed_precision=...): the precision plugin sets it")
+
+    def _warn_if_norms_half(self, model: nn.Module) -> None:
+        """torch honours ``_module_classes_to_ignore`` only with an ``auto_wrap_policy``: say so once."""
+        from lightning.fabric.utilities import rank_zero_warn
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not self._norm_classes:
+            return
+        units = [m.module for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not any(isinstance(u, self._norm_classes) for u in units):
+            rank_zero_warn(f"{self!r}: the norm layers ({', '.join(c.__name__ for c in self._norm_classes)}) run "
+                           f"with half weights: FSDP keeps them fp32 only with an auto_wrap_policy, e.g. "
+                           f"FSDPStrategy(auto_wrap_policy={{<your transformer block class>}})")
 
     def _check_callbacks(self, module: nn.Module) -> None:
         trainer = getattr(module, "_trainer", None)

@@ -120,3 +120,10 @@ def test_a_checkpoint_with_non_finite_weights_is_refused():
     plugin.on_save_checkpoint({"state_dict": {"w": torch.ones(3), "step": torch.tensor(2)}})
     with pytest.raises(NonFiniteError, match="refusing to save a checkpoint"):
         plugin.on_save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}})
+
+
+def test_norms_fp32_without_an_auto_wrap_policy_is_a_warning():
+    plugin = ShardedPrecision("bf16-master")
+    model = plugin.convert_module(mlp())  # no FSDP unit of its own for the LayerNorm
+    with pytest.warns(UserWarning, match=r"norm layers \(LayerNorm\) run with half weights.*auto_wrap_policy"):
+        plugin._warn_if_norms_half(model)
