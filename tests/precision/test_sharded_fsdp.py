@@ -75,6 +75,7 @@ def test_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path, state_dict
     saved = out[0]["saved"]
     if state_dict_type == "full":
         assert saved["dtypes"] == {torch.float32}, "the checkpoint must hold the fp32 masters"
+        assert saved["keys"] == sorted(out[0]["cut"]), "the module's own keys (load_from_checkpoint reads them)"
         assert saved["precision"]["initial_precision"] == "16-master"
     else:
         assert saved["is_dir"], "a sharded checkpoint is a directory of shards"
@@ -296,6 +297,7 @@ def _run_checkpoint(out: Path, state_dict_type: str) -> dict:
     if path.is_file():
         ckpt = torch.load(path, weights_only=True)
         saved["dtypes"] = {t.dtype for t in ckpt["state_dict"].values() if t.is_floating_point()}
+        saved["keys"] = sorted(ckpt["state_dict"])
         saved["precision"] = ckpt["ShardedPrecision"]
     result["saved"] = saved
     return result
