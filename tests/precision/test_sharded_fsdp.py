@@ -205,8 +205,8 @@ def _full_weights(trainer) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     model = trainer.strategy.model
-    with FSDP.summon_full_params(model, writeback=False):
-        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    with FSDP.summon_full_params(model, writeback=False):  # names without the nested units' wrapper prefix
+        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.module.named_parameters()}
 
 
 class _DtypeProbe(Callback):
