@@ -24,10 +24,13 @@ if [[ ! "$nnodes" =~ ^[0-9]+$ ]]; then
     echo "launch/multinode.sh: NNODES must be a number of nodes, got '$nnodes'" >&2; exit 2
 fi
 PYTHON=${PYTHON:-python}
+# A recipe that names its own trainer.strategy (bert_large: FSDP) keeps it; the others get ddp.
+strategy_arg=--trainer.strategy=ddp
+if grep -qE '^[[:space:]]+strategy:' "$recipe"; then strategy_arg=""; fi
 rdzv_id=${RDZV_ID:-mptrain-$(basename "$recipe" .yaml)}
 
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes="$nnodes" --nproc-per-node="$nproc" \
     --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id" --max-restarts=0 \
     -m mptrain fit --config "$recipe" --trainer.devices="$nproc" --trainer.num_nodes="$nnodes" \
-    --trainer.strategy=ddp "$@"
+    ${strategy_arg:+"$strategy_arg"} "$@"

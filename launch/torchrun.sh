@@ -7,8 +7,8 @@
 #   launch/torchrun.sh recipes/quickstart.yaml 2            # CPU (gloo): the recipe says accelerator: cpu
 #
 # NPROC defaults to the number of visible GPUs (1 without any). PYTHON picks the interpreter.
-# The script passes --trainer.devices=NPROC --trainer.strategy=ddp (Lightning checks that they
-# match torchrun's WORLD_SIZE); later --key.path=value arguments override them.
+# The script passes --trainer.devices=NPROC and --trainer.strategy=ddp unless the recipe names a
+# strategy (Lightning checks them against torchrun's WORLD_SIZE); later --key.path=value override.
 # Resume a stopped run: add --ckpt_path=<log_dir>/checkpoints/last.ckpt (the recipe's
 # trainer.checkpoint_every_n_steps writes last.ckpt).
 set -euo pipefail
@@ -24,6 +24,9 @@ fi
 nprocs=""
 if [[ $# -gt 0 && "$1" =~ ^[0-9]+$ ]]; then nprocs=$1; shift; fi
 PYTHON=${PYTHON:-python}
+# A recipe that names its own trainer.strategy (bert_large: FSDP) keeps it; the others get ddp.
+strategy_arg=--trainer.strategy=ddp
+if grep -qE '^[[:space:]]+strategy:' "$recipe"; then strategy_arg=""; fi
 if [[ -z "$nprocs" ]]; then
     nprocs=$("$PYTHON" -c "import torch; print(max(1, torch.cuda.device_count()))")
 fi
@@ -32,4 +35,4 @@ cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nprocs > 0 ? cores / nprocs : 1 ))}
 
 exec "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$nprocs" \
-    -m mptrain fit --config "$recipe" --trainer.devices="$nprocs" --trainer.strategy=ddp "$@"
+    -m mptrain fit --config "$recipe" --trainer.devices="$nprocs" ${strategy_arg:+"$strategy_arg"} "$@"

@@ -1,7 +1,8 @@
 """mptrain: mixed-precision training for PyTorch inside Lightning.
 
 Public API: :class:`Trainer` (a ``lightning.pytorch.Trainer``), the precision plugins
-(:class:`MasterPrecision`, :class:`MixedPrecision`, :class:`TruePrecision`),
+(:class:`MasterPrecision`, :class:`MixedPrecision`, :class:`TruePrecision`,
+:class:`ShardedPrecision` for ``strategy="fsdp"``),
 :class:`DynamicLossScaler`, :class:`NonFiniteError`, :data:`PRECISIONS`, the checkpoint
 plugin :class:`AtomicCheckpointIO` with :class:`CheckpointError`, and the callbacks.
 """
@@ -27,6 +28,7 @@ from mptrain.precision import (
     NonFiniteError,
     TruePrecision,
 )
+from mptrain.precision.sharded import ShardedPrecision
 from mptrain.trainer import Trainer
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "NonFiniteError",
     "OverflowMonitor",
     "ResumeState",
+    "ShardedPrecision",
     "Trainer",
     "TruePrecision",
     "__version__",

@@ -23,7 +23,8 @@ from mptrain.callbacks.fp32_finetune import Fp32Finetune
 from mptrain.callbacks.resumable_loader import make_train_loader_resumable
 from mptrain.callbacks.resume_state import ResumeState
 from mptrain.checkpoint import AtomicCheckpointIO
-from mptrain.precision import normalize_precision, precision_plugin
+from mptrain.precision import MptrainPrecision, normalize_precision, precision_plugin
+from mptrain.precision.sharded import ShardedPrecision, is_sharded_strategy
 
 
 class Trainer(pl.Trainer):
@@ -53,6 +54,11 @@ class Trainer(pl.Trainer):
         seed: ``seed_everything(seed, workers=True)`` at the start of ``fit``.
         compile: ``True`` or a dict of ``torch.compile`` arguments: compile the
             LightningModule's ``model`` attribute at setup.
+
+    With ``strategy="fsdp"`` (or an ``FSDPStrategy``) the precision plugin is a
+    :class:`~mptrain.precision.sharded.ShardedPrecision`: the sharded fp32 parameters are the
+    masters. ``*-true`` half modes, ``fp32_finetune_*``, ``auto_fp32_fallback`` and
+    ``cuda_graphs`` are refused there.
     """
 
     def __init__(
@@ -77,11 +83,19 @@ class Trainer(pl.Trainer):
         _check_finetune(fp32_finetune_epochs, fp32_finetune_steps, kwargs)
         _check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback)
         plugins = _as_list(plugins)
+        strategy = kwargs.get("strategy")
+        sharded = is_sharded_strategy(strategy)
+        if sharded:
+            _check_sharded_arguments(strategy, fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback,
+                                     cuda_graphs)
         if any(isinstance(p, Precision) for p in plugins):
             _check_user_plugin(precision, loss_scaler, fp32_fallback, fused)
+            _check_sharded_plugin(strategy, plugins)
         else:
             name = normalize_precision("32-true" if precision is None else precision)
-            plugins.append(precision_plugin(name, loss_scaler=loss_scaler, fp32_fallback=fp32_fallback, fused=fused))
+            _check_mode_for_strategy(strategy, name)
+            plugins.append(precision_plugin(name, sharded=sharded, loss_scaler=loss_scaler,
+                                            fp32_fallback=fp32_fallback, fused=fused))
         io = next((p for p in plugins if isinstance(p, CheckpointIO)), None)
         if io is None:
             plugins.append(AtomicCheckpointIO())
@@ -157,6 +171,46 @@ def _check_finetune(epochs, steps, lightning_kwargs) -> None:
         raise ValueError(f"fp32_finetune_epochs={epochs} is more than max_epochs={max_epochs}")
     if steps and not steps <= max_steps:
         raise ValueError(f"fp32_finetune_steps={steps} needs max_steps >= {steps} (got max_steps={max_steps})")
+
+
+def _check_sharded_arguments(strategy, fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback,
+                             cuda_graphs) -> None:
+    """What a sharded strategy cannot run is refused here, before any process starts."""
+    refused = {"fp32_finetune_epochs": fp32_finetune_epochs, "fp32_finetune_steps": fp32_finetune_steps,
+               "auto_fp32_fallback": auto_fp32_fallback, "cuda_graphs": cuda_graphs}
+    given = [f"{k}={v!r}" for k, v in refused.items() if v]
+    if given:
+        raise ValueError(f"{', '.join(given)} cannot run with strategy={_name(strategy)!r}: FSDP fixes parameter "
+                         f"dtypes when it wraps the model and replays no graph. Drop them, or train with "
+                         f"strategy='ddp'")
+
+
+def _check_mode_for_strategy(strategy, name: str) -> None:
+    """The sharded strategies run only some modes: refused by name, with the valid ones."""
+    if is_sharded_strategy(strategy):
+        if name not in ShardedPrecision.MODES:
+            raise ValueError(f"precision={name!r} cannot run with strategy={_name(strategy)!r}: the sharded fp32 "
+                             f"parameters are the masters. Valid values: {', '.join(ShardedPrecision.MODES)}")
+        return
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    parallel = strategy == "model_parallel" or isinstance(strategy, ModelParallelStrategy)
+    if parallel and name.endswith("-master"):
+        raise ValueError(f"precision={name!r} cannot run with strategy={_name(strategy)!r} (the module is sharded in "
+                         f"configure_model before the half copy is made). Use strategy='fsdp' with {name!r}, or "
+                         f"one of Lightning's precisions for ModelParallelStrategy")
+
+
+def _check_sharded_plugin(strategy, plugins) -> None:
+    plugin = next(p for p in plugins if isinstance(p, Precision))
+    if is_sharded_strategy(strategy) and not isinstance(plugin, ShardedPrecision) \
+            and isinstance(plugin, MptrainPrecision):
+        raise ValueError(f"strategy={_name(strategy)!r} needs mptrain.ShardedPrecision({plugin.precision!r}) "
+                         f"(a Lightning FSDPPrecision), not {plugin!r}")
+
+
+def _name(strategy) -> str:
+    return strategy if isinstance(strategy, str) else type(strategy).__name__
 
 
 def _check_user_plugin(precision, loss_scaler, fp32_fallback, fused) -> None:

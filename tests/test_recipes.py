@@ -27,8 +27,11 @@ TINY = {  # model overrides that keep each architecture but make two CPU steps t
                   "--model.warmup_steps=1", "--trainer.checkpoint_every_n_steps=1"],
     "lstm_lm": ["--model.embedding_dim=16", "--model.hidden_size=16", "--data.vocab_size=100", "--data.seq_len=8"],
 }
+# FSDP is GPU-only in Lightning: the sharded recipe's CPU smoke run is the same model unsharded
+TINY["bert_large"] = TINY["bert_base"] + ["--trainer.strategy=auto"]
 VAL_METRICS = {"quickstart": {"val/acc", "val/acc_top5"}, "resnet50": {"val/acc", "val/acc_top5"},
-               "bert_base": {"val/mlm_acc", "val/perplexity"}, "lstm_lm": {"val/perplexity"}}
+               "bert_base": {"val/mlm_acc", "val/perplexity"}, "bert_large": {"val/mlm_acc", "val/perplexity"},
+               "lstm_lm": {"val/perplexity"}}
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import pytest
 import torch
 from _models import Classifier, classification_data, cnn, image_data, mlp, quiet_trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.strategies import FSDPStrategy
 
 from mptrain import (PRECISIONS, AtomicCheckpointIO, AutoFp32Fallback, ChannelsLast, CompileModel, Fp32Finetune,
                      MasterPrecision, ResumeState, Trainer)
@@ -258,3 +259,41 @@ def test_cuda_graphs_is_wired_and_refused_at_setup_without_cuda():
     with pytest.raises(RuntimeError, match="cuda_graphs=True.*cuda_graphs=False"):
         trainer.fit(model, _loader(classification_data(n=16), 8))
     assert all(torch.equal(a, b.float()) for a, b in zip(before, model.parameters()))
+
+
+class _FSDPOnCpu(FSDPStrategy):
+    """Lightning refuses the FSDPStrategy class itself with accelerator='cpu'; a subclass constructs."""
+
+
+def test_fsdp_strategy_gets_the_sharded_plugin():
+    from mptrain import ShardedPrecision
+
+    trainer = quiet_trainer(precision="bf16-master", strategy=_FSDPOnCpu(), loss_scaler={"init_scale": 8.0})
+    assert isinstance(trainer.precision_plugin, ShardedPrecision)
+    assert trainer.precision_plugin.precision == "bf16-master" and trainer.loss_scaler.scale == 8.0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"precision": "bf16-true"}, "precision='bf16-true' cannot run with strategy='fsdp'.*Valid values: 32-true, "
+                                 "16-mixed, bf16-mixed, 16-master, bf16-master"),
+    ({"precision": "bf16-master", "fp32_finetune_epochs": 1, "max_epochs": 2}, "fp32_finetune_epochs=1 cannot run"),
+    ({"precision": "bf16-master", "auto_fp32_fallback": True}, "auto_fp32_fallback=True cannot run"),
+    ({"precision": "bf16-master", "cuda_graphs": True}, "cuda_graphs=True cannot run"),
+    ({"plugins": [MasterPrecision("bf16-master")]}, r"needs mptrain.ShardedPrecision\('bf16-master'\)"),
+])
+def test_what_sharding_cannot_run_is_refused_when_the_trainer_is_built(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        quiet_trainer(strategy="fsdp", **kwargs)
+
+
+def test_master_modes_are_refused_with_the_model_parallel_strategy():
+    with pytest.raises(ValueError, match="precision='bf16-master' cannot run with strategy='model_parallel'.*"
+                                         "Use strategy='fsdp'"):
+        quiet_trainer(strategy="model_parallel", precision="bf16-master")
+
+
+def test_sharding_refusals_also_apply_with_a_users_sharded_plugin():
+    from mptrain import ShardedPrecision
+
+    with pytest.raises(ValueError, match="fp32_finetune_steps=1 cannot run with strategy='fsdp'"):
+        quiet_trainer(strategy="fsdp", plugins=[ShardedPrecision("bf16-master")], fp32_finetune_steps=1, max_steps=2)

@@ -8,6 +8,7 @@ import torch
 from mptrain.precision.master import MasterPrecision
 from mptrain.precision.mixed import MixedPrecision
 from mptrain.precision.plugin import MptrainPrecision
+from mptrain.precision.sharded import ShardedPrecision
 from mptrain.precision.true import TruePrecision
 
 PRECISIONS: tuple[str, ...] = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "16-master", "bf16-master")
@@ -28,9 +29,14 @@ def normalize_precision(precision: Any) -> str:
     return name
 
 
-def precision_plugin(precision: Any, **kwargs: Any) -> MptrainPrecision:
-    """The plugin for a precision string: ``loss_scaler``, ``fp32_fallback``, ``fused``, ``max_consecutive_skips``."""
+def precision_plugin(precision: Any, *, sharded: bool = False, **kwargs: Any) -> MptrainPrecision:
+    """The plugin for a precision string: ``loss_scaler``, ``fp32_fallback``, ``fused``, ``max_consecutive_skips``.
+
+    ``sharded=True``: the :class:`ShardedPrecision` that ``strategy="fsdp"`` needs (it refuses the modes
+    sharding cannot run, naming the valid ones)."""
     name = normalize_precision(precision)
+    if sharded:
+        return ShardedPrecision(name, **kwargs)
     cls = MasterPrecision if name.endswith("-master") else MixedPrecision if name.endswith("-mixed") else TruePrecision
     return cls(name, **kwargs)
 
