@@ -31,17 +31,21 @@ def test_two_ranks_end_with_identical_weights_and_skip_together(tmp_path, precis
 
 
 @pytest.mark.slow
-def test_two_ranks_resume_mid_epoch_bitwise(tmp_path):
+def test_two_ranks_resume_bitwise_mid_epoch_and_after_fit(tmp_path):
+    """A mid-epoch checkpoint of the second epoch, and one written after fit returned: each resumed
+    run replays the uninterrupted one (DistributedSampler order of the right epoch, every RNG)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
     r = subprocess.run([sys.executable, str(SCRIPT.parent / "ddp_resume.py"), str(tmp_path), "bf16-master"], env=env,
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for rank in (0, 1):
         d = torch.load(tmp_path / f"resume.rank{rank}.pt", weights_only=True)
-        assert len(d["straight"]) == 16 and len(d["rest"]) == 10  # 3 of 8 steps done before the cut
-        assert torch.equal(d["rest"], d["straight"][6:]), f"rank {rank} replayed other batches or randomness"
+        assert len(d["straight"]) == 24 and len(d["rest"]) == 10 and len(d["continued"]) == 12
+        assert torch.equal(d["rest"], d["straight"][14:]), f"rank {rank}: mid-epoch resume replayed other batches"
+        assert torch.equal(d["continued"], d["straight"][12:]), f"rank {rank}: the continued run saw other batches"
         for name, t in d["straight_weights"].items():
             assert torch.equal(t, d["resumed_weights"][name]), f"rank {rank}: {name}"
+            assert torch.equal(t, d["continued_weights"][name]), f"rank {rank}: {name} (continued)"
 
 
 @pytest.mark.slow

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler, get_worker_info)
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
@@ -115,8 +116,29 @@ class WorkerRngDataset(Dataset):
             self.dataset.load_state_dict(state["dataset"])
 
 
-def to_resumable(loader: Any) -> Any:
-    """A ``StatefulDataLoader`` equivalent to a plain ``DataLoader``; anything else is returned as is."""
+class ResumableDataLoader(StatefulDataLoader):
+    """``StatefulDataLoader`` that sets its sampler's epoch before building an iterator.
+
+    On a resume Lightning builds the train iterator before it calls ``set_epoch`` for the
+    epoch it resumes; a plain ``DataLoader`` draws its order lazily, but torchdata fast-forwards
+    a restored iterator at once, so a ``DistributedSampler`` would replay epoch 0's order (a
+    run resumed in a later epoch, or continued from a checkpoint written after ``fit``).
+    ``epoch`` returns the epoch the next iterator serves."""
+
+    def __init__(self, *args: Any, epoch: Optional[Callable[[], int]] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._epoch = epoch
+
+    def __iter__(self):
+        if self._epoch is not None:
+            _set_sampler_epoch(self, self._epoch())
+        return super().__iter__()
+
+
+def to_resumable(loader: Any, epoch: Optional[Callable[[], int]] = None) -> Any:
+    """A ``StatefulDataLoader`` equivalent to a plain ``DataLoader``; anything else is returned as is.
+
+    ``epoch``: the epoch the loader's next iterator serves (see :class:`ResumableDataLoader`)."""
     if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
         return loader
     sampler = loader.sampler
@@ -139,11 +161,11 @@ def to_resumable(loader: Any) -> Any:
     dataset = WorkerRngDataset(loader.dataset) if loader.num_workers > 0 else loader.dataset
     batches = loader.batch_sampler
     if batches is None:  # automatic batching off
-        return StatefulDataLoader(dataset, batch_size=None, sampler=sampler, **common)
+        return ResumableDataLoader(dataset, batch_size=None, sampler=sampler, epoch=epoch, **common)
     if type(batches) is BatchSampler and batches.sampler is loader.sampler:  # the loader's own batching
-        return StatefulDataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, sampler=sampler,
-                                  **common)
-    return StatefulDataLoader(dataset, batch_sampler=batches, **common)
+        return ResumableDataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, sampler=sampler,
+                                   epoch=epoch, **common)
+    return ResumableDataLoader(dataset, batch_sampler=batches, epoch=epoch, **common)
 
 
 def order_not_restorable(loader: Any) -> list[str]:
@@ -174,7 +196,7 @@ def make_train_loader_resumable(trainer: Any) -> None:
         if mode != RunningStage.TRAINING:
             return prepared
         _check_not_empty(prepared)
-        return to_resumable(prepared)
+        return to_resumable(prepared, epoch=lambda: trainer.fit_loop.epoch_progress.current.processed)
 
     connector._prepare_dataloader = prepare_resumable
 
