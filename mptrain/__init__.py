@@ -26,9 +26,9 @@ from mptrain.precision import (
     MasterPrecision,
     MixedPrecision,
     NonFiniteError,
+    ShardedPrecision,
     TruePrecision,
 )
-from mptrain.precision.sharded import ShardedPrecision
 from mptrain.trainer import Trainer
 
 __all__ = [

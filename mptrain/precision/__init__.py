@@ -2,7 +2,8 @@
 
 ``lightning.Trainer(plugins=[MasterPrecision("bf16-master")])`` and
 ``lightning.Fabric(plugins=[...])`` take them as they are; ``precision_plugin(string)``
-builds the right one from any precision string.
+builds the right one from any precision string; ``ShardedPrecision`` is the engine under
+``strategy="fsdp"``.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
 from mptrain.precision.master import MasterPrecision
 from mptrain.precision.mixed import MixedPrecision
 from mptrain.precision.plugin import MptrainPrecision
+from mptrain.precision.sharded import ShardedPrecision
 from mptrain.precision.true import TruePrecision
 
 __all__ = ["PRECISIONS", "normalize_precision", "precision_plugin", "build_precision", "check_device_supports",
-           "MptrainPrecision", "MasterPrecision", "MixedPrecision", "TruePrecision", "DynamicLossScaler",
+           "MptrainPrecision", "MasterPrecision", "MixedPrecision", "TruePrecision", "ShardedPrecision", "DynamicLossScaler",
            "NonFiniteError"]
