@@ -23,8 +23,10 @@ from mptrain.callbacks.fp32_finetune import Fp32Finetune
 from mptrain.callbacks.resumable_loader import make_train_loader_resumable
 from mptrain.callbacks.resume_state import ResumeState
 from mptrain.checkpoint import AtomicCheckpointIO
-from mptrain.precision import MptrainPrecision, normalize_precision, precision_plugin
-from mptrain.precision.sharded import ShardedPrecision, is_sharded_strategy
+from mptrain.precision import normalize_precision, precision_plugin
+from mptrain.precision.sharded import is_sharded_strategy
+from mptrain.trainer_checks import (check_arguments, check_finetune, check_mode_for_strategy, check_sharded_arguments,
+                                    check_sharded_plugin, check_user_plugin)
 
 
 class Trainer(pl.Trainer):
@@ -80,20 +82,20 @@ class Trainer(pl.Trainer):
         callbacks: Any = None,
         **kwargs: Any,
     ) -> None:
-        _check_finetune(fp32_finetune_epochs, fp32_finetune_steps, kwargs)
-        _check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback)
+        check_finetune(fp32_finetune_epochs, fp32_finetune_steps, kwargs)
+        check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback)
         plugins = _as_list(plugins)
         strategy = kwargs.get("strategy")
         sharded = is_sharded_strategy(strategy)
         if sharded:
-            _check_sharded_arguments(strategy, fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback,
+            check_sharded_arguments(strategy, fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback,
                                      cuda_graphs)
         if any(isinstance(p, Precision) for p in plugins):
-            _check_user_plugin(precision, loss_scaler, fp32_fallback, fused)
-            _check_sharded_plugin(strategy, plugins)
+            check_user_plugin(precision, loss_scaler, fp32_fallback, fused)
+            check_sharded_plugin(strategy, plugins)
         else:
             name = normalize_precision("32-true" if precision is None else precision)
-            _check_mode_for_strategy(strategy, name)
+            check_mode_for_strategy(strategy, name)
             plugins.append(precision_plugin(name, sharded=sharded, loss_scaler=loss_scaler,
                                             fp32_fallback=fp32_fallback, fused=fused))
         io = next((p for p in plugins if isinstance(p, CheckpointIO)), None)
@@ -142,91 +144,6 @@ def _our_callbacks(fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback
     if cuda_graphs:
         callbacks.append(CudaGraphs())
     return callbacks
-
-
-def _check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback) -> None:
-    if checkpoint_every_n_steps is not None:
-        _check_int("checkpoint_every_n_steps", checkpoint_every_n_steps, minimum=1)
-    if seed is not None:
-        _check_int("seed", seed, minimum=0)
-    for name, value in (("cuda_graphs", cuda_graphs), ("channels_last", channels_last),
-                        ("auto_fp32_fallback", auto_fp32_fallback)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} is not valid; valid values: True, False")
-    if not isinstance(compile, (bool, dict)):
-        raise ValueError(f"compile={compile!r} is not valid; valid values: True, False, or a dict of torch.compile arguments")
-
-
-def _check_finetune(epochs, steps, lightning_kwargs) -> None:
-    """Each fine-tune length must mean something in this run: refused here, before any setup."""
-    _check_int("fp32_finetune_epochs", epochs, minimum=0)
-    _check_int("fp32_finetune_steps", steps, minimum=0)
-    max_epochs, max_steps = lightning_kwargs.get("max_epochs"), lightning_kwargs.get("max_steps", -1)
-    if epochs and steps:
-        raise ValueError(f"fp32_finetune_epochs={epochs} and fp32_finetune_steps={steps}: give one of them")
-    if epochs and max_epochs in (None, -1) and max_steps != -1:
-        raise ValueError(f"fp32_finetune_epochs={epochs} needs an epoch-based run, but max_epochs={max_epochs!r} and "
-                         f"max_steps={max_steps}: set max_epochs, or use fp32_finetune_steps")
-    if epochs and max_epochs is not None and epochs > max_epochs >= 0:
-        raise ValueError(f"fp32_finetune_epochs={epochs} is more than max_epochs={max_epochs}")
-    if steps and not steps <= max_steps:
-        raise ValueError(f"fp32_finetune_steps={steps} needs max_steps >= {steps} (got max_steps={max_steps})")
-
-
-def _check_sharded_arguments(strategy, fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback,
-                             cuda_graphs) -> None:
-    """What a sharded strategy cannot run is refused here, before any process starts."""
-    refused = {"fp32_finetune_epochs": fp32_finetune_epochs, "fp32_finetune_steps": fp32_finetune_steps,
-               "auto_fp32_fallback": auto_fp32_fallback, "cuda_graphs": cuda_graphs}
-    given = [f"{k}={v!r}" for k, v in refused.items() if v]
-    if given:
-        raise ValueError(f"{', '.join(given)} cannot run with strategy={_name(strategy)!r}: FSDP fixes parameter "
-                         f"dtypes when it wraps the model and replays no graph. Drop them, or train with "
-                         f"strategy='ddp'")
-
-
-def _check_mode_for_strategy(strategy, name: str) -> None:
-    """The sharded strategies run only some modes: refused by name, with the valid ones."""
-    if is_sharded_strategy(strategy):
-        if name not in ShardedPrecision.MODES:
-            raise ValueError(f"precision={name!r} cannot run with strategy={_name(strategy)!r}: the sharded fp32 "
-                             f"parameters are the masters. Valid values: {', '.join(ShardedPrecision.MODES)}")
-        return
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    parallel = strategy == "model_parallel" or isinstance(strategy, ModelParallelStrategy)
-    if parallel and name.endswith("-master"):
-        raise ValueError(f"precision={name!r} cannot run with strategy={_name(strategy)!r} (the module is sharded in "
-                         f"configure_model before the half copy is made). Use strategy='fsdp' with {name!r}, or "
-                         f"one of Lightning's precisions for ModelParallelStrategy")
-
-
-def _check_sharded_plugin(strategy, plugins) -> None:
-    plugin = next(p for p in plugins if isinstance(p, Precision))
-    if is_sharded_strategy(strategy) and not isinstance(plugin, ShardedPrecision) \
-            and isinstance(plugin, MptrainPrecision):
-        raise ValueError(f"strategy={_name(strategy)!r} needs mptrain.ShardedPrecision({plugin.precision!r}) "
-                         f"(a Lightning FSDPPrecision), not {plugin!r}")
-
-
-def _name(strategy) -> str:
-    return strategy if isinstance(strategy, str) else type(strategy).__name__
-
-
-def _check_user_plugin(precision, loss_scaler, fp32_fallback, fused) -> None:
-    given = {k: v for k, v, default in (("precision", precision, None), ("loss_scaler", loss_scaler, None),
-                                       ("fp32_fallback", fp32_fallback, "default"), ("fused", fused, "auto"))
-             if v != default}
-    if given:
-        raise ValueError(
-            f"plugins= holds a precision plugin, so {', '.join(f'{k}={v!r}' for k, v in given.items())} would be "
-            f"ignored: configure the plugin itself, or drop it from plugins and pass these arguments"
-        )
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is not valid; valid values: an integer >= {minimum}")
 
 
 def _as_list(value: Any) -> list:
