@@ -11,6 +11,7 @@ and whether every rank ended with identical weights.
 
     python -m mptrain.bench.ddp --nproc 2 --json ddp.json                     # 2 GPUs, bf16-master
     python -m mptrain.bench.ddp --nproc 2 --trainer lightning --precision bf16-mixed
+    python -m mptrain.bench.ddp --nproc 2 --models bert --batch 256            # BERT at 256 per GPU
     python -m mptrain.bench.ddp --nproc 2 --cpu --quick --models bert         # gloo smoke test
 """
 from __future__ import annotations
@@ -153,7 +154,8 @@ def launch(model: str, nproc: int, out_dir: str, probe: dict, args) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
            "-m", "mptrain.bench.ddp_lightning", "--trainer", args.trainer, "--model", model,
            "--precision", args.precision, "--out", out_dir, "--probe", json.dumps(probe),
-           *(["--cpu"] if args.cpu else []), *(["--quick"] if args.quick else [])]
+           *(["--cpu"] if args.cpu else []), *(["--quick"] if args.quick else []),
+           *(["--batch", str(args.batch)] if args.batch else [])]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     if args.cpu:  # torchrun gives each rank one OpenMP thread unless told otherwise
@@ -195,6 +197,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="mptrain.Trainer, or a plain lightning.Trainer as the baseline")
     p.add_argument("--precision", default=None, help="default: bf16-master (mptrain), bf16-mixed (lightning)")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--batch", type=int, default=None, help="per-GPU batch (default: the e2e benchmark's: 256, BERT 128)")
     # DDP samples its runtime statistics (with host syncs) in iterations 1..10: time after them.
     p.add_argument("--warmup", type=int, default=12, help="untimed steps (past DDP's 10 sampled iterations)")
     p.add_argument("--steps", type=int, default=20)
@@ -215,6 +218,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [m for m in models if m not in MODELS]
     if bad or not models:
         p.error(f"--models: {', '.join(bad) or 'empty'} not valid; choose from {', '.join(MODELS)}")
+    if args.batch is not None and args.batch < 1:
+        p.error(f"--batch {args.batch}: must be >= 1")
     args.models = models
     args.precision = args.precision or ("bf16-master" if args.trainer == "mptrain" else "bf16-mixed")
     return args

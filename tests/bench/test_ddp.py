@@ -14,13 +14,14 @@ def test_cpu_two_ranks_report_identical_weights(tmp_path):
     out = tmp_path / "ddp.json"
     reports = tmp_path / "reports"
     rc = ddp.main(["--cpu", "--quick", "--nproc", "2", "--models", "bert", "--precision", "bf16-master",
-                   "--warmup", "2", "--steps", "2", "--syncs", "1", "--profile", "1",
+                   "--warmup", "2", "--steps", "2", "--syncs", "1", "--profile", "1", "--batch", "3",
                    "--reports-out", str(reports), "--json", str(out)])
     data = json.loads(out.read_text())
     assert rc == 0, data
     res = data["results"]["bert"]
     assert res["multi"]["identical_weights"] and len(res["multi"]["ranks"]) == 2
     assert {r["world_size"] for r in res["multi"]["ranks"]} == {2}
+    assert {r["batch"] for r in res["multi"]["ranks"]} == {3}  # --batch reaches every rank
     assert {r["global_step"] for r in res["multi"]["ranks"]} == {2 + 2 + 1 + 1}
     assert res["single"]["samples_per_s"] > 0 and res["scaling_efficiency"] > 0
     names = sorted(p.name for p in reports.iterdir())

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The one GPU script: build the extension, run the CUDA tests and the benchmarks on the GPU
 # machine.  Usage: tests/gpu/run.sh [stage ...]
-#   stages: info build tests kernels host e2e
+#   stages: info build tests kernels host e2e multi
 #   default: info build tests kernels host (about 4-5 minutes on an H200 with 16 cores:
 #   info 16 s, build 60 s, tests 118 s, kernels 40 s; each stage's timeout below keeps the
 #   default call under 9 minutes: 30 + 150 + 170 + 130 + 60 s).  e2e takes a call of its
-#   own: tests/gpu/run.sh e2e (it reuses the build while the machine is warm).
+#   own: tests/gpu/run.sh e2e (it reuses the build while the machine is warm).  multi needs two GPUs
+#   (nvidia-h200-x2): tests/gpu/run.sh info build multi -- DDP scaling of both models, then the FSDP
+#   BERT-large test against DDP (tests marked multi_gpu; the tests stage leaves them out).
 # Each stage logs to $OUT/<stage>.log; the benchmarks also write $OUT/<stage>.json, and
 # $OUT/summary.txt lists every stage's exit code and seconds.
 set -uo pipefail
@@ -24,8 +26,8 @@ export MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 STAGES=${*:-info build tests kernels host}
 for s in $STAGES; do
-  case $s in info | build | tests | kernels | host | e2e) ;;
-  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e" >&2; exit 2 ;;
+  case $s in info | build | tests | kernels | host | e2e | multi) ;;
+  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e multi" >&2; exit 2 ;;
   esac
 done
 summary=()
@@ -51,10 +53,14 @@ from mptrain.ops.build import get_extension
 t = time.perf_counter()
 get_extension(required=True)
 print(f\"warm load: {time.perf_counter() - t:.2f} s\")"'
-stage tests 170 python3 -m pytest tests/gpu -q -rfE --timeout=120 --maxfail=30 -p no:cacheprovider -o addopts=""
+stage tests 170 python3 -m pytest tests/gpu -q -rfE --timeout=120 --maxfail=30 -p no:cacheprovider -o addopts="" \
+  -m "not multi_gpu"
 stage kernels 130 python3 -m mptrain.bench.kernels --no-host --json "$OUT/kernels.json"
 stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
 stage e2e 540 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json"
+stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
+  python3 -m mptrain.bench.ddp --nproc 2 --models bert --batch 128 --json "$OUT/ddp_bert128.json";
+  python3 -m pytest tests/gpu -q -s -rfE -p no:cacheprovider -o addopts="" -m multi_gpu' 
 
 echo "=== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

@@ -39,6 +39,7 @@ def _launch(tmp_path, strategy: str) -> dict:
     return {rank: json.loads((tmp_path / f"{strategy}.rank{rank}.json").read_text()) for rank in (0, 1)}
 
 
+@pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_fsdp_bert_large_memory_throughput_and_loss_against_ddp(tmp_path):
     ddp, fsdp = _launch(tmp_path, "ddp"), _launch(tmp_path, "fsdp")
