@@ -22,13 +22,14 @@ import torch
 from torch import nn
 
 torch.set_num_threads(1)
+Norm = nn.LayerNorm  # --fused-norm: mptrain.nn.FusedLayerNorm (what the BERT recipe trains)
 
 
 class Layer(nn.Module):
     def __init__(self, d):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.ln1, self.ln2 = Norm(d), Norm(d)
         self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
     def forward(self, x):
@@ -41,7 +42,7 @@ class Net(L.LightningModule):
     def __init__(self, d=8, layers=12, vocab=64):
         super().__init__()
         self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(16, d)
-        self.ln = nn.LayerNorm(d)
+        self.ln = Norm(d)
         self.layers = nn.ModuleList(Layer(d) for _ in range(layers))
         self.head = nn.Linear(d, vocab)
         self.opt = None
@@ -109,7 +110,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--cases", default="mptrain:bf16-master,lightning:bf16-true,mptrain:bf16-mixed,lightning:bf16-mixed")
     p.add_argument("--profile", default=None, help="case to cProfile")
+    p.add_argument("--fused-norm", action="store_true", help="mptrain.nn.FusedLayerNorm in every case")
     a = p.parse_args(argv)
+    if a.fused_norm:
+        global Norm
+        from mptrain.nn import FusedLayerNorm as Norm
     stub_kernels()
     for case in a.cases.split(","):
         prof = cProfile.Profile() if a.profile == case else None

@@ -14,6 +14,7 @@ LayerNorm), as a Lightning user without mptrain would; the mptrain cases use its
 
     mptrain bench e2e --out e2e.json
     mptrain bench e2e --models bert --cases mptrain:bf16-master,lightning:bf16-mixed --steps 50
+    mptrain bench e2e --models bert --repeat 3   # each case 3 times, alternating order: median
     mptrain bench e2e --quick          # tiny models on the CPU: checks the harness only
 """
 from __future__ import annotations
@@ -283,13 +284,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cases", default=",".join(CASES), help="comma list of cases (default: all): " + ", ".join(CASES))
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per case (cuDNN autotuning, compile)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per case")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of every case, in alternating order; the table shows each case's median run")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny models on the CPU: checks the harness, not speed")
     args = p.parse_args(argv)
     args.models = _csv(p, args.models, MODELS, "--models")
     args.cases = _csv(p, args.cases, tuple(CASES), "--cases")
-    if args.warmup < 1 or args.steps < 1:
-        p.error(f"--warmup {args.warmup} / --steps {args.steps}: both must be >= 1")
+    if args.warmup < 1 or args.steps < 1 or args.repeat < 1:
+        p.error(f"--warmup {args.warmup} / --steps {args.steps} / --repeat {args.repeat}: all must be >= 1")
     return args
 
 
@@ -303,14 +306,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"[e2e] mptrain fused kernels: {kernels}", flush=True)
     results: list[Result] = []
     for model in args.models:
-        for name in sorted(args.cases, key=lambda n: CASES[n].precision == "best"):  # "best" after the modes
-            spec = CASES[name]
-            precision = best_mptrain_mode(results, model) if spec.precision == "best" else spec.precision
-            res = run_case(model, name, precision, args.warmup, args.steps, args.quick)
-            results.append(res)
-            done = f"{res.samples_per_s:.1f}/s" if res.status == "ok" else f"{res.status}: {res.message.splitlines()[0]}"
-            print(f"[e2e] {model} {name} ({precision}): {done} ({res.wall_s:.1f} s)", flush=True)
-            _write_json(args, results, kernels)  # after every case: a run cut short keeps what it measured
+        runs: list[Result] = []
+        for order in case_orders(args.cases, args.repeat):
+            for name in order:
+                spec = CASES[name]
+                precision = best_mptrain_mode(runs, model) if spec.precision == "best" else spec.precision
+                res = run_case(model, name, precision, args.warmup, args.steps, args.quick)
+                runs.append(res)
+                done = (f"{res.samples_per_s:.1f}/s" if res.status == "ok"
+                        else f"{res.status}: {res.message.splitlines()[0]}")
+                print(f"[e2e] {model} {name} ({precision}): {done} ({res.wall_s:.1f} s)", flush=True)
+                _write_json(args, results + median_runs(runs), kernels)  # a run cut short keeps what it measured
+        results += median_runs(runs)
     print(f"mptrain fused kernels: {kernels}")
     print(format_table(results))
     for r in results:
@@ -320,6 +327,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         ratios = summarize(results, model)["ratios"]
         print(f"{model}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in ratios.items()))
     return 1 if any(r.status == "error" for r in results) else 0
+
+
+def case_orders(cases: list[str], repeat: int) -> list[list[str]]:
+    """The case order of each repetition: the list forwards, then backwards, and so on, so that a
+    drift of the machine over the run (host clocks, caches) favours no case; "best" cases, which
+    need this repetition's mode results, come last every time."""
+    modes = [n for n in cases if CASES[n].precision != "best"]
+    best = [n for n in cases if CASES[n].precision == "best"]
+    return [(modes if r % 2 == 0 else modes[::-1]) + best for r in range(repeat)]
+
+
+def median_runs(runs: list[Result]) -> list[Result]:
+    """One result per case: the run of median throughput (failed runs only when no run succeeded)."""
+    out = []
+    for case in dict.fromkeys(r.case for r in runs):
+        mine = [r for r in runs if r.case == case]
+        ok = sorted((r for r in mine if r.status == "ok"), key=lambda r: r.samples_per_s)
+        out.append(ok[(len(ok) - 1) // 2] if ok else mine[-1])
+    return out
 
 
 def fused_kernel_status(quick: bool) -> str:

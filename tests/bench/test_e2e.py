@@ -83,3 +83,15 @@ def test_sync_counter_counts_synchronizing_calls_in_the_window(monkeypatch):
     assert timer.syncs == 2 and timer.gpu_ms == 3.0
     assert list(timer.sync_sites.values()) == [2] and __file__ in next(iter(timer.sync_sites))
     assert calls == ["sync", "warn", "default", "sync"]
+
+
+def test_repeats_alternate_the_order_and_report_the_median_run():
+    orders = e2e.case_orders(["mptrain:bf16-master", "lightning:bf16-true", "mptrain+compile:best"], 3)
+    assert orders == [["mptrain:bf16-master", "lightning:bf16-true", "mptrain+compile:best"],
+                      ["lightning:bf16-true", "mptrain:bf16-master", "mptrain+compile:best"],
+                      ["mptrain:bf16-master", "lightning:bf16-true", "mptrain+compile:best"]]
+    runs = [e2e.Result("bert", "a", "bf16-master", 2, samples_per_s=v) for v in (30.0, 10.0, 20.0)]
+    runs += [e2e.Result("bert", "b", "bf16-true", 2, status="error", message="x"),
+             e2e.Result("bert", "b", "bf16-true", 2, samples_per_s=5.0)]
+    med = e2e.median_runs(runs)
+    assert [(r.case, r.samples_per_s) for r in med] == [("a", 20.0), ("b", 5.0)]
