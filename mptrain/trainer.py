@@ -90,12 +90,13 @@ class Trainer(pl.Trainer):
         if sharded:
             check_sharded_arguments(strategy, fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback,
                                      cuda_graphs)
-        if any(isinstance(p, Precision) for p in plugins):
+        user_plugin = next((p for p in plugins if isinstance(p, Precision)), None)
+        if user_plugin is not None:
             check_user_plugin(precision, loss_scaler, fp32_fallback, fused)
-            check_sharded_plugin(strategy, plugins)
+            check_sharded_plugin(strategy, sharded, user_plugin)
         else:
             name = normalize_precision("32-true" if precision is None else precision)
-            check_mode_for_strategy(strategy, name)
+            check_mode_for_strategy(strategy, sharded, name)
             plugins.append(precision_plugin(name, sharded=sharded, loss_scaler=loss_scaler,
                                             fp32_fallback=fp32_fallback, fused=fused))
         io = next((p for p in plugins if isinstance(p, CheckpointIO)), None)

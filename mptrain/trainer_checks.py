@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.plugins.precision import Precision
-
 from mptrain.precision import MptrainPrecision
-from mptrain.precision.sharded import ShardedPrecision, is_sharded_strategy
+from mptrain.precision.sharded import ShardedPrecision
 
 
 def check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback) -> None:
@@ -51,9 +49,9 @@ def check_sharded_arguments(strategy, fp32_finetune_epochs, fp32_finetune_steps,
                          f"strategy='ddp'")
 
 
-def check_mode_for_strategy(strategy, name: str) -> None:
+def check_mode_for_strategy(strategy, sharded: bool, name: str) -> None:
     """The sharded strategies run only some modes: refused by name, with the valid ones."""
-    if is_sharded_strategy(strategy):
+    if sharded:
         if name not in ShardedPrecision.MODES:
             raise ValueError(f"precision={name!r} cannot run with strategy={_name(strategy)!r}: the sharded fp32 "
                              f"parameters are the masters. Valid values: {', '.join(ShardedPrecision.MODES)}")
@@ -67,10 +65,9 @@ def check_mode_for_strategy(strategy, name: str) -> None:
                          f"one of Lightning's precisions for ModelParallelStrategy")
 
 
-def check_sharded_plugin(strategy, plugins) -> None:
-    plugin = next(p for p in plugins if isinstance(p, Precision))
-    if is_sharded_strategy(strategy) and not isinstance(plugin, ShardedPrecision) \
-            and isinstance(plugin, MptrainPrecision):
+def check_sharded_plugin(strategy, sharded: bool, plugin) -> None:
+    """A sharded strategy with one of mptrain's unsharded plugins: refused, naming the one to use."""
+    if sharded and isinstance(plugin, MptrainPrecision) and not isinstance(plugin, ShardedPrecision):
         raise ValueError(f"strategy={_name(strategy)!r} needs mptrain.ShardedPrecision({plugin.precision!r}) "
                          f"(a Lightning FSDPPrecision), not {plugin!r}")
 
