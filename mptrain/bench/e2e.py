@@ -56,11 +56,15 @@ CASES = {
     "lightning:16-mixed": CaseSpec("lightning", "16-mixed", "torch-fused"),
     "lightning:bf16-true": CaseSpec("lightning", "bf16-true", "torch-fused"),
     "lightning+compile:bf16-mixed": CaseSpec("lightning", "bf16-mixed", "torch-fused", compile=True),
+    "lightning+compile:16-mixed": CaseSpec("lightning", "16-mixed", "torch-fused", compile=True),
+    "lightning+compile:bf16-true": CaseSpec("lightning", "bf16-true", "torch-fused", compile=True),
     "lightning:bf16-true+FusedAdamW(master)": CaseSpec("lightning", "bf16-true", "mptrain-master"),
     "mptrain+compile:best": CaseSpec("mptrain", "best", "mptrain", compile=True),
     "mptrain+cuda_graphs:bf16-master": CaseSpec("mptrain", "bf16-master", "mptrain", cuda_graphs=True),
+    "mptrain+compile+cuda_graphs:best": CaseSpec("mptrain", "best", "mptrain", compile=True, cuda_graphs=True),
 }
 LIGHTNING_EAGER = ("lightning:bf16-mixed", "lightning:16-mixed", "lightning:bf16-true")
+LIGHTNING_COMPILE = ("lightning+compile:bf16-mixed", "lightning+compile:16-mixed", "lightning+compile:bf16-true")
 
 
 @dataclass
@@ -233,12 +237,16 @@ def summarize(results: list[Result], model: str) -> dict:
     mptrain_eager = [n for n, s in CASES.items() if s.trainer == "mptrain" and not s.compile and not s.cuda_graphs]
     out = {"mptrain_best": rate([n for n, s in CASES.items() if s.trainer == "mptrain"]),
            "mptrain_eager_best": rate(mptrain_eager), "mptrain_compiled": rate(["mptrain+compile:best"]),
-           "lightning_best": rate(LIGHTNING_EAGER), "lightning_compile": rate(["lightning+compile:bf16-mixed"]),
+           "mptrain_cuda_graphs": rate(["mptrain+cuda_graphs:bf16-master"]),
+           "lightning_best": rate(LIGHTNING_EAGER), "lightning_compile": rate(LIGHTNING_COMPILE),
            "lightning_fused_master": rate(["lightning:bf16-true+FusedAdamW(master)"])}
     ratio = lambda a, b: None if not (out[a] and out[b]) else out[a]["samples_per_s"] / out[b]["samples_per_s"]  # noqa: E731
     out["ratios"] = {f"{a} / {b}": ratio(a, b) for a, b in (
         ("mptrain_best", "lightning_best"), ("mptrain_best", "lightning_compile"),
         ("mptrain_best", "lightning_fused_master"), ("mptrain_compiled", "mptrain_eager_best"))}
+    graphs, eager = out["mptrain_cuda_graphs"], _rate(results, model, ["mptrain:bf16-master"])
+    out["ratios"]["mptrain+cuda_graphs:bf16-master / mptrain:bf16-master"] = (
+        graphs["samples_per_s"] / eager.samples_per_s if graphs and eager else None)
     for mode in ("bf16-mixed", "16-mixed"):
         ours, theirs = _rate(results, model, [f"mptrain:{mode}"]), _rate(results, model, [f"lightning:{mode}"])
         out["ratios"][f"mptrain:{mode} / lightning:{mode}"] = (

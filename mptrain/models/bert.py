@@ -8,6 +8,7 @@ from typing import Optional
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mptrain.models.checks import check_args
 from mptrain.models.optim import build_optimizer, decay_groups
@@ -33,6 +34,51 @@ def build_bert_mlm(vocab_size: int, hidden_size: int = 768, num_layers: int = 12
         register_transformers_attention()
     config._attn_implementation = attn_implementation
     return BertForMaskedLM(config)
+
+
+class MaskedLMNet(nn.Module):
+    """BERT's encoder and masked-LM head (``BertForMaskedLM``'s own ``bert`` and ``cls`` modules, so
+    the state-dict keys are the same) computing the loss of the masked positions only.
+
+    The whole step's network is this module's ``forward``: ``compile=True`` (which compiles
+    ``LightningModule.model``) covers the encoder, the gather and the head.
+
+    Only masked positions go through the vocabulary projection: it is the largest GEMM of the
+    head and ~85% of its rows would be thrown away.  With ``max_predictions`` the positions are
+    gathered with a fixed size per sequence (no host sync, static shapes); without it, by
+    boolean indexing (exact for any mask count, one host sync per step).
+    """
+
+    def __init__(self, mlm: nn.Module, max_predictions: Optional[int] = None):
+        super().__init__()
+        self.bert, self.cls = mlm.bert, mlm.cls
+        self.config = mlm.config
+        self.max_predictions = max_predictions
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if attention_mask is not None:
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask)[0]
+        # No padding: the encoder gets no mask.  BertModel.forward would build an all-true one
+        # whenever it cannot look at the tensors (torch.compile, CUDA-graph capture), and a mask
+        # moves SDPA off its fused kernels (cuDNN / flash) onto the fp32 math path.
+        return self.bert.encoder(self.bert.embeddings(input_ids=input_ids))[0]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+        hidden = self.encode(input_ids, attention_mask)
+        picked = labels != -100
+        k = self.max_predictions
+        if k is None:
+            h, target = hidden[picked], labels[picked]
+        else:
+            k = min(k, labels.shape[1])
+            idx = picked.to(hidden.dtype).topk(k, dim=1).indices  # masked positions first
+            h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).flatten(0, 1)
+            target = labels.gather(1, idx).flatten()
+        logits = self.cls(h)
+        count = (target != -100).sum()
+        loss_sum = F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
+        return loss_sum, logits, target, count
 
 
 class BertMLM(L.LightningModule):
@@ -67,8 +113,8 @@ class BertMLM(L.LightningModule):
                    lr=(lr, ">0"), weight_decay=(weight_decay, ">=0"), eps=(eps, ">0"), warmup_steps=(warmup_steps, ">=0"),
                    total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
-        self.model = build_bert_mlm(vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
-                                    max_position_embeddings, dropout, attn_implementation)
+        self.model = MaskedLMNet(build_bert_mlm(vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
+                                                max_position_embeddings, dropout, attn_implementation), max_predictions)
         if fused_layernorm:
             self.model = fuse_modules(self.model)
         from torchmetrics.aggregation import MeanMetric
@@ -76,28 +122,9 @@ class BertMLM(L.LightningModule):
         self.val_loss = MeanMetric()  # token-weighted over the epoch (and the ranks), for the perplexity
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(summed loss over predicted tokens, their logits, their labels (-100: padding), count).
-
-        Only masked positions go through the vocabulary projection: it is the largest GEMM of
-        the head and ~85% of its rows would be thrown away.  With ``max_predictions`` the
-        positions are gathered with a fixed size per sequence (no host sync, static shapes);
-        without it, by boolean indexing (exact for any mask count, one host sync per step)."""
+        """(summed loss over predicted tokens, their logits, their labels (-100: padding), count)."""
         mask = batch.get("attention_mask") if self.hparams.use_attention_mask else None
-        hidden = self.model.bert(input_ids=batch["input_ids"], attention_mask=mask)[0]
-        labels = batch["labels"]
-        picked = labels != -100
-        k = self.hparams.max_predictions
-        if k is None:
-            h, target = hidden[picked], labels[picked]
-        else:
-            k = min(k, labels.shape[1])
-            idx = picked.to(hidden.dtype).topk(k, dim=1).indices  # masked positions first
-            h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).flatten(0, 1)
-            target = labels.gather(1, idx).flatten()
-        logits = self.model.cls(h)
-        count = (target != -100).sum()
-        loss_sum = F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
-        return loss_sum, logits, target, count
+        return self.model(batch["input_ids"], batch["labels"], mask)
 
     def numerics_input(self, batch: dict) -> tuple:
         """What ``mptrain numerics`` passes to ``forward``: the whole batch (its labels pick
