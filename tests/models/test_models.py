@@ -252,3 +252,25 @@ def test_bert_compiled_model_is_the_whole_network_in_one_graph():
     assert "scaled_dot_product_attention" in code and "topk" in code and "cross_entropy" in code
     sdpa = [line for line in code.splitlines() if "scaled_dot_product_attention(" in line]
     assert len(sdpa) == 2 and all("attn_mask = None" in line for line in sdpa), sdpa
+
+
+def test_bert_without_padding_gives_sdpa_no_mask_even_while_a_cuda_graph_captures(monkeypatch):
+    """transformers builds an all-true mask when it cannot look at tensors (capture, tracing); with a
+    mask SDPA leaves its fused kernels for the fp32 math path (cuda_graphs=True ran 0.7x eager)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    masks = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(q, k, v, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    m = tiny_bert(max_predictions=4)
+    ids = torch.randint(5, 60, (2, 16))
+    m({"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)})
+    assert len(masks) == 2 and all(mask is None for mask in masks)
+    m.hparams.use_attention_mask = True  # padding: the mask is passed on
+    masks.clear()
+    m({"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)})
+    assert len(masks) == 2 and all(mask is not None for mask in masks)
