@@ -1,7 +1,8 @@
 """`mptrain bench e2e`: whole training steps of ResNet-50 (batch 256) and BERT-base MLM (batch 128,
 seq 128) in one process: ``mptrain.Trainer`` in each mode against ``lightning.Trainer`` in its best
-modes, Lightning with ``torch.compile`` (its idiom: ``fit(torch.compile(module))``), Lightning
-with mptrain's fused master-weight optimizer, and mptrain compiled / with CUDA graphs.
+modes, Lightning with ``torch.compile`` (its idiom: ``fit(torch.compile(module))``) in each of its
+modes, Lightning with mptrain's fused master-weight optimizer, and mptrain compiled, with CUDA
+graphs, and both.
 
 Every case builds a fresh model and trainer on the same synthetic device batches, runs
 ``--warmup`` steps, then times ``--steps`` steps between two ``cuda.synchronize()`` calls (wall
