@@ -31,6 +31,13 @@ autotuning, the input shapes recorded), one step captures and every later step r
   clipping, the non-finite guard's counters and its host check every ``check_every`` steps, and the
   masters' copy into the half weights on the generic ``*-master`` path.
 
+Attention masks: a transformers model called without an ``attention_mask`` builds an all-true one
+while a graph captures (it cannot look at tensors then), and ``scaled_dot_product_attention`` with a
+mask leaves its fused kernels for the fp32 math path: the replayed step is then slower and larger
+than the eager one.  Without padding, call the model's embeddings and encoder directly, without a
+mask (as ``mptrain.models.bert.MaskedLMNet`` does); with padding, pass the mask in every step (eager
+and captured steps then take the same path).
+
 Refused at setup, each with the reason and the fix: a device other than one CUDA GPU, several
 devices or a DDP-type strategy, manual optimization, gradient accumulation, ``detect_anomaly``,
 ``fp32_finetune_*`` / ``auto_fp32_fallback`` (they change dtypes mid-run), ``compile`` in a mode that
