@@ -6,7 +6,8 @@
 #   info 16 s, build 60 s, tests 118 s, kernels 40 s; each stage's timeout below keeps the
 #   default call under 9 minutes: 30 + 150 + 170 + 130 + 60 s).  e2e takes a call of its
 #   own: tests/gpu/run.sh build e2e (7-9 minutes: build 55-75 s; e2e 350 s at --warmup 6 --steps 20,
-#   more at the defaults; later cases reuse the earlier ones' compiles).  multi needs two GPUs
+#   more at the defaults; later cases reuse the earlier ones' compiles); E2E_ARGS adds flags, e.g.
+#   E2E_ARGS="--models bert --repeat 3" for the host-bound BERT eager cases.  multi needs two GPUs
 #   (nvidia-h200-x2): tests/gpu/run.sh info build multi -- DDP scaling of both models, then the FSDP
 #   BERT-large test against DDP (tests marked multi_gpu; the tests stage leaves them out).
 # Each stage logs to $OUT/<stage>.log; the benchmarks also write $OUT/<stage>.json, and
@@ -58,7 +59,8 @@ stage tests 170 python3 -m pytest tests/gpu -q -rfE --timeout=120 --maxfail=30 -
   -m "not multi_gpu"
 stage kernels 130 python3 -m mptrain.bench.kernels --no-host --json "$OUT/kernels.json"
 stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
-stage e2e 540 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json"
+# shellcheck disable=SC2086  # E2E_ARGS: extra flags, e.g. E2E_ARGS="--models bert --repeat 3"
+stage e2e 540 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json" ${E2E_ARGS:-}
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
   python3 -m mptrain.bench.ddp --nproc 2 --models bert --batch 128 --json "$OUT/ddp_bert128.json";
   python3 -m pytest tests/gpu -q -s -rfE -p no:cacheprovider -o addopts="" -m multi_gpu' 
