@@ -254,6 +254,26 @@ def test_bert_compiled_model_is_the_whole_network_in_one_graph():
     assert len(sdpa) == 2 and all("attn_mask = None" in line for line in sdpa), sdpa
 
 
+def test_bert_recipe_network_with_fused_layernorm_and_softmax_compiles_in_one_graph():
+    """The recipe's network with mptrain's fused LayerNorm and masked-softmax attention: one
+    fullgraph holding the mptrain ops, no graph break (issue 12)."""
+    from mptrain.nn.attention import ATTENTION_NAME
+
+    torch.manual_seed(0)
+    m = tiny_bert(fused_layernorm=True, max_predictions=4, attn_implementation=ATTENTION_NAME)
+    ids = torch.randint(5, 60, (3, 16))
+    labels = torch.full_like(ids, -100)
+    labels[:, 3:7] = ids[:, 3:7]
+    eager = m.model(ids, labels)
+    torch._dynamo.reset()
+    graphs = []
+    out = torch.compile(m.model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, fullgraph=True)(ids, labels)
+    torch.testing.assert_close(out[0], eager[0])
+    out[0].backward()
+    assert len(graphs) == 1
+    assert "mptrain.layer_norm" in graphs[0].code and "mptrain.scaled_masked_softmax" in graphs[0].code
+
+
 def test_bert_without_padding_gives_sdpa_no_mask_even_while_a_cuda_graph_captures(monkeypatch):
     """transformers builds an all-true mask when it cannot look at tensors (capture, tracing); with a
     mask SDPA leaves its fused kernels for the fp32 math path (cuda_graphs=True ran 0.7x eager)."""
