@@ -40,7 +40,7 @@ class MaskedLMNet(nn.Module):
     """BERT's encoder and masked-LM head (``BertForMaskedLM``'s own ``bert`` and ``cls`` modules, so
     the state-dict keys are the same) computing the loss of the masked positions only.
 
-    The whole step's network is this module's ``forward``: ``compile=True`` (which compiles
+    The whole network is this module's ``forward``: ``compile=True`` (which compiles
     ``LightningModule.model``) covers the encoder, the gather and the head.
 
     Only masked positions go through the vocabulary projection: it is the largest GEMM of the
@@ -58,9 +58,9 @@ class MaskedLMNet(nn.Module):
     def encode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if attention_mask is not None:
             return self.bert(input_ids=input_ids, attention_mask=attention_mask)[0]
-        # No padding: the encoder gets no mask.  BertModel.forward would build an all-true one
-        # whenever it cannot look at the tensors (torch.compile, CUDA-graph capture), and a mask
-        # moves SDPA off its fused kernels (cuDNN / flash) onto the fp32 math path.
+        # No padding: the encoder gets no mask.  BertModel.forward builds an all-true one when it
+        # cannot look at the tensors (CUDA-graph capture; tracing in some transformers versions),
+        # and a mask moves SDPA off its fused kernels (cuDNN / flash) onto the fp32 math path.
         return self.bert.encoder(self.bert.embeddings(input_ids=input_ids))[0]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
