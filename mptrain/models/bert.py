@@ -52,7 +52,6 @@ class MaskedLMNet(nn.Module):
     def __init__(self, mlm: nn.Module, max_predictions: Optional[int] = None):
         super().__init__()
         self.bert, self.cls = mlm.bert, mlm.cls
-        self.config = mlm.config
         self.max_predictions = max_predictions
 
     def encode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
