@@ -1,10 +1,6 @@
-"""Timing and reporting shared by every benchmark (DESIGN §5).
-
-A case is timed with CUDA events (triton's do_bench: median of many runs after warm-up),
-on inputs rotated among several sets larger than L2 so the numbers measure HBM, not cache.
-Each case reports our time, the PyTorch baseline's time in the same process, the ratio and
-our % of the bandwidth floor.
-"""
+"""Timing and reporting shared by every benchmark (DESIGN §5): CUDA-event medians on inputs
+rotated among sets larger than L2 (HBM, not cache), host-loop timers, and the result table of
+ours against the PyTorch baseline (ratio, % of the bandwidth floor)."""
 from __future__ import annotations
 
 import json
@@ -29,8 +25,8 @@ def median_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
 
 
 def _loop_seconds(fn: Callable[[], object], calls: int, warmup: int, until_gpu_done: bool) -> float:
-    """Seconds per call over ``calls`` back-to-back calls after a synchronize; the timed span
-    ends when the host has issued the last call, or (until_gpu_done) when the GPU is done."""
+    """Seconds per call of ``calls`` back-to-back calls from a synchronized start; the span ends
+    when the host has issued the last call, or (until_gpu_done) when the GPU is done."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -45,16 +41,14 @@ def _loop_seconds(fn: Callable[[], object], calls: int, warmup: int, until_gpu_d
 
 
 def host_us(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> float:
-    """Host time per call in microseconds: what the host spends issuing one call in a loop
-    (the GPU may still be working when the span ends)."""
+    """Host time per call in microseconds: issuing one call in a loop (the GPU may still be busy)."""
     return 1e6 * _loop_seconds(fn, calls, warmup, until_gpu_done=False)
 
 
 def loop_ms(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> float:
-    """Wall time per call in milliseconds of a loop from a synchronized start to a
-    synchronized end: what a loop of these calls costs, whichever of host or GPU is the
-    slower side.  The measure for host-bound eager calls, where CUDA events around each
-    call (median_ms) miss the host time spent before a call's first launch."""
+    """Wall time per call in milliseconds of a loop from a synchronized start to a synchronized
+    end, whichever of host or GPU is slower: the measure for host-bound eager calls, where CUDA
+    events around each call (median_ms) miss the host time before the call's first launch."""
     return 1e3 * _loop_seconds(fn, calls, warmup, until_gpu_done=True)
 
 
@@ -62,6 +56,20 @@ def input_sets(make: Callable[[], object], bytes_per_set: int, l2_bytes: int = 6
     """``make()``'s input sets, enough of them (at most 8) that cycling through them keeps the working
     set at least 4x the L2 (60 MB on the H200): consecutive calls then read HBM, not cache."""
     return [make() for _ in range(max(1, min(8, -(-4 * l2_bytes // max(1, bytes_per_set)))))]
+
+
+def parse_csv(parser, text: str, valid, flag: str) -> list[str]:
+    """The items of a comma list, each one of ``valid``; else ``parser.error`` names the bad ones."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in valid]
+    if bad or not items:
+        parser.error(f"{flag}: {', '.join(bad) or 'empty'} not valid; choose from {', '.join(valid)}")
+    return items
+
+
+def fmt(value, spec: str, none: str = "—") -> str:
+    """``spec.format(value)``, or ``none`` for a missing value (a table cell)."""
+    return none if value is None else spec.format(value)
 
 
 @dataclass
@@ -83,10 +91,7 @@ class Result:
         return None if self.floor_ms is None else 100.0 * self.floor_ms / self.ours_ms
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d["speedup"] = self.speedup
-        d["pct_floor"] = self.pct_floor
-        return d
+        return {**asdict(self), "speedup": self.speedup, "pct_floor": self.pct_floor}
 
 
 def floor_ms(nbytes: float, bandwidth: float = H200_COPY_BW) -> float:
@@ -99,18 +104,15 @@ def format_table(results: list[Result]) -> str:
     head = f"{'case':<58} {'ours ms':>9} {'torch ms':>9} {'speedup':>8} {'% floor':>8}"
     lines = [head, "-" * len(head)]
     for r in results:
-        t = "—" if r.torch_ms is None else f"{r.torch_ms:9.3f}"
-        s = "—" if r.speedup is None else f"{r.speedup:7.2f}x"
-        p = "—" if r.pct_floor is None else f"{r.pct_floor:7.1f}%"
-        lines.append(f"{r.case:<58} {r.ours_ms:9.3f} {t:>9} {s:>8} {p:>8}")
+        lines.append(f"{r.case:<58} {r.ours_ms:9.3f} {fmt(r.torch_ms, '{:9.3f}'):>9} "
+                     f"{fmt(r.speedup, '{:7.2f}x'):>8} {fmt(r.pct_floor, '{:7.1f}%'):>8}")
     return "\n".join(lines)
 
 
-def write_json(results: list[Result], path: str, meta: Optional[dict] = None) -> None:
-    """Write the results (and device / version metadata) as JSON."""
-    payload = {"meta": meta or {}, "results": [r.as_dict() for r in results]}
+def write_json(path: str, payload: dict, indent: int = 2) -> None:
+    """``payload`` as JSON at ``path``."""
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+        json.dump(payload, f, indent=indent)
 
 
 def device_meta() -> dict:

@@ -1,24 +1,20 @@
 """`mptrain bench gemm`: TFLOP/s of square matmuls in each precision the GPU has.
 
-fp32 (IEEE, TF32 off), tf32, fp16, bf16, int8 (``torch._int_mm``: int8 x int8 -> int32)
-and fp8 e4m3 (``torch._scaled_mm``, bf16 output) where the device and torch support it.
-Operands are random (never zeros: a zero operand lets some hardware save power and clock
-higher), rotated among several sets where one set is smaller than L2, and timed with CUDA
-events (median, :func:`mptrain.bench.common.median_ms`).  The speed-up is against fp32 at
-the same size.  For int8 the unit is TOP/s (integer operations).
+fp32 (IEEE), tf32, fp16, bf16, int8 (``torch._int_mm``, int32 out; TOP/s) and fp8 e4m3
+(``torch._scaled_mm``, bf16 out) where device and torch support them; speed-up against fp32.
+Operands are random (a zero operand lets some hardware clock higher) and rotated past L2.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import itertools
-import json
 import sys
 from typing import Callable, Optional
 
 import torch
 
-from mptrain.bench.common import device_meta, input_sets, median_ms
+from mptrain.bench.common import device_meta, fmt, input_sets, median_ms, write_json
 
 #: minimum compute capability per dtype (torch >= 2.6 has _int_mm, _scaled_mm and float8_e4m3fn)
 MIN_CC = {"fp32": (0, 0), "tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "int8": (7, 5), "fp8": (8, 9)}
@@ -112,50 +108,43 @@ def run_cases(sizes: list[int], dtypes: list[str], capability: Optional[tuple[in
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     for n in sizes:
-        base_ms = None
-        for dtype in dtypes:
-            row = {"n": n, "dtype": dtype, "ms": None, "tflops": None, "speedup_vs_fp32": None, "status": "ok"}
-            why = unsupported_reason(dtype, capability)
-            if why:
-                row["status"] = f"unsupported: {why}"
-                rows.append(row)
-                continue
-            try:
-                fn = gemm_fn(dtype)
-                per_set = 2 * n * n * _BYTES[dtype]
-                sets = itertools.cycle(input_sets(lambda: make_operands(dtype, n, device, gen), per_set))
-                reps = products_per_call(n)
-                with _matmul_precision(dtype):
-                    def call():
-                        for _ in range(reps):
-                            a, b = next(sets)
-                            fn(a, b)
-                    call()  # fails here, not inside the timer, if the kernel is missing
-                    ms = timer(call) / reps
-            except (RuntimeError, TypeError) as e:
-                row["status"] = f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
-                rows.append(row)
-                continue
-            row["ms"] = ms
-            row["tflops"] = gemm_flops(n) / (ms * 1e-3) / 1e12
-            if dtype == "fp32":
-                base_ms = ms
-            rows.append(row)
-        for row in rows:
-            if row["n"] == n and row["ms"] and base_ms:
+        size_rows = [_time_case(dtype, n, capability, device, gen, timer) for dtype in dtypes]
+        base_ms = next((r["ms"] for r in size_rows if r["dtype"] == "fp32"), None)
+        for row in size_rows:
+            if row["ms"] and base_ms:
                 row["speedup_vs_fp32"] = base_ms / row["ms"]
+        rows += size_rows
     return rows
+
+
+def _time_case(dtype: str, n: int, capability, device, gen, timer) -> dict:
+    row = {"n": n, "dtype": dtype, "ms": None, "tflops": None, "speedup_vs_fp32": None, "status": "ok"}
+    why = unsupported_reason(dtype, capability)
+    if why:
+        return {**row, "status": f"unsupported: {why}"}
+    try:
+        fn, reps = gemm_fn(dtype), products_per_call(n)
+        sets = itertools.cycle(input_sets(lambda: make_operands(dtype, n, device, gen), 2 * n * n * _BYTES[dtype]))
+
+        def call():
+            for _ in range(reps):
+                fn(*next(sets))
+
+        with _matmul_precision(dtype):
+            call()  # fails here, not inside the timer, if the kernel is missing
+            ms = timer(call) / reps
+    except (RuntimeError, TypeError) as e:
+        return {**row, "status": f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"}
+    return {**row, "ms": ms, "tflops": gemm_flops(n) / (ms * 1e-3) / 1e12}
 
 
 def format_rows(rows: list[dict]) -> str:
     head = f"{'n':>6} {'dtype':>6} {'ms':>9} {'TFLOP/s':>9} {'vs fp32':>8}  status"
     lines = [head, "-" * len(head)]
     for r in rows:
-        ms = "—" if r["ms"] is None else f"{r['ms']:9.3f}"
-        tf = "—" if r["tflops"] is None else f"{r['tflops']:9.1f}"
-        sp = "—" if r["speedup_vs_fp32"] is None else f"{r['speedup_vs_fp32']:7.2f}x"
         unit = " (TOP/s)" if r["dtype"] == "int8" and r["tflops"] is not None else ""
-        lines.append(f"{r['n']:>6} {r['dtype']:>6} {ms:>9} {tf:>9} {sp:>8}  {r['status']}{unit}")
+        lines.append(f"{r['n']:>6} {r['dtype']:>6} {fmt(r['ms'], '{:9.3f}'):>9} {fmt(r['tflops'], '{:9.1f}'):>9} "
+                     f"{fmt(r['speedup_vs_fp32'], '{:7.2f}x'):>8}  {r['status']}{unit}")
     return "\n".join(lines)
 
 
@@ -177,8 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cap = torch.cuda.get_device_capability()
     rows = run_cases(sizes, dtypes, cap)
     print(format_rows(rows))
-    with open(args.json, "w") as f:
-        json.dump({"meta": device_meta() | {"capability": f"{cap[0]}.{cap[1]}"}, "rows": rows}, f, indent=2)
+    write_json(args.json, {"meta": device_meta() | {"capability": f"{cap[0]}.{cap[1]}"}, "rows": rows})
     print(f"wrote {args.json}")
     return 0
 

@@ -1,14 +1,10 @@
 """Timing a fwd+bwd step as GPU work only, the same way for our op and the baseline.
 
-A short fwd+bwd (16384x1024 LayerNorm moves 168 MB: ~40 us at the floor) is shorter
-than the Python and autograd work that launches it, so timing one eager call measures
-the host.  Here ``steps`` fwd+bwd calls, cycling through the rotating input sets, are
-captured in one CUDA graph; the graph is replayed under :func:`median_ms` (which
-flushes L2 before each replay) and the time is divided by ``steps``.  Launch gaps
-between the kernels stay in the number (a graph still launches them one after the
-other); host overhead does not.  If capture fails (an op that cannot be captured),
-the same ``steps`` calls are timed eagerly in one timed call instead, and the method
-says so.
+A short fwd+bwd is shorter than the Python and autograd work that launches it, so one eager
+call measures the host.  Here ``steps`` calls, cycling through the input sets, are captured in
+one CUDA graph, replayed under :func:`median_ms` (L2 flushed before each replay) and divided by
+``steps``: launch gaps stay in the number, host overhead does not.  If capture fails, the same
+calls are timed eagerly, and the method says so.
 """
 from __future__ import annotations
 
@@ -35,18 +31,14 @@ def capture_graph(fn: Callable[[], object], warmup: Optional[Callable[[], object
     return graph, out
 
 
-def _capture(step: Callable[[object], object], sets: Sequence[object], steps: int) -> torch.cuda.CUDAGraph:
-    graph, _ = capture_graph(lambda: [step(sets[i % len(sets)]) for i in range(steps)],
-                             warmup=lambda: [step(inp) for inp in sets])
-    return graph
-
-
 def step_ms(step: Callable[[object], object], sets: Sequence[object], rep_ms: float,
             min_steps: int = 4) -> tuple[float, str]:
     """Milliseconds per ``step(set)``, and the method used ("graph xN" or "eager xN")."""
     steps = len(sets) * max(1, -(-min_steps // len(sets)))
+
     try:
-        graph = _capture(step, sets, steps)
+        graph, _ = capture_graph(lambda: [step(sets[i % len(sets)]) for i in range(steps)],
+                                 warmup=lambda: [step(inp) for inp in sets])
     except Exception as e:  # noqa: BLE001 - any capture failure falls back, and is reported
         torch.cuda.synchronize()
 

@@ -1,8 +1,8 @@
 """`python -m mptrain.bench.kernels`: every shipped fused kernel against PyTorch on the GPU.
 
-Each kernel family contributes a ``cases_*.py`` module with a ``run(args) -> list[Result]``;
-this module only selects, runs and reports them: GPU time (CUDA graphs / events), then the
-host-cost table of one eager call per op (``mptrain.bench.host_cost``), unless ``--no-host``.
+Each kernel family's ``cases_*.py`` has a ``run(args) -> list[Result]``; this module runs the
+chosen ones and reports their GPU times, then (unless ``--no-host``) the host cost of one eager
+call per op (``mptrain.bench.host_cost``).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mptrain.bench.common import device_meta, format_table, write_json
+from mptrain.bench.common import device_meta, format_table, parse_csv, write_json
 
 FAMILIES = {
     "optim": "mptrain.bench.cases_optim",
@@ -34,26 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("mptrain bench kernels: no CUDA device visible; the kernel benchmarks need a GPU.", file=sys.stderr)
         return 2
-    chosen = [f.strip() for f in args.only.split(",") if f.strip()]
-    unknown = [f for f in chosen if f not in FAMILIES]
-    if unknown:
-        parser.error(f"--only: unknown famil{'ies' if len(unknown) > 1 else 'y'} {unknown}; choose from {sorted(FAMILIES)}")
     results = []
-    for fam in chosen:
-        mod = importlib.import_module(FAMILIES[fam])
+    for fam in parse_csv(parser, args.only, tuple(FAMILIES), "--only"):
         print(f"[bench] {fam} ...", flush=True)
-        fam_results = mod.run(args)
+        fam_results = importlib.import_module(FAMILIES[fam]).run(args)
         print(format_table(fam_results), flush=True)
         results.extend(fam_results)
     print("\n== all kernels ==")
     print(format_table(results))
-    write_json(results, args.json, device_meta())
+    write_json(args.json, {"meta": device_meta(), "results": [r.as_dict() for r in results]})
     print(f"wrote {args.json}")
-    return 0 if args.no_host else _host_table(args)
-
-
-def _host_table(args) -> int:
-    """The host cost of one eager call per op, beside the GPU times above."""
+    if args.no_host:
+        return 0
     from mptrain.bench import host_cost
 
     print("\n== host cost per eager call ==", flush=True)
