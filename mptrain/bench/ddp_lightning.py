@@ -15,12 +15,12 @@ import sys
 
 import torch
 
+from mptrain.bench.e2e_models import MODELS, build, make_trainer, use_optimizer
+
 TRAINERS = ("mptrain", "lightning")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from mptrain.bench.e2e_models import MODELS
-
     p = argparse.ArgumentParser(prog="mptrain.bench.ddp_lightning", description=__doc__.split("\n\n")[0])
     p.add_argument("--trainer", required=True, choices=TRAINERS)
     p.add_argument("--model", required=True, choices=MODELS)
@@ -35,24 +35,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def build_trainer(args: argparse.Namespace, probe, total: int):
     world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    common = dict(accelerator="cpu" if args.cpu else "cuda", devices=world, num_nodes=1,
-                  strategy="ddp" if world > 1 else "auto", max_steps=total, max_epochs=1, logger=False,
-                  enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                  limit_val_batches=0, num_sanity_val_steps=0, benchmark=not args.cpu, callbacks=[probe])
-    if args.trainer == "lightning":
-        import lightning as L
-
-        return L.Trainer(precision=args.precision, **common)
-    from mptrain import Trainer
-
-    return Trainer(precision=args.precision, channels_last=args.model == "resnet50" and not args.cpu, **common)
+    return make_trainer(args.trainer, args.precision, probe, total,
+                        {"channels_last": args.model == "resnet50" and not args.cpu},
+                        accelerator="cpu" if args.cpu else "cuda", devices=world, num_nodes=1,
+                        strategy="ddp" if world > 1 else "auto", benchmark=not args.cpu)
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from mptrain.bench.ddp import Probe
     from mptrain.bench.e2e import optimizer_factory
-    from mptrain.bench.e2e_models import build, use_optimizer
 
     probe = Probe(args.out, **json.loads(args.probe))
     total = probe.total_steps

@@ -1,17 +1,14 @@
 """`mptrain bench e2e`: whole training steps of ResNet-50 (batch 256) and BERT-base MLM (batch 128,
-seq 128) in one process: ``mptrain.Trainer`` in each mode against ``lightning.Trainer`` in its best
-modes, Lightning with ``torch.compile`` (its idiom: ``fit(torch.compile(module))``) in each of its
-modes, Lightning with mptrain's fused master-weight optimizer, and mptrain compiled, with CUDA
-graphs, and both.
+seq 128) in one process: ``mptrain.Trainer`` in each mode (eager, compiled, CUDA graphs) against
+``lightning.Trainer`` in its best modes, eager, with ``fit(torch.compile(module))``, and with
+mptrain's fused master-weight optimizer.
 
-Every case builds a fresh model and trainer on the same synthetic device batches, runs
-``--warmup`` steps, then times ``--steps`` steps between two ``cuda.synchronize()`` calls (wall
-time, and CUDA events for the GPU time).  During the timed steps, ``torch.cuda.set_sync_debug_mode
-("warn")`` reports every host-device synchronization: the count per step is printed (the master
-modes must make none).  Peak memory is ``max_memory_allocated`` of the case (reset between cases).
-All cases of one model step AdamW (torch's ``fused=True`` for Lightning, mptrain's FusedAdamW for
-mptrain), with a constant learning rate.  The Lightning cases train the stock model (torch's
-LayerNorm), as a Lightning user without mptrain would; the mptrain cases use its fused modules.
+Each case builds a fresh model and trainer on the same synthetic device batches, runs ``--warmup``
+steps, then times ``--steps`` steps between two synchronizations (wall time and CUDA events), counting
+host-device syncs with ``torch.cuda.set_sync_debug_mode("warn")`` (the master modes must make none);
+peak memory is the case's ``max_memory_allocated``.  Every case steps AdamW at a constant learning rate
+(torch's fused one for Lightning, mptrain's FusedAdamW for mptrain); the Lightning cases train the
+stock model (torch's LayerNorm), the mptrain cases its fused modules.
 
     mptrain bench e2e --out e2e.json
     mptrain bench e2e --models bert --cases mptrain:bf16-master,lightning:bf16-mixed --steps 50
@@ -22,19 +19,21 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 import traceback
 import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Optional
 
 import lightning as L
 import torch
 
-from mptrain.bench.e2e_models import MODELS, build, compile_lightning_module, use_optimizer
+from mptrain.bench.common import device_meta, fmt, parse_csv, write_json
+from mptrain.bench.e2e_models import MODELS, build, compile_lightning_module, make_trainer, use_optimizer
+from mptrain.precision.graph_capture import CudaGraphError
 
 LR = 1e-4
 
@@ -121,20 +120,18 @@ class StepTimer(L.Callback):
 
     def _close(self) -> None:
         if self.cuda and self._catcher is not None:
-            torch.cuda.set_sync_debug_mode("default")
-            self._catcher.__exit__(None, None, None)
+            self.abandon()
             # the debug mode's own "prototype feature" warning is not a synchronization
             syncs = [w for w in self._caught if "called a synchronizing CUDA operation" in str(w.message)]
             self.syncs = len(syncs)
             self.sync_sites = dict(Counter(f"{w.filename}:{w.lineno}" for w in syncs))
-            self._catcher = None
             self._events[1].record()
             torch.cuda.synchronize()
             self.gpu_ms = self._events[0].elapsed_time(self._events[1]) / self.steps
         self.t1 = time.perf_counter()
 
     def abandon(self) -> None:
-        """Leave the debug mode and the warning capture if the run died inside the window."""
+        """Leave the debug mode and the warning capture (at the window's end, or if the run died in it)."""
         if self._catcher is not None:
             torch.cuda.set_sync_debug_mode("default")
             self._catcher.__exit__(None, None, None)
@@ -151,15 +148,10 @@ def optimizer_factory(kind: str):
 
 
 def _trainer(spec: CaseSpec, precision: str, model: str, timer: StepTimer, total: int, quick: bool):
-    common = dict(accelerator="cpu" if quick else "cuda", devices=1, max_steps=total, max_epochs=1, logger=False,
-                  enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                  num_sanity_val_steps=0, limit_val_batches=0, benchmark=True, callbacks=[timer])
-    if spec.trainer == "lightning":
-        return L.Trainer(precision=precision, **common)
-    from mptrain import Trainer
-
-    return Trainer(precision=precision, channels_last=model == "resnet50", cuda_graphs=spec.cuda_graphs,
-                   compile=(_compile_kwargs(quick) or True) if spec.compile else False, **common)
+    ours = dict(channels_last=model == "resnet50", cuda_graphs=spec.cuda_graphs,
+                compile=(_compile_kwargs(quick) or True) if spec.compile else False)
+    return make_trainer(spec.trainer, precision, timer, total, ours, accelerator="cpu" if quick else "cuda",
+                        devices=1, benchmark=True)
 
 
 def _compile_kwargs(quick: bool) -> dict:
@@ -183,7 +175,7 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
         trainer = _trainer(spec, precision, model, timer, total, quick)
         trainer.fit(module, train_dataloaders=batches)
         _record(res, timer, steps, getattr(trainer, "skipped_steps", None))
-    except _refusals() as e:  # the trainer refuses the feature for this model: say why, never fall back
+    except (NotImplementedError, CudaGraphError) as e:  # the trainer refuses the feature: say why, never fall back
         res.status, res.message = "not supported", str(e)
     except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
         res.status, res.message = "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
@@ -191,15 +183,6 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
         timer.abandon()
         res.wall_s = time.perf_counter() - start
     return res
-
-
-def _refusals() -> tuple:
-    """The errors that mean "this trainer cannot do this case" rather than a failure."""
-    try:
-        from mptrain.precision.graph_capture import CudaGraphError
-    except ImportError:  # a trainer without CUDA-graph support refuses with NotImplementedError
-        return (NotImplementedError,)
-    return (NotImplementedError, CudaGraphError)
 
 
 def _record(res: Result, timer: StepTimer, steps: int, skipped) -> None:
@@ -238,6 +221,9 @@ def summarize(results: list[Result], model: str) -> dict:
         r = _rate(results, model, names)
         return None if r is None else {"case": r.case, "samples_per_s": r.samples_per_s}
 
+    def ratio(a, b):
+        return a["samples_per_s"] / b["samples_per_s"] if a and b else None
+
     mptrain_eager = [n for n, s in CASES.items() if s.trainer == "mptrain" and not s.compile and not s.cuda_graphs]
     out = {"mptrain_best": rate([n for n, s in CASES.items() if s.trainer == "mptrain"]),
            "mptrain_eager_best": rate(mptrain_eager), "mptrain_compiled": rate(["mptrain+compile:best"]),
@@ -245,15 +231,13 @@ def summarize(results: list[Result], model: str) -> dict:
            "mptrain_bf16_master": rate(["mptrain:bf16-master"]),
            "lightning_best": rate(LIGHTNING_EAGER), "lightning_compile": rate(LIGHTNING_COMPILE),
            "lightning_fused_master": rate(["lightning:bf16-true+FusedAdamW(master)"])}
-    ratio = lambda a, b: None if not (out[a] and out[b]) else out[a]["samples_per_s"] / out[b]["samples_per_s"]  # noqa: E731
-    out["ratios"] = {f"{a} / {b}": ratio(a, b) for a, b in (
+    out["ratios"] = {f"{a} / {b}": ratio(out[a], out[b]) for a, b in (
         ("mptrain_best", "lightning_best"), ("mptrain_best", "lightning_compile"),
         ("mptrain_best", "lightning_fused_master"), ("mptrain_compiled", "mptrain_eager_best"),
         ("mptrain_cuda_graphs", "mptrain_bf16_master"))}
     for mode in ("bf16-mixed", "16-mixed"):
-        ours, theirs = _rate(results, model, [f"mptrain:{mode}"]), _rate(results, model, [f"lightning:{mode}"])
-        out["ratios"][f"mptrain:{mode} / lightning:{mode}"] = (
-            ours.samples_per_s / theirs.samples_per_s if ours and theirs else None)
+        ours, theirs = rate([f"mptrain:{mode}"]), rate([f"lightning:{mode}"])
+        out["ratios"][f"mptrain:{mode} / lightning:{mode}"] = ratio(ours, theirs)
     return out
 
 
@@ -276,16 +260,7 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else spec.format(value)
-
-
-def _csv(p: argparse.ArgumentParser, text: str, valid, flag: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in items if t not in valid]
-    if bad or not items:
-        p.error(f"{flag}: {', '.join(bad) or 'empty'} not valid; choose from {', '.join(valid)}")
-    return items
+_fmt = partial(fmt, none="-")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -300,8 +275,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny models on the CPU: checks the harness, not speed")
     args = p.parse_args(argv)
-    args.models = _csv(p, args.models, MODELS, "--models")
-    args.cases = _csv(p, args.cases, tuple(CASES), "--cases")
+    args.models = parse_csv(p, args.models, MODELS, "--models")
+    args.cases = parse_csv(p, args.cases, tuple(CASES), "--cases")
     if args.warmup < 1 or args.steps < 1 or args.repeat < 1:
         p.error(f"--warmup {args.warmup} / --steps {args.steps} / --repeat {args.repeat}: all must be >= 1")
     return args
@@ -374,15 +349,11 @@ def fused_kernel_status(quick: bool) -> str:
 
 
 def _write_json(args: argparse.Namespace, results: list[Result], kernels: str) -> None:
-    if not args.out:
-        return
-    from mptrain.bench.common import device_meta
-
-    payload = {"meta": {**device_meta(), "warmup": args.warmup, "steps": args.steps, "quick": args.quick,
-                        "fused_kernels": kernels},
-               "summary": {m: summarize(results, m) for m in args.models}, "results": [asdict(r) for r in results]}
-    with open(args.out, "w") as f:
-        json.dump(payload, f, indent=2)
+    if args.out:
+        meta = {**device_meta(), "warmup": args.warmup, "steps": args.steps, "quick": args.quick,
+                "fused_kernels": kernels}
+        write_json(args.out, {"meta": meta, "summary": {m: summarize(results, m) for m in args.models},
+                              "results": [asdict(r) for r in results]})
 
 
 if __name__ == "__main__":

@@ -37,9 +37,6 @@ class ImageClassifierBench(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
-    def configure_optimizers(self):  # the benchmark sets each case's optimizer (use_optimizer)
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
 
 class DeviceBatches:
     """``steps`` batches cycled from ``distinct`` random batches made once on the device (an
@@ -80,23 +77,23 @@ def mlm_batches(batch: int, steps: int, device: str, seq_len: int = SEQ_LEN, voc
 
 def build(model: str, steps: int, device: str, quick: bool = False, batch: int | None = None, seed: int = 0,
           stock: bool = False):
-    """(LightningModule, train batches, batch size) of one benchmark model; ``stock`` keeps
-    torch's own modules (no mptrain fused LayerNorm): the model a plain Lightning user trains."""
+    """(LightningModule, train batches, batch size) of one benchmark model (its optimizer is set by
+    :func:`use_optimizer`); ``stock`` keeps torch's own modules (no mptrain fused LayerNorm): the
+    model a plain Lightning user trains."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
+    batch = batch or (QUICK["batch"] if quick else BATCH[model])
     if model == "resnet50":
-        module = ImageClassifierBench("resnet18" if quick else "resnet50")
-        batch = batch or (QUICK["batch"] if quick else BATCH[model])
         size = QUICK["image_size"] if quick else 224
+        module = ImageClassifierBench("resnet18" if quick else "resnet50")
         return module, image_batches(batch, steps, device, size, seed=seed), batch
-    if model == "bert":
-        from mptrain.models import BertMLM
+    from mptrain.models import BertMLM
 
-        vocab = QUICK["vocab"] if quick else 30522
-        module = BertMLM(vocab_size=vocab, max_predictions=MAX_PREDICTIONS, fused_layernorm=not stock,
-                         **(QUICK["bert"] if quick else {}))
-        batch = batch or (QUICK["batch"] if quick else BATCH[model])
-        seq_len = QUICK["seq_len"] if quick else SEQ_LEN
-        return module, mlm_batches(batch, steps, device, seq_len, vocab, seed=seed), batch
-    raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
+    vocab = QUICK["vocab"] if quick else 30522
+    module = BertMLM(vocab_size=vocab, max_predictions=MAX_PREDICTIONS, fused_layernorm=not stock,
+                     **(QUICK["bert"] if quick else {}))
+    seq_len = QUICK["seq_len"] if quick else SEQ_LEN
+    return module, mlm_batches(batch, steps, device, seq_len, vocab, seed=seed), batch
 
 
 def use_optimizer(module: L.LightningModule, make: Callable) -> L.LightningModule:
@@ -110,3 +107,17 @@ def compile_lightning_module(module: L.LightningModule, **compile_kwargs) -> L.L
     """Lightning's own idiom, ``trainer.fit(torch.compile(module))``: Lightning unwraps it and
     runs the module with its ``forward`` compiled (both benchmark models compute in forward)."""
     return torch.compile(module, **compile_kwargs)
+
+
+def make_trainer(kind: str, precision: str, callback: L.Callback, max_steps: int, mptrain_kwargs: dict, **kwargs):
+    """A ``lightning.Trainer`` (``kind="lightning"``) or ``mptrain.Trainer`` that trains ``max_steps``
+    steps under ``callback`` and nothing else (no logger, checkpoints, validation or progress bar);
+    ``mptrain_kwargs`` go to mptrain's alone, ``kwargs`` to both."""
+    common = dict(max_steps=max_steps, max_epochs=1, logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  limit_val_batches=0, callbacks=[callback], precision=precision, **kwargs)
+    if kind == "lightning":
+        return L.Trainer(**common)
+    from mptrain import Trainer
+
+    return Trainer(**common, **mptrain_kwargs)
