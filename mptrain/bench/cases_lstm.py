@@ -1,30 +1,16 @@
-"""LSTM benchmark cases (issue 3 targets), each against PyTorch in the same process.
+"""LSTM benchmark cases (issue 3 targets), each against PyTorch in the same process, bf16, fwd+bwd
+with autograd.grad over inputs and parameters; ours and torch's timed alike, in interleaved rounds.
 
-* cell fwd+bwd, bf16, batch x hidden 256x1024 and 1024x1024 (input = hidden):
-  FusedLSTMCell vs nn.LSTMCell. Floor = bytes of the pointwise part only (fwd 11, bwd 13
-  elements of B*H, bf16), so its "% floor" is a bound, not an efficiency; extra holds
-  the GEMM floor (FLOPs at 690 TFLOP/s) for scale.
-* pointwise kernels alone (fwd+bwd), where the floor is meaningful: ours vs torch's own
-  fused cell kernels (_thnn_fused_lstm_cell), 28 elements of B*H.
-* 2-layer LSTM, hidden 1024, T=128, batch 64, bf16, fwd+bwd over the sequence:
-  FusedLSTM(impl="auto") and FusedLSTM(impl="fused") vs nn.LSTM (cuDNN); a FusedLSTMCell
-  loop vs an nn.LSTMCell loop. No floor (latency-bound recurrence): None.
-  nn.LSTM is timed as a user gets it: in bf16 torch does not flatten its weights, so cuDNN
-  copies them into one buffer at every call (FusedLSTM flattens bf16 weights itself).
-Every case is timed the same way for ours and torch (the module call + autograd.grad),
-in interleaved rounds (see _timed). The eager cell rows report the wall time per call of a
-200-call loop (common.loop_ms): CUDA events around each call (median_ms) miss the host time
-spent before a host-bound call's first launch (that measure swung from 0.95x to 2.13x
-between H200 runs). The host time of one call alone is `mptrain.bench.host_cost`'s table.
-Gradients are taken with autograd.grad (no .grad accumulation) for inputs and parameters.
-
-What the eager numbers measure: one Python module call, the C++/ATen host work of the
-forward, autograd.grad (Python wrapper, engine hand-off to its device thread, the
-backward node(s), the engine's gradient bookkeeping) and the GPU work. At these sizes the
-host is the slower side (H200: ~0.39 ms per cell call for ~0.05-0.1 ms of GPU work),
-so the cell and cell-loop rows are host time for both sides. The rows tagged
-"[CUDA graph: GPU time]" capture the same fwd+bwd (ours and torch's alike, via
-mptrain.bench.graph_timing) and replay it: GPU work and launch gaps only, no host.
+* FusedLSTMCell vs nn.LSTMCell, batch x hidden 256x1024 and 1024x1024.  Both sides are host-bound
+  (H200: ~0.39 ms per call for ~0.05-0.1 ms of GPU work), so the row is the wall time per call of a
+  200-call loop (common.loop_ms; CUDA events per call miss the host time before the first launch);
+  the "[CUDA graph: GPU time]" row replays the same fwd+bwd captured (GPU work and launch gaps only).
+  Its floor counts the pointwise bytes alone (a bound, not an efficiency); extra has the GEMM floor.
+* the pointwise kernels alone vs torch's fused cell kernels (_thnn_fused_lstm_cell): 28 elems of B*H.
+* 2-layer LSTM, hidden 1024, T=128, batch 64: FusedLSTM(impl="auto"/"fused") vs nn.LSTM (cuDNN; in
+  bf16 it copies its unflattened weights every call, FusedLSTM flattens them), and a FusedLSTMCell
+  loop vs an nn.LSTMCell loop.  No floor (a latency-bound recurrence).
+The host time of one call alone is `mptrain.bench.host_cost`'s table.
 """
 from __future__ import annotations
 
@@ -42,10 +28,8 @@ GEMM_FLOPS = 690e12
 
 
 def _timed(fns: dict, rep_ms: float, rounds: int = 2, timer=median_ms) -> dict:
-    """timer (median_ms by default) of each fn, in interleaved rounds (a, b, a, b), keeping
-    each one's best round: every case gets the same treatment, and none is favoured by being
-    timed first (timed after nn.LSTM, FusedLSTM's cuDNN path, the same call, came out 2%
-    slower)."""
+    """Each fn's best ``timer`` time over interleaved rounds (a, b, a, b): none is favoured by being
+    timed first (FusedLSTM's cuDNN path came out 2% slower timed after nn.LSTM, the same call)."""
     best = {}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -80,8 +64,6 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     steps = {"ref": run(ref), "ours": run(ours)}
     rep = 50 if quick else 200
     calls = {k: (lambda s=s: s(next(rot))) for k, s in steps.items()}
-    # The row's number is the loop's wall time per call (both sides host-bound: see the
-    # module docstring).
     t = _timed(calls, rep_ms=rep, timer=lambda fn, rep_ms: loop_ms(fn, calls=50 if quick else 200), rounds=3)
     t_ours, t_ref = t["ours"], t["ref"]
     bh = batch * hidden
@@ -98,9 +80,8 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
 
 
 def _graph_rows(name, steps, sets, rep_ms, floor, extra, eager, min_steps=4):
-    """The same fwd+bwd of ours and torch's, CUDA-graph captured and replayed (GPU time,
-    no host). A row only when both captured; otherwise the reason goes into the eager
-    row's extra."""
+    """The same fwd+bwd of ours and torch's, CUDA-graph captured and replayed (GPU time, no host):
+    a row only when both captured, else the reason goes into the eager row's extra."""
     g = {k: step_ms(s, sets, rep_ms=rep_ms, min_steps=min_steps) for k, s in steps.items()}
     methods = {k: m for k, (_, m) in g.items()}
     if not all(m.startswith("graph") for m in methods.values()):
@@ -116,10 +97,8 @@ def _pointwise_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     ext = get_extension(required=True)
     H4 = 4 * hidden
 
-    def make():
-        t = dict(device="cuda", dtype=BF16)
-        return [torch.randn(batch, H4, **t), torch.randn(batch, H4, **t), torch.randn(batch, hidden, **t),
-                torch.randn(batch, hidden, **t), torch.randn(batch, hidden, **t)]
+    def make():  # input gates, hidden gates, c, dh, dc
+        return [torch.randn(batch, n, device="cuda", dtype=BF16) for n in (H4, H4, hidden, hidden, hidden)]
 
     rot = itertools.cycle(input_sets(make, 11 * batch * hidden * 2))
 
@@ -145,8 +124,7 @@ def _sequence_cases(quick: bool) -> list[Result]:
     T, B, H, L = (32 if quick else 128), 64, 1024, 2
     torch.manual_seed(0)
     ref = nn.LSTM(H, H, num_layers=L, device="cuda", dtype=BF16)
-    auto = FusedLSTM(H, H, num_layers=L, device="cuda", dtype=BF16, impl="auto")
-    fused = FusedLSTM(H, H, num_layers=L, device="cuda", dtype=BF16, impl="fused")
+    auto, fused = [FusedLSTM(H, H, num_layers=L, device="cuda", dtype=BF16, impl=i) for i in ("auto", "fused")]
     for m in (auto, fused):
         m.load_state_dict(ref.state_dict())
     ref_cells = [nn.LSTMCell(H, H, device="cuda", dtype=BF16) for _ in range(L)]
@@ -208,11 +186,6 @@ def run(args) -> list[Result]:
 
     if get_extension(required=False) is None:
         raise RuntimeError(f"LSTM benchmarks: the mptrain extension did not load: {extension_status().describe()}")
-    quick = bool(getattr(args, "quick", False))
-    results = []
-    for batch in (256, 1024):
-        results += _cell_case(batch, 1024, quick)
-    for batch in (256, 1024):
-        results += _pointwise_case(batch, 1024, quick)
-    results += _sequence_cases(quick)
-    return results
+    results = [r for batch in (256, 1024) for r in _cell_case(batch, 1024, args.quick)]
+    results += [r for batch in (256, 1024) for r in _pointwise_case(batch, 1024, args.quick)]
+    return results + _sequence_cases(args.quick)

@@ -1,17 +1,10 @@
-"""LayerNorm / RMSNorm benchmark cases: the shipped kernels vs torch eager.
+"""LayerNorm / RMSNorm benchmark cases: the shipped kernels vs torch eager, both sides as GPU work
+(steps captured in one CUDA graph: graph_timing.py).
 
-Floor (DESIGN §5): forward reads x and writes y (4 B/elem in bf16), backward reads x
-and dy and writes dx (6 B/elem): 10 B/elem for fwd+bwd (the params, the fp32 mean/rstd
-and the dgamma/dbeta partials are small and not counted).
-Timing: both sides as GPU work, several steps captured in one CUDA graph
-(mptrain/bench/graph_timing.py).
-
-Rows, per shape:
-* ``fwd+bwd`` (the issue's target) for bf16-weight LayerNorm, fp32-weight LayerNorm
-  (the ``*-master`` precisions) and RMSNorm;
-* ``fwd`` alone and ``bwd`` alone (bf16-weight LayerNorm): each kernel against its own
-  floor, so the fwd+bwd time can be split; ``bwd`` calls the backward entry points
-  directly (ours and aten's) on the saved statistics of one forward per input set.
+Floor (DESIGN §5), bf16: forward reads x, writes y (4 B/elem); backward reads x, dy, writes dx
+(6 B/elem); params and statistics are small and not counted.  Rows per shape: ``fwd+bwd`` (the
+target) for bf16-weight and fp32-weight (``*-master``) LayerNorm and RMSNorm; ``fwd`` and ``bwd``
+alone for bf16-weight LayerNorm, ``bwd`` calling both backward entry points on saved statistics.
 """
 from __future__ import annotations
 
@@ -46,8 +39,7 @@ def _fwd(norm, inputs):
 
 
 def _check(got, expected):
-    """Never time a broken kernel: ours against torch on the first input set (a tensor or
-    a sequence of them)."""
+    """Never time a broken kernel: ours against torch on the first input set (tensors or sequences)."""
     if isinstance(got, torch.Tensor):
         got, expected = [got], [expected]
     for a, t in zip(got, expected):
@@ -69,8 +61,7 @@ def _make_sets(rows, hidden, kind, wdtype):
     dt = torch.bfloat16
     # A private generator: a failed graph capture elsewhere can leave the default CUDA
     # generator marked as capturing, and every later torch.randn would then raise.
-    g = torch.Generator(device="cuda")
-    g.manual_seed(rows * 7919 + hidden)
+    g = torch.Generator(device="cuda").manual_seed(rows * 7919 + hidden)
 
     def rand(*size, dtype=torch.float32):
         return torch.randn(*size, device="cuda", dtype=dtype, generator=g)
@@ -103,8 +94,8 @@ def _autograd_rows(rows, hidden, kind, wdtype, rep, what="fwd+bwd") -> list[Resu
 
 
 def _row(name, step, inputs, expected, torch_timed, rows, hidden, elem_bytes, what, rep) -> list[Result]:
-    """``step`` checked against ``expected`` on the first input set, then graph-timed over
-    ``inputs``: one row, or none if the check fails (reported, the other rows go on)."""
+    """``step`` checked against ``expected`` on the first input set, then graph-timed over ``inputs``:
+    one row, or none if the check fails (reported, the other rows go on)."""
     try:
         _check(step(inputs[0]), expected)
         timed = step_ms(step, inputs, rep)
@@ -119,10 +110,9 @@ def _row(name, step, inputs, expected, torch_timed, rows, hidden, elem_bytes, wh
 
 
 def _bwd_only_rows(rows, hidden, rep) -> list[Result]:
-    """The backward ops called directly (ours: the extension's layer_norm_backward; torch:
-    aten's native_layer_norm_backward) on statistics from one forward per set.  Not through
-    autograd: the engine would run a backward on the stream of its forward, outside the
-    capture stream, and capture would fail."""
+    """The backward ops called directly (the extension's layer_norm_backward, aten's
+    native_layer_norm_backward) on statistics of one forward per set: through autograd the backward
+    would run on its forward's stream, outside the capture stream, and capture would fail."""
     sets = _make_sets(rows, hidden, "layer", torch.bfloat16)
     ext = ops.get_extension(required=True)
     shape, eps = [hidden], 1e-5

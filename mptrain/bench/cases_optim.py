@@ -1,9 +1,7 @@
 """Optimizer / multi-tensor benchmark cases (`python -m mptrain.bench.kernels --only optim`).
 
-The parameter list is BERT-large's: 392 tensors, 335M parameters (embeddings, 24
-encoder layers, pooler, MLM decoder bias), from 1-element-ish biases to the
-31M-element word embedding. Every case times one whole-list step (one tensor set of
-several GB, far beyond L2, so no rotation is needed) on random, non-zero data.
+Every case times one step over BERT-large's parameter list (392 tensors, 335M parameters, from
+small biases to the 31M-element word embedding: several GB, far beyond L2) on random data.
 
 Floors (bytes moved per parameter / 4.25 TB/s):
   AdamW, bf16 params+grads, fp32 master/m/v: read g2 w4 m4 v4, write w4 m4 v4 p2 = 28 B
@@ -15,37 +13,30 @@ from __future__ import annotations
 
 from typing import Optional
 
+import itertools
+
 import torch
 
 from mptrain import ops
 from mptrain.bench.common import Result, floor_ms, median_ms
 from mptrain.bench.graph_timing import capture_graph
 
-#: Calls per timed batch. One call of a multi-tensor op costs the host ~0.3-0.6 ms
-#: (Python + pybind over 392-tensor lists) before its single launch; timed alone, the
-#: GPU would sit idle for that long after the L2 flush that do_bench puts before every
-#: timed call. In training the host runs ahead of the GPU, so we time BACK_TO_BACK
-#: calls and divide: the host cost of call i+1 overlaps the GPU time of call i. Ours
-#: and torch's baselines are timed the same way; the single-call time is in `extra`.
+#: Calls per timed batch: one multi-tensor call costs the host ~0.3-0.6 ms before its launch, so
+#: timed alone (after do_bench's L2 flush) the GPU idles that long; in training the host runs ahead,
+#: so ours and torch's are timed as BACK_TO_BACK calls (the single-call time is in `extra`).
 BACK_TO_BACK = 4
 
 
 def per_call_ms(fn) -> float:
-    def batch():
-        for _ in range(BACK_TO_BACK):
-            fn()
-
-    return median_ms(batch) / BACK_TO_BACK
+    return median_ms(lambda: [fn() for _ in range(BACK_TO_BACK)]) / BACK_TO_BACK
 
 
 def graph_ms(fn) -> Optional[float]:
-    """GPU time per call with the host taken out: BACK_TO_BACK calls captured in one CUDA
-    graph, timed by replaying it. Set beside the eager time, it tells whether a small op is
-    host-bound (then the eager number measures Python + pybind, not the kernel). None if
-    the capture fails (the error is printed)."""
+    """GPU time per call without the host (BACK_TO_BACK calls captured in one CUDA graph, replayed):
+    beside the eager time, it tells whether an op is host-bound.  Rounded; None if the capture fails."""
     try:
         graph, _ = capture_graph(lambda: [fn() for _ in range(BACK_TO_BACK)], warmup=fn)
-        return median_ms(graph.replay) / BACK_TO_BACK
+        return round(median_ms(graph.replay) / BACK_TO_BACK, 4)
     except Exception as e:  # noqa: BLE001 - a diagnostic only: never lose the other numbers
         print(f"[optim] graph timing failed: {type(e).__name__}: {e}")
         return None
@@ -63,13 +54,8 @@ def bert_large_shapes(layers: int = 24, hidden: int = 1024, inter: int = 4096, v
 
 
 def _randn(shapes, dtype, scale=1.0, positive=False):
-    out = []
-    for s in shapes:
-        t = torch.randn(s, device="cuda", dtype=torch.float32)
-        if positive:
-            t = t.abs_()
-        out.append(t.mul_(scale).to(dtype))
-    return out
+    out = (torch.randn(s, device="cuda", dtype=torch.float32) for s in shapes)  # one fp32 tensor at a time
+    return [(t.abs_() if positive else t).mul_(scale).to(dtype) for t in out]
 
 
 def _torch_master_path(params, grads, make_optimizer):
@@ -128,8 +114,7 @@ def _adamw_cases(shapes, n) -> list[Result]:
     return [
         Result(f"AdamW master bf16 BERT-large ({len(shapes)} tensors, {n / 1e6:.0f}M)", ours_ms, torch_ms,
                floor_ms(28 * n), extra),
-        Result("AdamW master bf16 + inf check (30 B/param)", checked_ms, torch_ms,
-               floor_ms(30 * n)),
+        Result("AdamW master bf16 + inf check (30 B/param)", checked_ms, torch_ms, floor_ms(30 * n)),
         Result("torch AdamW(fused=True), fp32 params alone (28 B/param)", f_ms, None, floor_ms(28 * n)),
     ]
 
@@ -157,11 +142,7 @@ def _unscale_cases(shapes, n) -> list[Result]:
         grads = _randn(shapes, dtype)
         found = torch.zeros(1, device="cuda")
         scales = [torch.full((1,), s, device="cuda") for s in (0.5, 2.0)]  # values survive repeated calls
-        state = {"i": 0}
-
-        def next_scale():
-            state["i"] ^= 1
-            return scales[state["i"]]
+        next_scale = itertools.cycle(scales[::-1]).__next__  # 2.0, 0.5, 2.0, ...
 
         def ours():
             ops.multi_tensor_unscale_(grads, next_scale(), found, fused=True)
@@ -187,8 +168,7 @@ def _unscale_cases(shapes, n) -> list[Result]:
         g_ms = graph_ms(ours)
         assert found.item() == 0, "benchmark data produced a non-finite gradient"
         results.append(Result(f"unscale + inf check {name} grads (4 B/param)", ours_ms, torch_ms, floor_ms(4 * n),
-                              dict(baseline=label, single_call_ms=round(median_ms(ours), 4),
-                                   graph_ms=None if g_ms is None else round(g_ms, 4))))
+                              dict(baseline=label, single_call_ms=round(median_ms(ours), 4), graph_ms=g_ms)))
         del grads
     return results
 
@@ -206,15 +186,14 @@ def _l2norm_case(shapes, n) -> Result:
     torch.testing.assert_close(ops.multi_tensor_l2norm(grads, fused=True).double(), exact, rtol=1e-5, atol=0)
     g_ms = graph_ms(ours)
     return Result("l2norm bf16 grads (2 B/param)", per_call_ms(ours), per_call_ms(theirs), floor_ms(2 * n),
-                  dict(single_call_ms=round(median_ms(ours), 4), graph_ms=None if g_ms is None else round(g_ms, 4)))
+                  dict(single_call_ms=round(median_ms(ours), 4), graph_ms=g_ms))
 
 
 def run(args) -> list[Result]:
     ops.get_extension(required=True)  # a build failure must be loud here, not a silent fallback
-    shapes = bert_large_shapes(layers=4 if getattr(args, "quick", False) else 24)
+    shapes = bert_large_shapes(layers=4 if args.quick else 24)
     n = sum(torch.Size(s).numel() for s in shapes)
-    results = []
-    results += _adamw_cases(shapes, n)
+    results = _adamw_cases(shapes, n)
     torch.cuda.empty_cache()
     results.append(_sgd_case(shapes, n))
     torch.cuda.empty_cache()

@@ -1,16 +1,10 @@
-"""Scaled masked softmax benchmark cases: the shipped kernels vs torch eager
-(scale, masked_fill, softmax).
+"""Scaled masked softmax benchmark cases: the shipped kernels vs torch eager (scale, masked_fill,
+softmax), both sides as GPU work (steps captured in one CUDA graph: graph_timing.py).
 
-Floor (DESIGN §5): forward reads x and writes y, backward reads y and dy and writes dx:
-10 B/elem in bf16 for fwd+bwd (4 forward, 6 backward).  The mask is [B, 1, Sq, Sk]
-broadcast over the heads; its bytes are 1/heads of a score tensor's in bool and are not
-counted.  Timing: both sides as GPU work, several steps captured in one CUDA graph
-(mptrain/bench/graph_timing.py).
-
-Rows, per shape and mask (a [B, 1, S, S] mask, or causal):
-* ``fwd+bwd`` (the issue's target);
-* ``fwd only`` and ``bwd only`` at 512, each against its own floor, so the fwd+bwd time
-  can be split; ``bwd only`` calls the backward entry point directly on saved outputs.
+Floor (DESIGN §5), bf16: forward reads x, writes y (4 B/elem); backward reads y, dy, writes dx
+(6 B/elem); the [B, 1, Sq, Sk] mask, broadcast over heads, is not counted.  Rows per shape and mask
+(random [B, 1, S, S], or causal): ``fwd+bwd`` (the target); at 512 also ``fwd only`` and ``bwd only``
+(the backward entry point called on saved outputs).
 """
 from __future__ import annotations
 
