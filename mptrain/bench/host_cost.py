@@ -1,27 +1,20 @@
 """Host cost of one eager call: mptrain's ops against torch's nearest native op.
 
-Per op and shape, forward and forward+backward: a plain loop of N calls after a warm-up,
-wall time / N (synchronizing once at the end). At the tiny shape the GPU work is
-negligible, so the figure is the host time a host-bound training step pays per call; at
-the benchmark shapes it is the eager wall time per call. Pairs (ours / torch):
-
-* ``ops.layer_norm`` / ``F.layer_norm`` and ``ops.rms_norm`` / ``F.rms_norm``;
-* ``ops.scaled_masked_softmax(x, mask)`` / ``torch.softmax(x.masked_fill(mask, -inf), -1)``;
-* ``FusedLSTMCell`` / ``nn.LSTMCell`` (same weights).
-
-Targets (issue 12): ratio <= 1.1 at the tiny shape, <= 1.0 at the benchmark shapes. The
-last column times ours with ``fused=False`` (the reference, called directly).
-On the CPU (``--device cpu``) only the tiny shapes run, in fp32: ours is then the op's
-CPU kernel (the reference, in Python) behind the dispatcher with the Python autograd
-formula, so "ours - reference" is the cost of the custom-op path itself there; the
-CUDA path (C++ kernel and C++ autograd) can only be measured on a GPU.
+Per op and shape, fwd and fwd+bwd: wall time per call of a loop of N calls after a warm-up (one
+sync at the end).  At the tiny shape the GPU work is negligible, so it is the host time a
+host-bound step pays per call; at the benchmark shapes, the eager wall time.  Pairs (ours / torch):
+``ops.layer_norm`` / ``F.layer_norm``, ``ops.rms_norm`` / ``F.rms_norm``,
+``ops.scaled_masked_softmax(x, mask)`` / ``torch.softmax(x.masked_fill(mask, -inf), -1)``,
+``FusedLSTMCell`` / ``nn.LSTMCell`` (same weights).  Targets (issue 12): ratio <= 1.1 tiny, <= 1.0
+at the benchmark shapes; the last column is ours with ``fused=False`` (the reference).
+On the CPU only the tiny shapes run, in fp32: ours is the op's Python CPU kernel behind the
+dispatcher, so "ours - reference" is the custom-op path's own cost (the CUDA path needs a GPU).
 
 ``python -m mptrain.bench.host_cost [--device cuda|cpu] [--quick] [--iters N] [--json PATH]``
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain import ops
+from mptrain.bench.common import write_json
 
 TINY = "tiny"
 BENCH = "bench"
@@ -52,9 +46,8 @@ class Row:
 
 
 def per_call_us(fn: Callable[[], object], iters: int, sync: Callable[[], None], repeats: int = 5) -> float:
-    """Wall time of one call in microseconds: warm-up, then ``repeats`` loops of
-    ``iters // repeats`` calls, each ended by one sync; the fastest loop counts (a busy
-    machine only ever adds time)."""
+    """Wall time of one call in microseconds: warm-up, then ``repeats`` loops of ``iters // repeats``
+    calls, each ended by one sync; the fastest loop counts (a busy machine only ever adds time)."""
     for _ in range(max(3, iters // 10)):
         fn()
     sync()
@@ -71,18 +64,10 @@ def per_call_us(fn: Callable[[], object], iters: int, sync: Callable[[], None], 
 
 def _fwd_bwd(forward, dy, leaves):
     """Forward, then every leaf's gradient (autograd.grad: no accumulation into .grad)."""
-
-    def step():
-        torch.autograd.grad(forward(), leaves, dy)
-
-    return step
+    return lambda: torch.autograd.grad(forward(), leaves, dy)
 
 
-def _grads(tensors):
-    return [t.requires_grad_() for t in tensors]
-
-
-# ---------------------------------------------------------------- the pairs: (ours, torch, dy) builders
+# the pairs: builders of (ours, torch, leaves)
 
 
 def _norm_pair(rms, rows, hidden, dtype, device, fused):
@@ -96,7 +81,7 @@ def _norm_pair(rms, rows, hidden, dtype, device, fused):
 
 
 def _softmax_pair(batch, heads, s, dtype, device, fused):
-    (x,) = _grads([torch.randn(batch, heads, s, s, dtype=dtype, device=device)])
+    x = torch.randn(batch, heads, s, s, dtype=dtype, device=device, requires_grad=True)
     mask = torch.rand(batch, 1, s, s, device=device) < 0.1
     return ((lambda: ops.scaled_masked_softmax(x, mask, fused=fused)),
             (lambda: torch.softmax(x.masked_fill(mask, float("-inf")), -1)), [x])
@@ -107,14 +92,14 @@ def _lstm_pair(batch, hidden, dtype, device, fused):
 
     ref = torch.nn.LSTMCell(hidden, hidden, device=device, dtype=dtype)
     ours = FusedLSTMCell.from_module(ref, fused=fused)
-    x, h, c = _grads([torch.randn(batch, hidden, dtype=dtype, device=device) for _ in range(3)])
+    x, h, c = [torch.randn(batch, hidden, dtype=dtype, device=device, requires_grad=True) for _ in range(3)]
     # The modules share their Parameter objects: one set of leaves for both.
     return (lambda: ours(x, (h, c))[0]), (lambda: ref(x, (h, c))[0]), [x, h, c, *ref.parameters()]
 
 
 def cases(device: str, quick: bool):
-    """(op, shape label, kind, builder) for this device: tiny shapes always, benchmark
-    shapes on CUDA unless ``quick``."""
+    """(op, shape label, kind, builder) for this device: tiny shapes always, benchmark shapes on CUDA
+    unless ``quick``."""
     tiny_dt = torch.bfloat16 if device == "cuda" else torch.float32
     out = [
         ("layer_norm", "4x256", TINY, lambda f: _norm_pair(False, 4, 256, tiny_dt, device, f)),
@@ -135,8 +120,8 @@ def cases(device: str, quick: bool):
 
 
 def run(device: str = "cuda", quick: bool = False, iters: Optional[int] = None) -> list[Row]:
-    """Measure every case; ``fused=True`` on CUDA (a missing kernel raises rather than
-    timing the reference), ``"auto"`` on the CPU (the op's CPU kernel)."""
+    """Measure every case; ``fused=True`` on CUDA (a missing kernel raises rather than timing the
+    reference), ``"auto"`` on the CPU (the op's CPU kernel)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("host_cost --device cuda: no CUDA device here; use --device cpu")
     fused = True if device == "cuda" else "auto"
@@ -144,28 +129,22 @@ def run(device: str = "cuda", quick: bool = False, iters: Optional[int] = None) 
     threads = torch.get_num_threads()
     if device == "cpu":  # host work is one thread's; intra-op threads only add sync noise at tiny shapes
         torch.set_num_threads(1)
+    rows = []
     try:
-        return _measure(device, quick, iters, fused, sync)
+        for op, shape, kind, build in cases(device, quick):
+            n = iters or (20 if quick else (1000 if kind == TINY else 50))
+            ours, ref, leaves = build(fused)
+            plain, _, plain_leaves = build(False)
+            dy = torch.ones_like(ref())
+            torch.testing.assert_close(ours().float(), ref().float(), atol=2e-2, rtol=2e-2)  # same computation
+            bwd = [_fwd_bwd(ours, dy, leaves), _fwd_bwd(ref, dy, leaves), _fwd_bwd(plain, dy, plain_leaves)]
+            for pass_, fns in (("fwd", (ours, ref, plain)), ("fwd+bwd", bwd)):
+                rows.append(Row(op, shape, kind, pass_, *(per_call_us(f, n, sync) for f in fns)))
+            del ours, ref, plain, dy, leaves, plain_leaves, bwd, fns
+            if device == "cuda":
+                torch.cuda.empty_cache()
     finally:
         torch.set_num_threads(threads)
-
-
-def _measure(device, quick, iters, fused, sync) -> list[Row]:
-    rows = []
-    for op, shape, kind, build in cases(device, quick):
-        n = iters or (20 if quick else (1000 if kind == TINY else 50))
-        ours, ref, leaves = build(fused)
-        plain, _, plain_leaves = build(False)
-        dy = torch.ones_like(ref())
-        torch.testing.assert_close(ours().float(), ref().float(), atol=2e-2, rtol=2e-2)  # same computation
-        rows.append(Row(op, shape, kind, "fwd", per_call_us(ours, n, sync), per_call_us(ref, n, sync),
-                        per_call_us(plain, n, sync)))
-        rows.append(Row(op, shape, kind, "fwd+bwd", per_call_us(_fwd_bwd(ours, dy, leaves), n, sync),
-                        per_call_us(_fwd_bwd(ref, dy, leaves), n, sync),
-                        per_call_us(_fwd_bwd(plain, dy, plain_leaves), n, sync)))
-        del ours, ref, plain, dy, leaves, plain_leaves
-        if device == "cuda":
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -192,10 +171,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     print(f"host cost per eager call, {device}, torch {torch.__version__}, extension {ops.extension_status()}")
     print(format_table(rows))
-    meta = {"device": device, "torch": torch.__version__, "command": " ".join(["python -m mptrain.bench.host_cost"]
-                                                                               + (argv or sys.argv[1:]))}
-    with open(a.json, "w") as f:
-        json.dump({"meta": meta, "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}, f, indent=1)
+    command = " ".join(["python -m mptrain.bench.host_cost"] + (argv or sys.argv[1:]))
+    write_json(a.json, {"meta": {"device": device, "torch": torch.__version__, "command": command},
+                        "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}, indent=1)
     print(f"wrote {a.json}")
     return 0
 
