@@ -1,13 +1,11 @@
 """`mptrain bench ddp`: data-parallel scaling of the e2e benchmark's models under Lightning's DDP,
 launched by torchrun (``mptrain.bench.ddp_lightning`` is one rank).
 
-For each model, the same synthetic-data run (the e2e per-GPU batch) is launched with 1 and with
-N processes, under ``mptrain.Trainer`` (default) or a plain ``lightning.Trainer``; a ``Probe``
-callback in every rank times ``steps`` optimizer steps after ``warmup`` (two
-``cuda.synchronize()``), and at the end of fit writes a digest of the rank's parameters (and,
-separately, of its buffers: BatchNorm statistics differ across ranks by design).  Reported:
-global samples/s for 1 and N GPUs, scaling efficiency ``rate_N / (N * rate_1)`` (target >= 0.9),
-and whether every rank ended with identical weights.
+For each model, the same synthetic-data run (the e2e per-GPU batch) is launched with 1 and N
+processes under ``mptrain.Trainer`` (default) or a plain ``lightning.Trainer``; a ``Probe`` in each
+rank times ``steps`` steps after ``warmup`` and digests the rank's parameters and buffers.
+Reported: global samples/s on 1 and N GPUs, scaling efficiency ``rate_N / (N * rate_1)`` (target
+>= 0.9), and whether every rank ended with identical weights.
 
     python -m mptrain.bench.ddp --nproc 2 --json ddp.json                     # 2 GPUs, bf16-master
     python -m mptrain.bench.ddp --nproc 2 --trainer lightning --precision bf16-mixed
@@ -17,7 +15,6 @@ and whether every rank ended with identical weights.
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import os
@@ -32,19 +29,18 @@ import torch
 
 from lightning.pytorch import Callback
 
+from mptrain.bench.common import parse_csv, write_json
+from mptrain.bench.e2e_models import MODELS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 class Probe(Callback):
-    """Step timing and a weights digest per rank.  After the timed steps, optionally:
-
-    * ``syncs`` steps under ``torch.cuda.set_sync_debug_mode("warn")``: every host-device
-      synchronization in them, with the Python stack that caused it (``syncs_rank{r}.txt``).
-      A sync in the step stops the host from running ahead of the GPU.
-    * ``profile`` steps under torch.profiler (``profile_rank{r}.txt``): compute, NCCL and idle
-      GPU time per step, top operators.  ``profile_mode="cuda"`` records GPU activity only,
-      so the host is not slowed by the profiler and GPU idle time is the real one.
-    """
+    """Step timing and a weights digest per rank.  After the timed steps, optionally ``syncs``
+    steps under ``torch.cuda.set_sync_debug_mode("warn")`` (every host-device sync with its Python
+    stack: ``syncs_rank{r}.txt``), then ``profile`` steps under torch.profiler (compute, NCCL and
+    idle GPU time, top operators: ``profile_rank{r}.txt``); ``profile_mode="cuda"`` records GPU
+    activity only, so the profiler does not slow the host and GPU idle time is the real one."""
 
     def __init__(self, out_dir: str, warmup: int = 5, steps: int = 20, profile: int = 0,
                  profile_mode: str = "full", syncs: int = 0):
@@ -53,7 +49,7 @@ class Probe(Callback):
         self.out_dir, self.warmup, self.steps = out_dir, warmup, steps
         self.profile, self.profile_mode, self.syncs = profile, profile_mode, syncs
         self.count, self.t0, self.t1, self.batch = 0, None, None, None
-        self._prof = self._sync_log = self._warn_ctx = None
+        self._prof = self._sync_log = self._warn_ctx = self._pt0 = None
 
     @property
     def total_steps(self) -> int:
@@ -138,8 +134,8 @@ class Probe(Callback):
 
     def on_fit_end(self, trainer, pl_module):
         elapsed = None if self.t1 is None else self.t1 - self.t0
-        # Parameters must agree bit for bit; BatchNorm running statistics legitimately differ
-        # after the last step (DDP broadcasts buffers from rank 0 at the start of each forward).
+        # Parameters must agree bit for bit; BatchNorm statistics differ after the last step
+        # (DDP broadcasts buffers from rank 0 at the start of each forward).
         record = {"rank": trainer.global_rank, "world_size": trainer.world_size, "batch": self.batch,
                   "steps": self.steps, "elapsed_s": elapsed, "global_step": trainer.global_step,
                   "weights_sha256": self._digest(pl_module.named_parameters()),
@@ -165,13 +161,13 @@ def launch(model: str, nproc: int, out_dir: str, probe: dict, args) -> dict:
     wall = time.perf_counter() - start
     if r.returncode != 0:
         raise RuntimeError(f"{model} x{nproc} failed (rc={r.returncode}):\n{r.stderr[-3000:]}")
-    records = [json.loads(Path(p).read_text()) for p in sorted(glob.glob(os.path.join(out_dir, "rank*.json")))]
+    records = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
     if len(records) != nproc:
         raise RuntimeError(f"{model} x{nproc}: {len(records)} rank reports, expected {nproc}")
     r0 = next(rec for rec in records if rec["rank"] == 0)
     rate = nproc * r0["batch"] * r0["steps"] / r0["elapsed_s"]
-    reports = {Path(p).name: Path(p).read_text()
-               for pat in ("profile_rank*.txt", "syncs_rank*.txt") for p in sorted(glob.glob(os.path.join(out_dir, pat)))}
+    reports = {p.name: p.read_text() for pat in ("profile_rank*.txt", "syncs_rank*.txt")
+               for p in sorted(Path(out_dir).glob(pat))}
     return {"nproc": nproc, "samples_per_s": rate, "wall_s": wall,
             "identical_weights": len({rec["weights_sha256"] for rec in records}) == 1,
             "identical_buffers": len({rec["buffers_sha256"] for rec in records}) == 1, "ranks": records,
@@ -189,15 +185,14 @@ def measure(model: str, nproc: int, tmp: str, probe: dict, args) -> dict:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from mptrain.bench.e2e_models import MODELS
-
     p = argparse.ArgumentParser(prog="mptrain bench ddp", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--trainer", default="mptrain", choices=("mptrain", "lightning"),
                    help="mptrain.Trainer, or a plain lightning.Trainer as the baseline")
     p.add_argument("--precision", default=None, help="default: bf16-master (mptrain), bf16-mixed (lightning)")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--batch", type=int, default=None, help="per-GPU batch (default: the e2e benchmark's: 256, BERT 128)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="per-GPU batch (default: the e2e benchmark's: 256, BERT 128)")
     # DDP samples its runtime statistics (with host syncs) in iterations 1..10: time after them.
     p.add_argument("--warmup", type=int, default=12, help="untimed steps (past DDP's 10 sampled iterations)")
     p.add_argument("--steps", type=int, default=20)
@@ -214,13 +209,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reports-out", default=None, help="copy the sync logs and profile summaries into this folder")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    bad = [m for m in models if m not in MODELS]
-    if bad or not models:
-        p.error(f"--models: {', '.join(bad) or 'empty'} not valid; choose from {', '.join(MODELS)}")
+    args.models = parse_csv(p, args.models, MODELS, "--models")
     if args.batch is not None and args.batch < 1:
         p.error(f"--batch {args.batch}: must be >= 1")
-    args.models = models
     args.precision = args.precision or ("bf16-master" if args.trainer == "mptrain" else "bf16-mixed")
     return args
 
@@ -249,9 +240,8 @@ def main(argv=None) -> int:
                 results[model] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"[ddp] {model}: ERROR {e}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"nproc": args.nproc, "trainer": args.trainer,
-                                               "precision": args.precision, "probe": probe, "results": results},
-                                              indent=2))
+        write_json(args.json, {"nproc": args.nproc, "trainer": args.trainer, "precision": args.precision,
+                               "probe": probe, "results": results})
     return 0 if ok else 1
 
 
