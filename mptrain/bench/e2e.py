@@ -95,9 +95,7 @@ class StepTimer(L.Callback):
     def __init__(self, warmup: int, steps: int):
         self.warmup, self.steps, self.count = warmup, steps, 0
         self.cuda = torch.cuda.is_available()
-        self.t0 = self.t1 = self.gpu_ms = None
-        self.syncs: Optional[int] = None
-        self.sync_sites: Optional[dict] = None
+        self.t0 = self.t1 = self.gpu_ms = self.syncs = self.sync_sites = None
         self._events = self._caught = self._catcher = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -163,7 +161,10 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
     total = warmup + steps
     res = Result(model, name, precision, batch=0)
     timer = StepTimer(warmup, steps)
-    _fresh_memory()  # the last case's trainer and module (reference cycles) are freed before the peak is reset
+    gc.collect()  # the last case's trainer and module (reference cycles) are freed before the peak is reset
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
         module, batches, res.batch = build(model, total, "cpu" if quick else "cuda", quick,
@@ -195,13 +196,6 @@ def _record(res: Result, timer: StepTimer, steps: int, skipped) -> None:
     res.sync_sites = timer.sync_sites
     res.skipped_steps = skipped
     res.peak_mem_gb = torch.cuda.max_memory_allocated() / 2**30 if timer.cuda else None
-
-
-def _fresh_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 def _rate(results: list[Result], model: str, names) -> Optional[Result]:

@@ -48,8 +48,10 @@ def kernel_breakdown(events, steps: int, wall_s: float) -> dict:
 
 def summarize_profile(prof, steps: int, wall_s: float) -> str:
     b = kernel_breakdown(prof.events(), steps, wall_s)
-    lines = [f"profiled steps: {steps}"] + [f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in b.items()]
+    lines = [f"profiled steps: {steps}"] + [f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
+                                             for k, v in b.items()]
     avg = prof.key_averages()
-    lines += ["", "== top by self CUDA time", avg.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)]
-    lines += ["", "== top by self CPU time", avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)]
+    for what in ("CUDA", "CPU"):
+        lines += ["", f"== top by self {what} time",
+                  avg.table(sort_by=f"self_{what.lower()}_time_total", row_limit=30, max_name_column_width=70)]
     return "\n".join(lines)
