@@ -58,6 +58,13 @@ def _randn(shapes, dtype, scale=1.0, positive=False):
     return [(t.abs_() if positive else t).mul_(scale).to(dtype) for t in out]
 
 
+def _master_state(shapes):
+    """bf16 params and grads, their fp32 masters and per-tensor step counts: a master-weight step's inputs."""
+    params = _randn(shapes, torch.bfloat16)
+    grads = _randn(shapes, torch.bfloat16, 1e-2)
+    return params, grads, [p.float() for p in params], [torch.full((), 10.0, device="cuda") for _ in shapes]
+
+
 def _torch_master_path(params, grads, make_optimizer):
     """PyTorch's master-weight step today: grads up to fp32, ``make_optimizer(masters)``
     (a fused torch optimizer) steps the fp32 masters, params down.  Returns the step."""
@@ -76,11 +83,8 @@ def _torch_master_path(params, grads, make_optimizer):
 
 
 def _adamw_cases(shapes, n) -> list[Result]:
-    params = _randn(shapes, torch.bfloat16)
-    grads = _randn(shapes, torch.bfloat16, 1e-2)
-    masters = [p.float() for p in params]
+    params, grads, masters, steps = _master_state(shapes)
     m, v = _randn(shapes, torch.float32, 1e-3), _randn(shapes, torch.float32, 1e-5, positive=True)
-    steps = [torch.full((), 10.0, device="cuda") for _ in shapes]
     kw = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, fused=True)
 
     def ours():
@@ -120,11 +124,8 @@ def _adamw_cases(shapes, n) -> list[Result]:
 
 
 def _sgd_case(shapes, n) -> Result:
-    params = _randn(shapes, torch.bfloat16)
-    grads = _randn(shapes, torch.bfloat16, 1e-2)
-    masters = [p.float() for p in params]
+    params, grads, masters, steps = _master_state(shapes)
     bufs = _randn(shapes, torch.float32, 1e-2)
-    steps = [torch.full((), 10.0, device="cuda") for _ in shapes]
 
     def ours():
         ops.multi_tensor_sgd(grads, params, bufs, steps, masters, lr=1e-4, momentum=0.9, dampening=0.0,

@@ -15,12 +15,7 @@ import torch
 
 from mptrain.bench.common import device_meta, format_table, parse_csv, write_json
 
-FAMILIES = {
-    "optim": "mptrain.bench.cases_optim",
-    "norm": "mptrain.bench.cases_norm",
-    "softmax": "mptrain.bench.cases_softmax",
-    "lstm": "mptrain.bench.cases_lstm",
-}
+FAMILIES = {name: f"mptrain.bench.cases_{name}" for name in ("optim", "norm", "softmax", "lstm")}
 
 
 def main(argv: list[str] | None = None) -> int:
