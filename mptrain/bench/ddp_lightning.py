@@ -1,7 +1,6 @@
 """One rank of `mptrain bench ddp`, started by torchrun: the e2e benchmark's model under
-``mptrain.Trainer`` or a plain ``lightning.Trainer``, both with Lightning's DDP strategy, timed
-and digested by the ``Probe`` callback.  Each rank trains on its own synthetic device batches
-(seeded by rank, as a distributed sampler would shard a dataset).
+``mptrain.Trainer`` or ``lightning.Trainer`` with Lightning's DDP strategy, timed and digested by
+``Probe``, on the rank's own synthetic batches (seeded by rank, as a sampler would shard data).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m mptrain.bench.ddp_lightning \\
         --trainer mptrain --model bert --precision bf16-master --out /tmp/ddp
@@ -17,12 +16,10 @@ import torch
 
 from mptrain.bench.e2e_models import MODELS, build, make_trainer, use_optimizer
 
-TRAINERS = ("mptrain", "lightning")
-
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mptrain.bench.ddp_lightning", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trainer", required=True, choices=TRAINERS)
+    p.add_argument("--trainer", required=True, choices=("mptrain", "lightning"))
     p.add_argument("--model", required=True, choices=MODELS)
     p.add_argument("--precision", required=True)
     p.add_argument("--batch", type=int, default=None, help="per-rank batch (default: the e2e benchmark's)")

@@ -3,12 +3,10 @@ seq 128) in one process: ``mptrain.Trainer`` in each mode (eager, compiled, CUDA
 ``lightning.Trainer`` in its best modes, eager, with ``fit(torch.compile(module))``, and with
 mptrain's fused master-weight optimizer.
 
-Each case builds a fresh model and trainer on the same synthetic device batches, runs ``--warmup``
-steps, then times ``--steps`` steps between two synchronizations (wall time and CUDA events), counting
-host-device syncs with ``torch.cuda.set_sync_debug_mode("warn")`` (the master modes must make none);
-peak memory is the case's ``max_memory_allocated``.  Every case steps AdamW at a constant learning rate
-(torch's fused one for Lightning, mptrain's FusedAdamW for mptrain); the Lightning cases train the
-stock model (torch's LayerNorm), the mptrain cases its fused modules.
+Each case trains a fresh model and trainer on the same synthetic device batches and times ``--steps``
+steps after ``--warmup`` (``StepTimer``: wall and GPU time, host-device syncs; peak memory per case).
+All step AdamW at a constant learning rate (torch's fused one for Lightning, mptrain's FusedAdamW);
+the Lightning cases train the stock model (torch's LayerNorm), the mptrain cases its fused modules.
 
     mptrain bench e2e --out e2e.json
     mptrain bench e2e --models bert --cases mptrain:bf16-master,lightning:bf16-mixed --steps 50
@@ -89,8 +87,9 @@ class Result:
 
 
 class StepTimer(L.Callback):
-    """Times the steps after ``warmup`` (synchronizing only at the two window edges) and counts
-    the host-device synchronizations inside the window with torch's sync debug mode."""
+    """Times the steps after ``warmup`` (synchronizing only at the two window edges) and counts the
+    host-device syncs inside the window with ``torch.cuda.set_sync_debug_mode("warn")`` (the master
+    modes must make none)."""
 
     def __init__(self, warmup: int, steps: int):
         self.warmup, self.steps, self.count = warmup, steps, 0
