@@ -44,10 +44,8 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     ours = FusedLSTMCell(hidden, hidden, device="cuda", dtype=BF16, fused=True)
     ours.load_state_dict(ref.state_dict())
 
-    def make():
-        return [torch.randn(batch, hidden, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
-
-    sets = input_sets(make, 3 * batch * hidden * 2)
+    sets = input_sets(lambda: [torch.randn(batch, hidden, device="cuda", dtype=BF16, requires_grad=True)
+                               for _ in range(3)], 3 * batch * hidden * 2)
     rot = itertools.cycle(sets)
 
     def run(cell):
@@ -65,15 +63,13 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     rep = 50 if quick else 200
     calls = {k: (lambda s=s: s(next(rot))) for k, s in steps.items()}
     t = _timed(calls, rep_ms=rep, timer=lambda fn, rep_ms: loop_ms(fn, calls=50 if quick else 200), rounds=3)
-    t_ours, t_ref = t["ours"], t["ref"]
-    bh = batch * hidden
     gemm_flops = 6 * 2 * batch * hidden * 4 * hidden  # 2 fwd + 4 bwd GEMMs of (B, H) x (H, 4H)
-    floor = floor_ms(24 * bh * 2)
+    floor = floor_ms(24 * batch * hidden * 2)
     base = {"floor": "pointwise bytes only (fwd 11 + bwd 13 elems of B*H)",
             "gemm_floor_ms": 1e3 * gemm_flops / GEMM_FLOPS}
     extra = dict(base, measures="eager module call + autograd.grad, wall time per call of a 200-call loop "
                  "(common.loop_ms, best of 3 interleaved rounds): host-bound on both sides")
-    results = [Result(f"lstm cell fwd+bwd bf16 {batch}x{hidden} vs nn.LSTMCell", t_ours, t_ref, floor, extra)]
+    results = [Result(f"lstm cell fwd+bwd bf16 {batch}x{hidden} vs nn.LSTMCell", t["ours"], t["ref"], floor, extra)]
     results += _graph_rows(f"lstm cell fwd+bwd bf16 {batch}x{hidden}", steps, sets, rep,
                            floor, base, results[0])
     return results
