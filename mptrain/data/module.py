@@ -12,12 +12,10 @@ from torch.utils.data import DataLoader, Dataset
 from mptrain.data.sampling import ShardedSampler, seed_worker
 
 
-def training_device(datamodule: Optional[L.LightningDataModule] = None) -> torch.device:
+def training_device(datamodule: L.LightningDataModule) -> torch.device:
     """The device the attached trainer trains on; without one, this process's GPU or the CPU."""
-    trainer = getattr(datamodule, "trainer", None)
-    strategy = getattr(trainer, "strategy", None)
-    if strategy is not None and hasattr(strategy, "root_device"):
-        return strategy.root_device
+    if datamodule.trainer is not None:
+        return datamodule.trainer.strategy.root_device
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
@@ -115,18 +113,10 @@ class MPTDataModule(L.LightningDataModule):
             sampler = ShardedSampler(len(dataset), shuffle=False, seed=self.seed)
             return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=0)
         sampler = ShardedSampler(len(dataset), shuffle=train, seed=self.seed, dataset=dataset)
-        workers = self.num_workers
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            num_workers=workers,
-            pin_memory=self.pin_memory and torch.cuda.is_available(),
-            worker_init_fn=seed_worker if workers > 0 else None,
-            persistent_workers=False,  # workers fork per epoch, after the sampler set the dataset's epoch
-            drop_last=train,
-            collate_fn=self.collate_fn,
-        )
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=train,
+                          collate_fn=self.collate_fn, pin_memory=self.pin_memory and torch.cuda.is_available(),
+                          num_workers=self.num_workers, worker_init_fn=seed_worker if self.num_workers > 0 else None,
+                          persistent_workers=False)  # workers fork per epoch, after the sampler set the dataset's epoch
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)
