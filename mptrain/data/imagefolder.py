@@ -1,5 +1,4 @@
-"""ImageNet-layout image folders (``root/train/<class>/*.jpg``, ``root/val/<class>/*.jpg``)
-with the standard ResNet augmentations, or synthetic device batches of the same shape."""
+"""ImageNet-layout image folders (``root/{train,val}/<class>/*.jpg``) with the standard ResNet augmentations."""
 from __future__ import annotations
 
 import os
