@@ -12,10 +12,9 @@ captures and every later step replays forward, backward, the unscale and inf/NaN
 (skipped on the device) with the scaler update.  Lightning's loop, every hook, logging, the loss computed from the
 outputs, ``zero_grad``, clipping, LR schedulers and checkpoints stay eager.
 
-A transformers model called without an ``attention_mask`` builds an all-true one while a graph captures, which
-sends SDPA to its fp32 math path: pass no mask without padding (as ``mptrain.models.bert.MaskedLMNet`` does), or
-the mask every step.  What the graphs cannot follow is refused before the first step (the checks below) or at
-capture (:mod:`.graph_safety`, input changes), each error naming the reason and the fix.
+transformers builds an all-true ``attention_mask`` while a graph captures (SDPA then takes its fp32 math path): see
+``mptrain.models.bert.MaskedLMNet``.  What the graphs cannot follow is refused before the first step (the checks
+below) or at capture (:mod:`.graph_safety`, input changes), each error naming the reason and the fix.
 """
 from __future__ import annotations
 

@@ -42,11 +42,8 @@ class SeededImageFolder(Dataset):
             raise FileNotFoundError(f"image folder {root!r} does not exist (expected ImageNet layout: "
                                     f"{root}/<class>/<image>)")
         self.folder = _torchvision().datasets.ImageFolder(root, transform=transform)
+        self.classes: list[str] = self.folder.classes
         self.seed, self.epoch = seed, 0
-
-    @property
-    def classes(self) -> list[str]:
-        return self.folder.classes
 
     def __len__(self) -> int:
         return len(self.folder)

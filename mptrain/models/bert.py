@@ -1,6 +1,5 @@
-"""BERT masked-LM LightningModule: transformers' BertForMaskedLM built from a config (nothing is
-downloaded), LayerNorms swapped by mptrain.nn.fuse_modules, AdamW with linear warm-up/decay,
-masked-token accuracy and perplexity."""
+"""BERT masked-LM LightningModule: transformers' BertForMaskedLM built from a config (no download), fused
+LayerNorms (mptrain.nn.fuse_modules), AdamW with linear warm-up/decay, masked-token accuracy and perplexity."""
 from __future__ import annotations
 
 from typing import Optional
@@ -119,8 +118,7 @@ class BertMLM(L.LightningModule):
         return self.model(batch["input_ids"], batch["labels"], mask)
 
     def numerics_input(self, batch: dict) -> tuple:
-        """What ``mptrain numerics`` passes to ``forward``: the whole batch (its labels pick
-        the positions the head predicts)."""
+        """``mptrain numerics`` passes the whole batch to ``forward`` (its labels pick the predicted positions)."""
         return (batch,)
 
     def training_step(self, batch, batch_idx):
@@ -137,8 +135,7 @@ class BertMLM(L.LightningModule):
         self.val_loss.update(loss_sum.detach().float() / n, weight=n)
 
     def on_validation_epoch_end(self):
-        """Perplexity over every masked token of the epoch (exp of the mean loss; averaging
-        per-batch exps would overstate it)."""
+        """Perplexity over every masked token of the epoch: exp of the mean loss (a mean of exps would overstate it)."""
         self.log("val/perplexity", torch.exp(self.val_loss.compute().clamp(max=50.0)))
         self.val_loss.reset()
 

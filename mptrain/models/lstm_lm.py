@@ -83,8 +83,7 @@ class LSTMLanguageModel(L.LightningModule):
         self.val_loss.update(loss_sum / n, weight=n)
 
     def on_validation_epoch_end(self):
-        """Perplexity over every token of the epoch: exp of the mean loss (averaging per-batch
-        exps would overstate it)."""
+        """Perplexity over every token of the epoch: exp of the mean loss (a mean of exps would overstate it)."""
         self.log("val/perplexity", torch.exp(self.val_loss.compute().clamp(max=50.0)))
         self.val_loss.reset()
 
