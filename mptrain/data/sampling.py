@@ -72,7 +72,7 @@ class ShardedSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         shard = self.indices(self.epoch)
-        if self.dataset is not None and hasattr(self.dataset, "epoch"):
+        if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
         return iter(shard)  # iterating is pure: a resume may iterate to fast-forward (the epoch is set_epoch's)
 
