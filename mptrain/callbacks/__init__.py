@@ -7,4 +7,5 @@ from mptrain.callbacks.fp32_finetune import Fp32Finetune
 from mptrain.callbacks.overflow_monitor import OverflowMonitor
 from mptrain.callbacks.resume_state import ResumeState
 
-__all__ = ["AutoFp32Fallback", "ChannelsLast", "CompileModel", "CudaGraphs", "Fp32Finetune", "OverflowMonitor", "ResumeState"]
+__all__ = ["AutoFp32Fallback", "ChannelsLast", "CompileModel", "CudaGraphs", "Fp32Finetune", "OverflowMonitor",
+           "ResumeState"]

@@ -1,9 +1,8 @@
 """AutoFp32Fallback: promote a module whose output overflows to fp32 for the rest of the run.
 
-Every leaf module's output is checked for inf/NaN on the device (no sync per step); the
-precision plugin reads the flags where it syncs anyway and promotes the earliest
-offender in execution order (the culprit, not the modules downstream of it).  Each
-promotion is logged as a line and as the metric ``auto_fp32_promoted`` (their count).
+Leaf modules' outputs are checked for inf/NaN on the device; the precision plugin reads the flags where it syncs
+anyway and promotes the earliest offender in execution order (the culprit, not what is downstream of it).  Each
+promotion is logged as a line and counted in the metric ``auto_fp32_promoted``.
 """
 from __future__ import annotations
 

@@ -8,27 +8,22 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import Callback
 
 
-def to_channels_last(batch: Any) -> Any:
-    """Every 4-D floating tensor in ``batch`` as channels-last; everything else unchanged."""
-    def convert(t: torch.Tensor) -> torch.Tensor:
-        return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
-
-    return apply_to_collection(batch, torch.Tensor, convert)
+def _to_channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
 
 
 class ChannelsLast(Callback):
     """Converts the module at ``setup`` and each batch after it reaches the device.
 
-    The batch conversion wraps the module's own ``on_after_batch_transfer`` (so a user's
-    override still runs first) for the duration of the run; ``teardown`` restores it.
-    """
+    The batch conversion wraps the module's own ``on_after_batch_transfer`` (a user's override still runs first)
+    until ``teardown``."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         pl_module.to(memory_format=torch.channels_last)
         own = pl_module.on_after_batch_transfer
 
         def on_after_batch_transfer(batch: Any, dataloader_idx: int) -> Any:
-            return to_channels_last(own(batch, dataloader_idx))
+            return apply_to_collection(own(batch, dataloader_idx), torch.Tensor, _to_channels_last)
 
         pl_module.on_after_batch_transfer = on_after_batch_transfer
 

@@ -1,51 +1,20 @@
 """CudaGraphs (``Trainer(cuda_graphs=True)``): the train step captured in CUDA graphs and replayed.
 
-Route: a direct capture with ``torch.cuda.graph`` of ``LightningModule.forward`` and of its backward
-(:mod:`mptrain.callbacks.graphed_forward`) and of the precision plugin's optimizer side
-(:mod:`mptrain.precision.graphed_step`), rather than ``torch.compile(mode="reduce-overhead")``.
-cudagraph trees graph only what dynamo compiles: every graph break (an extension call, a fused op
-that is not a custom op) splits the step into eager pieces and separate graphs, and a skipped graph
-is a log line, not an error.  A direct capture graphs whatever CUDA work forward and backward issue,
-fused kernels included, fails loudly (naming the line) when something cannot be captured, and
-writes each parameter's gradient inside the backward graph (no per-parameter accumulation kernels).
-``compile=True`` (default mode) composes with it: the compiled kernels are captured; torch.compile's
-own CUDA graphs (cudagraph trees, which can skip a graph with only a log line) are refused instead.
+``torch.cuda.graph`` captures ``LightningModule.forward`` and its backward (:mod:`.graphed_forward`) and the
+precision plugin's optimizer side (:mod:`mptrain.precision.graphed_step`).  ``torch.compile(mode="reduce-overhead")``
+graphs only what dynamo compiles (a graph break splits the step, a skipped graph is a log line); a direct capture
+graphs every kernel, fused ones included, writes each ``.grad`` inside the backward graph and fails loudly, naming
+the line.  ``compile=True`` (default mode) composes with it: the compiled kernels are captured.
 
-The model's contract: ``training_step`` calls ``self(...)`` once, forward is a function of its tensor
-inputs and the parameters (no host reads, no ``self.log``), every batch has one shape, and the
-gradients are zeroed before each backward (Lightning's ``optimizer_zero_grad``, with or without
-``set_to_none``).
+The model's contract: ``training_step`` calls ``self(...)`` once, forward is a function of its tensor inputs and the
+parameters (no host reads, no ``self.log``), every batch has one shape.  After ``warmup_steps`` eager steps one step
+captures and every later step replays forward, backward, the unscale and inf/NaN check and the optimizer step
+(skipped on the device) with the scaler update.  Lightning's loop, every hook, logging, the loss computed from the
+outputs, ``zero_grad``, clipping, LR schedulers and checkpoints stay eager.
 
-Per optimizer step, after ``warmup_steps`` eager steps (lazy initialisation, optimizer state, cuDNN
-autotuning, the input shapes recorded), one step captures and every later step replays:
-
-* replayed: (1) forward -- inputs copied into static buffers, forward kernels, outputs copied out;
-  (2) backward -- the outputs' gradients copied in, backward kernels, each parameter's ``.grad``
-  written; (3) the unscale and inf/NaN check into ``found_inf`` (grads copied up into fp32 masters,
-  or their norm on the fused ``*-master`` path); (4) the optimizer step, skipped on the device when
-  ``found_inf`` is set, and the loss-scaler update;
-* eager, every step: Lightning's loop and every hook (``on_train_batch_start/end``,
-  ``on_before/after_backward``, ``on_before_zero_grad``, ``on_before_optimizer_step``, logging,
-  LR schedulers, checkpoints, validation), ``training_step`` around the forward call (the loss from
-  the outputs, ``self.log``), the loss scaling and its non-finite flag, ``zero_grad``, gradient
-  clipping, the non-finite guard's counters and its host check every ``check_every`` steps, and the
-  masters' copy into the half weights on the generic ``*-master`` path.
-
-Attention masks: a transformers model called without an ``attention_mask`` builds an all-true one
-while a graph captures (it cannot look at tensors then), and ``scaled_dot_product_attention`` with a
-mask leaves its fused kernels for the fp32 math path: the replayed step is then slower and larger
-than the eager one.  Without padding, call the model's embeddings and encoder directly, without a
-mask (as ``mptrain.models.bert.MaskedLMNet`` does); with padding, pass the mask in every step (eager
-and captured steps then take the same path).
-
-Refused at setup, each with the reason and the fix: a device other than one CUDA GPU, several
-devices or a DDP-type strategy, manual optimization, gradient accumulation, ``detect_anomaly``,
-``fp32_finetune_*`` / ``auto_fp32_fallback`` (they change dtypes mid-run), ``compile`` in a mode that
-already uses CUDA graphs, an optimizer that cannot skip on the device, and a train loader whose last
-batch is short.  At capture or later: a forward input whose shape, dtype or structure changes, a host
-sync inside forward or backward (the error names the line), a module hook that is not mptrain's,
-``self.log`` inside forward, cudagraph trees in the process, a hyperparameter other than ``lr``
-changing after capture.
+transformers builds an all-true ``attention_mask`` while a graph captures (SDPA then takes its fp32 math path): see
+``mptrain.models.bert.MaskedLMNet``.  What the graphs cannot follow is refused before the first step (the checks
+below) or at capture (:mod:`.graph_safety`, input changes), each error naming the reason and the fix.
 """
 from __future__ import annotations
 
@@ -102,10 +71,9 @@ class CudaGraphs(Callback):
         self._uninstall()
 
     def _uninstall(self) -> None:
-        for part in (self.forward, self.step):
-            if part is not None:
-                part.uninstall()
-        if self.step is not None:
+        if self.step is not None:  # set after self.forward; both are installed after that
+            self.forward.uninstall()
+            self.step.uninstall()
             self.replayed_steps = self.step.replays
         self.forward = self.step = None  # the graphs and their memory go with them
 

@@ -1,9 +1,7 @@
-"""Fp32Finetune: switch a run to ``32-true`` for its last epochs or steps.
+"""Fp32Finetune: switch a run to ``32-true`` for its last epochs or steps, to polish what rounding left.
 
-Low precision gets most of the way fast; the last stretch in fp32 polishes what
-rounding left.  The switch keeps the optimizer state: params become fp32 (the masters'
-exact values where they exist), autocast and the loss scaler go off.  The phase is in
-the precision plugin's checkpoint state, so a resume after the switch resumes in fp32.
+The switch keeps the optimizer state: params become fp32 (the masters' exact values where they exist), autocast and
+the loss scaler go off.  The phase is in the plugin's checkpoint state: a resume after the switch resumes in fp32.
 """
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ class Fp32Finetune(Callback):
         self._plugin = require_mptrain_plugin(trainer, self)
         if stage != "fit":
             return
-        step_based = trainer.max_epochs in (None, -1)
-        if self.epochs and step_based:
+        if self.epochs and trainer.max_epochs in (None, -1):
             raise ValueError(
                 f"Fp32Finetune(epochs={self.epochs}) needs an epoch-based run, but this one is bounded by "
                 f"max_steps={trainer.max_steps} (max_epochs={trainer.max_epochs}); use "

@@ -1,9 +1,5 @@
-"""What may not run inside a captured forward: its Python runs once, at capture, never again.
-
-Module hooks are Python: only mptrain's own, which do device work only (the fp32 fallback's casts,
-OverflowMonitor's counters), may be graphed.  ``self.log`` in forward would log only at capture.
-torch.compile's own CUDA graphs (cudagraph trees) cannot be replayed inside another capture.
-"""
+"""What may not run inside a captured forward, whose Python runs once, at capture: module hooks other than
+mptrain's own (device work only), ``self.log``, and torch.compile's own CUDA graphs (cudagraph trees)."""
 from __future__ import annotations
 
 import contextlib
@@ -47,10 +43,8 @@ def refuse_logging(module: torch.nn.Module):
 
 
 def refuse_cudagraph_trees() -> None:
-    """A model compiled with ``mode="reduce-overhead"`` replays cudagraph trees' own graphs: refused.
-
-    (The ``compile`` argument's graphing modes are refused at setup; this catches a model the user
-    compiled so.  cudagraph trees then never get to skip a graph silently inside ours.)"""
+    """A model the user compiled with cudagraph trees (``mode="reduce-overhead"``) would replay their graphs
+    inside ours, or skip one silently: refused (the ``compile`` argument's graphing modes are refused at setup)."""
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if trees is None or not torch.cuda.is_initialized():
         return

@@ -1,19 +1,11 @@
 """GraphedForward: a LightningModule's forward and its backward replayed from CUDA graphs (``cuda_graphs=True``).
 
-:class:`~mptrain.callbacks.cuda_graphs.CudaGraphs` installs it as ``pl_module.forward``.  Outside the
-training step's closure (validation, no_grad, hooks) it is the original forward.  Inside, the first
-steps run eagerly and record the inputs' structure, shapes and dtypes; then one call is captured:
-
-* forward graph: the inputs are copied into static buffers, the captured kernels run, the outputs
-  are copied out (ordinary tensors the caller may keep);
-* backward graph, captured at the step's backward for the outputs that receive a gradient: the
-  incoming gradients are copied into static buffers and the captured backward writes every
-  parameter's ``.grad`` (the same tensors each step, pointed back at after ``zero_grad(set_to_none=True)``).
-
-The loss computed from the outputs in ``training_step``, logging and every hook stay eager.  A change
-of the inputs' shapes, dtypes or structure, a second forward call in one step, or a loss built from
-other outputs than at capture raise :class:`CudaGraphError`.  The gradients are those of one step:
-Lightning's ``zero_grad`` before each backward (accumulation is refused at setup).
+Installed as ``pl_module.forward`` by :class:`~mptrain.callbacks.cuda_graphs.CudaGraphs`; outside the training
+step's closure (validation, no_grad, hooks) it is the original forward.  Inside, the first steps run eagerly and
+record the inputs' structure, shapes and dtypes; then one call is captured.  Replaying copies the inputs into
+static buffers and the outputs out; the backward graph, captured at the step's backward, takes the outputs'
+gradients and writes every parameter's ``.grad`` (the same tensors each step).  Changed inputs, a second forward
+call in one step, or a loss built from other outputs than at capture raise :class:`CudaGraphError`.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """OverflowMonitor: per-layer overflow / underflow statistics to any Lightning logger.
 
-Forward hooks on the leaf modules count, in each training output, the inf/NaN values and
-the values near the largest finite number of its dtype; ``on_before_optimizer_step``
-counts, per module, the same in its unscaled gradients plus the non-zero gradients that
-fp16 would flush to zero at the current loss scale (``|g * scale| < 2**-24``).  Counts
-accumulate on the device and cross to the host every ``every_n_steps`` optimizer steps,
-logged as fractions through ``trainer.loggers`` (CSV, TensorBoard, W&B, ...) under
-``overflow/<module>/{out_nonfinite,out_near_max,grad_nonfinite,grad_near_max,grad_underflow}``.
+Counted on the device: inf/NaN and near-max values in each leaf module's training outputs (forward hooks) and, per
+module, in its unscaled gradients, plus the non-zero gradients fp16 would flush to zero at the current loss scale
+(``|g * scale| < 2**-24``).  Every ``every_n_steps`` optimizer steps they cross to the host and are logged as
+fractions under ``overflow/<module>/{out_nonfinite,out_near_max,grad_nonfinite,grad_near_max,grad_underflow}``.
 """
 from __future__ import annotations
 
@@ -87,14 +84,13 @@ class OverflowMonitor(Callback):
         grads = self._plugin.unscaled_grads()
         scaler = self._plugin.loss_scaler
         scale = scaler.scale_tensor if scaler is not None else None
-        params = dict(pl_module.named_parameters())
         rows = []
         for mod in self._grad_names:
             prefix = f"{mod}." if mod else ""
             row = torch.zeros(4, dtype=torch.float64, device=self._grad_acc.device)
-            for name in params:
-                if name.startswith(prefix) and "." not in name[len(prefix):] and name in grads:
-                    row += self._grad_counts(grads[name], scale).to(row.device)
+            for name, g in grads.items():  # by pl_module's parameter names
+                if name.startswith(prefix) and "." not in name[len(prefix):]:
+                    row += self._grad_counts(g, scale).to(row.device)
             rows.append(row)
         if rows:
             self._grad_acc += torch.stack(rows)

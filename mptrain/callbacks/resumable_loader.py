@@ -1,18 +1,10 @@
-"""Mid-epoch resume for a plain ``DataLoader``: it becomes a torchdata ``StatefulDataLoader``.
+"""Mid-epoch resume for a plain ``DataLoader``: the Trainer converts the train loader, once Lightning has prepared
+it, to a torchdata ``StatefulDataLoader``, whose position Lightning saves and restores.
 
-Lightning saves and restores a ``StatefulDataLoader``'s position by itself; a plain
-``torch.utils.data.DataLoader`` (what most users pass) would restart the epoch.  mptrain's
-Trainer converts the train loader after Lightning has prepared it (distributed sampler
-included).  A shuffled loader keeps torch's exact order: ``ResumableRandomSampler`` runs
-torch's own ``RandomSampler`` code on a generator whose state it records at the start of
-each epoch, so a run gives the same batches as under ``lightning.Trainer`` and a resume
-replays the rest of the epoch bitwise, a seeded ``generator=`` included.  With loader
-workers, each worker's RNG (what per-sample augmentation draws from) is part of the
-worker state that torchdata snapshots with every batch, so it resumes too.  Other samplers
-are fast-forwarded by torchdata, exact when their order depends only on the epoch (as
-``DistributedSampler``'s does) or when they keep state; a mid-epoch resume with any other
-sampler warns, naming it.  Loaders of other classes and iterable datasets are left as
-they are: Lightning warns when it resumes such a loader mid-epoch.
+A shuffled loader keeps torch's exact order (``ResumableRandomSampler`` runs ``RandomSampler``'s own code from a
+generator state recorded each epoch); loader workers' RNGs are part of the worker state torchdata snapshots; other
+samplers are fast-forwarded, exact when their order depends only on the epoch or when they keep state (a mid-epoch
+resume with any other sampler warns, naming it).  Other loader classes and iterable datasets are left as they are.
 """
 from __future__ import annotations
 
@@ -71,13 +63,11 @@ class _ResumableOrder(Iterator[int]):
         return index
 
     def state_dict(self) -> dict[str, Any]:
-        if self._order is None:
-            return {"yielded": 0, "generator": None}
-        return {"yielded": self.yielded, "generator": self._start_state}
+        return {"yielded": self.yielded, "generator": self._start_state}  # (0, None) until the epoch begins
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["generator"] is None:
-            self._order, self.yielded = None, 0
+            self._order, self._start_state, self.yielded = None, None, 0
             return
         self._begin(state["generator"])
         self._order = itertools.islice(self._order, state["yielded"], None)
@@ -117,13 +107,10 @@ class WorkerRngDataset(Dataset):
 
 
 class ResumableDataLoader(StatefulDataLoader):
-    """``StatefulDataLoader`` that sets its sampler's epoch before building an iterator.
+    """``StatefulDataLoader`` that sets its sampler's epoch (``epoch()``) before building an iterator.
 
-    On a resume Lightning builds the train iterator before it calls ``set_epoch`` for the
-    epoch it resumes; a plain ``DataLoader`` draws its order lazily, but torchdata fast-forwards
-    a restored iterator at once, so a ``DistributedSampler`` would replay epoch 0's order (a
-    run resumed in a later epoch, or continued from a checkpoint written after ``fit``).
-    ``epoch`` returns the epoch the next iterator serves."""
+    On a resume Lightning builds the iterator before it calls ``set_epoch``, and torchdata fast-forwards a restored
+    iterator at once: a ``DistributedSampler`` would replay epoch 0's order."""
 
     def __init__(self, *args: Any, epoch: Optional[Callable[[], int]] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -136,26 +123,16 @@ class ResumableDataLoader(StatefulDataLoader):
 
 
 def to_resumable(loader: Any, epoch: Optional[Callable[[], int]] = None) -> Any:
-    """A ``StatefulDataLoader`` equivalent to a plain ``DataLoader``; anything else is returned as is.
-
-    ``epoch``: the epoch the loader's next iterator serves (see :class:`ResumableDataLoader`)."""
+    """A ``StatefulDataLoader`` equivalent to a plain ``DataLoader``; anything else is returned as is."""
     if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
         return loader
     sampler = loader.sampler
     if type(sampler) is RandomSampler:
-        sampler = ResumableRandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples, sampler.generator)
-    common = dict(
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-    )
+        sampler = ResumableRandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples,
+                                         sampler.generator)
+    common = {k: getattr(loader, k) for k in ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                                              "multiprocessing_context", "generator", "prefetch_factor",
+                                              "persistent_workers", "pin_memory_device")}
     if getattr(loader, "in_order", True) is False:  # torch >= 2.6
         common["in_order"] = False
     dataset = WorkerRngDataset(loader.dataset) if loader.num_workers > 0 else loader.dataset
@@ -180,12 +157,9 @@ def order_not_restorable(loader: Any) -> list[str]:
 
 
 def make_train_loader_resumable(trainer: Any) -> None:
-    """Convert the train loader right after Lightning prepares it (sampler injection included).
-
-    Lightning has no public hook between preparing a loader and iterating it, so this wraps the
-    trainer's data connector method that does the preparing; other stages are left alone.  An
-    empty train loader is refused here: Lightning would return from ``fit`` after 0 steps.
-    """
+    """Convert the train loader right after Lightning prepares it (sampler injection included), by wrapping the
+    data connector method that prepares it (no public hook lies in between).  An empty train loader is refused
+    here: Lightning would return from ``fit`` after 0 steps."""
     from lightning.pytorch.trainer.states import RunningStage
 
     connector = trainer._data_connector

@@ -1,13 +1,10 @@
 """ResumeState: every rank's RNG state in the checkpoint, restored where training resumes.
 
-Lightning's checkpoint holds the loops' progress and (through ``StatefulDataLoader``) the
-position in the epoch; what it lacks for a bitwise resume is the random state that dropout,
-augmentation and the next epoch's shuffle draw from.  This callback saves torch's (CPU and
-CUDA), NumPy's and Python's generators of every rank, and restores this rank's at
-``on_train_start``: after Lightning has rebuilt the data iterator (which draws from the global
-generator) and before the first resumed step, the moment the uninterrupted run was at when
-it saved.  It also refuses a mid-epoch resume whose epoch is laid out differently (world size,
-batches per epoch, accumulation), which would otherwise replay the wrong batches silently.
+Lightning's checkpoint holds the loops' progress and the loader's position; a bitwise resume also needs the RNGs that
+dropout, augmentation and the next shuffle draw from (torch CPU and CUDA, NumPy, Python), restored at
+``on_train_start``: after Lightning rebuilt the data iterator, before the first resumed step.  A mid-epoch resume
+whose epoch is laid out differently (world size, batches per epoch, accumulation) would replay the wrong batches
+silently: it is refused.
 """
 from __future__ import annotations
 
@@ -41,9 +38,8 @@ class ResumeState(Callback):
         self._loaded = state_dict
         layout = state_dict.get("layout")
         if self._trainer is not None and isinstance(layout, dict) and set(_LAYOUT_KEYS) <= set(layout):
-            # World size and accumulation are known now, before Lightning hands the saved loader state to a
-            # loader whose sampler may be another kind (1 process -> DistributedSampler): refuse here, not
-            # with torchdata's bare AssertionError. Batches per epoch are only known at on_train_start.
+            # Refused before Lightning hands the loader state to a sampler of another kind (1 process ->
+            # DistributedSampler), which fails with a bare AssertionError; batches per epoch come at on_train_start.
             now = {"world_size": self._trainer.world_size,
                    "accumulate_grad_batches": self._trainer.accumulate_grad_batches}
             _check_layout(layout, now, tuple(now))

@@ -1,5 +1,4 @@
-"""Data modules: synthetic (made on the device), scikit-learn digits, image folders, masked-LM
-and language-model text.  Each is a ``LightningDataModule``; heavy imports happen on use."""
+"""LightningDataModules: scikit-learn digits, image folders, masked-LM and LM text, each also synthetic."""
 from mptrain.data.digits import DigitsDataModule
 from mptrain.data.imagefolder import ImageFolderDataModule
 from mptrain.data.lm import LMTextDataModule

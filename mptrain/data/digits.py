@@ -1,21 +1,10 @@
-"""scikit-learn's handwritten digits: 1,797 real 8x8 images that ship with scikit-learn
-(no download), the quickstart's data set."""
+"""scikit-learn's handwritten digits (1,797 real 8x8 images, no download): the quickstart's data set."""
 from __future__ import annotations
 
 import torch
 from torch.utils.data import TensorDataset
 
 from mptrain.data.module import MPTDataModule
-
-
-def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
-    """Images (N, 1, 8, 8) scaled to [0, 1] and int64 labels."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.int64)
-    return x, y
 
 
 class DigitsDataModule(MPTDataModule):
@@ -43,7 +32,11 @@ class DigitsDataModule(MPTDataModule):
         return x, y
 
     def load(self, stage: str) -> None:
-        x, y = load_digits_tensors()
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8) in [0, 1]
+        y = torch.tensor(bunch.target, dtype=torch.int64)
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.split_seed))
         n_val = int(round(len(x) * self.val_fraction))
         val, train = order[:n_val], order[n_val:]

@@ -1,5 +1,4 @@
-"""ImageNet-layout image folders (``root/train/<class>/*.jpg``, ``root/val/<class>/*.jpg``)
-with the standard ResNet augmentations, or synthetic device batches of the same shape."""
+"""ImageNet-layout image folders (``root/{train,val}/<class>/*.jpg``) with the standard ResNet augmentations."""
 from __future__ import annotations
 
 import os
@@ -43,11 +42,8 @@ class SeededImageFolder(Dataset):
             raise FileNotFoundError(f"image folder {root!r} does not exist (expected ImageNet layout: "
                                     f"{root}/<class>/<image>)")
         self.folder = _torchvision().datasets.ImageFolder(root, transform=transform)
+        self.classes: list[str] = self.folder.classes
         self.seed, self.epoch = seed, 0
-
-    @property
-    def classes(self) -> list[str]:
-        return self.folder.classes
 
     def __len__(self) -> int:
         return len(self.folder)

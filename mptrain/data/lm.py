@@ -76,8 +76,8 @@ class LMTextDataModule(MPTDataModule):
         if level not in ("char", "word"):
             raise ValueError(f"data.level must be 'char' or 'word', got {level!r}")
         require_data_dir(data_dir, synthetic)
-        self.data_dir, self.level, self.seq_len = data_dir, level, seq_len
-        self.min_freq, self.max_vocab, self._vocab_size, self.val_fraction = min_freq, max_vocab, vocab_size, val_fraction
+        self.data_dir, self.level, self.seq_len, self.val_fraction = data_dir, level, seq_len, val_fraction
+        self.min_freq, self.max_vocab, self._vocab_size = min_freq, max_vocab, vocab_size
         self.vocab: Optional[Vocabulary] = None
 
     @property

@@ -12,12 +12,10 @@ from torch.utils.data import DataLoader, Dataset
 from mptrain.data.sampling import ShardedSampler, seed_worker
 
 
-def training_device(datamodule: Optional[L.LightningDataModule] = None) -> torch.device:
+def training_device(datamodule: L.LightningDataModule) -> torch.device:
     """The device the attached trainer trains on; without one, this process's GPU or the CPU."""
-    trainer = getattr(datamodule, "trainer", None)
-    strategy = getattr(trainer, "strategy", None)
-    if strategy is not None and hasattr(strategy, "root_device"):
-        return strategy.root_device
+    if datamodule.trainer is not None:
+        return datamodule.trainer.strategy.root_device
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
@@ -36,12 +34,8 @@ def require_data_dir(data_dir: Optional[str], synthetic: bool) -> None:
 
 
 class SyntheticBatches(Dataset):
-    """``length`` ready-made batches generated on the training device.
-
-    Benchmarks must measure the model, not the loader: the batches are built once, on the
-    device, from a seeded generator, and ``distinct`` of them are cycled (never all-zero data,
-    never a host-to-device copy per step).  Use with ``DataLoader(batch_size=None)``.
-    """
+    """``length`` batches cycled from ``distinct`` ones built once on the training device from a seeded generator:
+    a benchmark measures the model, not the loader (no all-zero data, no host-to-device copy per step)."""
 
     def __init__(self, make: Callable[[torch.Generator, torch.device], Any], length: int,
                  device: Callable[[], torch.device], distinct: int = 4, seed: int = 0):
@@ -61,8 +55,8 @@ class SyntheticBatches(Dataset):
 
 
 class MPTDataModule(L.LightningDataModule):
-    """Base class: subclasses fill ``self.train_set`` / ``self.val_set`` in ``load`` (or build
-    synthetic sets with ``synthetic_sets``) and may set ``self.collate_fn``.
+    """Base class: subclasses fill ``self.train_set`` / ``self.val_set`` in ``load``, make one synthetic batch in
+    ``make_synthetic_batch``, and may set ``self.collate_fn``.
 
     Args:
         batch_size: per-rank batch size.
@@ -86,28 +80,24 @@ class MPTDataModule(L.LightningDataModule):
         self.collate_fn: Optional[Callable] = None
 
     def setup(self, stage: str = "fit") -> None:
-        """Build the sets once: synthetic ones, or the subclass's ``load`` from files."""
+        """Build the sets once: the subclass's ``load`` from files, or synthetic ones (made on the training device at
+        the first batch: the trainer is attached by then)."""
         if self.train_set is not None:
             return
-        if self.synthetic:
-            self.synthetic_sets()
-        else:
+        if not self.synthetic:
             self.load(stage)
+            return
+        device = lambda: training_device(self)  # noqa: E731
+        self.train_set = SyntheticBatches(self.make_synthetic_batch, self.synthetic_batches, device, seed=self.seed)
+        self.val_set = SyntheticBatches(self.make_synthetic_batch, 2, device, seed=self.seed + 1)
 
     def load(self, stage: str) -> None:
         """Fill ``self.train_set`` / ``self.val_set`` from the real data (subclasses)."""
         raise NotImplementedError(f"{type(self).__name__} reads no files; use synthetic=True")
 
-    # -- synthetic ---------------------------------------------------------
     def make_synthetic_batch(self, g: torch.Generator, device: torch.device) -> Any:
         raise NotImplementedError(f"{type(self).__name__} has no synthetic mode")
 
-    def synthetic_sets(self) -> None:
-        device = lambda: training_device(self)  # noqa: E731  (resolved at first batch: the trainer is attached by then)
-        self.train_set = SyntheticBatches(self.make_synthetic_batch, self.synthetic_batches, device, seed=self.seed)
-        self.val_set = SyntheticBatches(self.make_synthetic_batch, 2, device, seed=self.seed + 1)
-
-    # -- loaders -----------------------------------------------------------
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before asking for a dataloader")
@@ -115,18 +105,10 @@ class MPTDataModule(L.LightningDataModule):
             sampler = ShardedSampler(len(dataset), shuffle=False, seed=self.seed)
             return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=0)
         sampler = ShardedSampler(len(dataset), shuffle=train, seed=self.seed, dataset=dataset)
-        workers = self.num_workers
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            num_workers=workers,
-            pin_memory=self.pin_memory and torch.cuda.is_available(),
-            worker_init_fn=seed_worker if workers > 0 else None,
-            persistent_workers=False,  # workers fork per epoch, after the sampler set the dataset's epoch
-            drop_last=train,
-            collate_fn=self.collate_fn,
-        )
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=train,
+                          collate_fn=self.collate_fn, pin_memory=self.pin_memory and torch.cuda.is_available(),
+                          num_workers=self.num_workers, worker_init_fn=seed_worker if self.num_workers > 0 else None,
+                          persistent_workers=False)  # workers fork per epoch, after the sampler set the dataset's epoch
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)

@@ -1,12 +1,8 @@
 """Per-rank, per-epoch deterministic sampling and worker seeding.
 
-Why our own sampler instead of Lightning's: with ``use_distributed_sampler`` Lightning swaps a
-Random/SequentialSampler for a ``DistributedSampler``, which pads the last shard with repeated
-samples, so a sample can land on two ranks in one epoch.  ``ShardedSampler`` subclasses
-``DistributedSampler`` so Lightning leaves it alone; its order is a pure function of (seed,
-epoch), the same on every rank, so a resumed run replays exactly what the uninterrupted run
-drew (it has no state of its own: the Trainer's resumable loader fast-forwards it by the
-samples already drawn this epoch); it drops the ragged tail instead of padding.
+Not Lightning's ``DistributedSampler`` swap: it pads the last shard with repeats (a sample can land on two ranks in
+one epoch).  ``ShardedSampler`` subclasses ``DistributedSampler`` so Lightning leaves it alone, drops the ragged tail
+instead, and keeps no state: its order is a pure function of (seed, epoch), so the resumable loader fast-forwards it.
 """
 from __future__ import annotations
 
@@ -41,21 +37,12 @@ class ShardedSampler(DistributedSampler):
             seed per-sample randomness with it; loader workers fork after this, so they see it).
     """
 
-    def __init__(
-        self,
-        num_samples: int,
-        shuffle: bool = True,
-        seed: Optional[int] = None,
-        drop_last: bool = True,
-        dataset: Optional[object] = None,
-    ):
-        # DistributedSampler.__init__ wants a live process group; we resolve ranks lazily instead.
-        self.total = int(num_samples)
-        self.shuffle = shuffle
+    def __init__(self, num_samples: int, shuffle: bool = True, seed: Optional[int] = None, drop_last: bool = True,
+                 dataset: Optional[object] = None):
+        # no DistributedSampler.__init__: it wants a live process group, and the ranks are read lazily
+        self.total, self.shuffle, self.drop_last, self.dataset = int(num_samples), shuffle, drop_last, dataset
         self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else int(seed)
-        self.drop_last = drop_last
         self.epoch = 0
-        self.dataset = dataset
 
     @property
     def num_replicas(self) -> int:
@@ -65,34 +52,27 @@ class ShardedSampler(DistributedSampler):
     def rank(self) -> int:
         return world_and_rank()[1]
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def _shard_size(self, world: int) -> int:
-        if self.drop_last or self.total < world:
-            return self.total // world if self.total >= world else (1 if self.total else 0)
-        return -(-self.total // world)
-
     def __len__(self) -> int:
-        return max(0, self._shard_size(self.num_replicas))
+        world = self.num_replicas
+        if self.total < world:  # fewer samples than ranks: every rank needs something to step on
+            return min(self.total, 1)
+        return self.total // world if self.drop_last else -(-self.total // world)
 
     def indices(self, epoch: int) -> list[int]:
         world, rank = world_and_rank()
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(self.total, generator=g).tolist()
+            order = torch.randperm(self.total, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
         else:
             order = list(range(self.total))
-        per_rank = self._shard_size(world)
-        if self.total < world:  # fewer samples than ranks: every rank needs something to step on
+        if self.total < world:
             return [order[rank % self.total]] if self.total else []
         if self.drop_last:
-            order = order[: per_rank * world]
+            order = order[: self.total // world * world]
         return order[rank::world]
 
     def __iter__(self) -> Iterator[int]:
         shard = self.indices(self.epoch)
-        if self.dataset is not None and hasattr(self.dataset, "epoch"):
+        if hasattr(self.dataset, "epoch"):
             self.dataset.epoch = self.epoch
         return iter(shard)  # iterating is pure: a resume may iterate to fast-forward (the epoch is set_epoch's)
 

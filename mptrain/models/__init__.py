@@ -1,6 +1,4 @@
-"""Model builders and their LightningModules: a small CNN and torchvision ResNets
-(``ImageClassifier``), transformers' BERT masked-LM (``BertMLM``), an LSTM language model
-(``LSTMLanguageModel``).  torchvision / transformers are imported when a model needs them."""
+"""The recipes' LightningModules: image classifiers, BERT masked-LM, an LSTM language model."""
 from mptrain.models.bert import BertMLM, build_bert_mlm
 from mptrain.models.classifier import ImageClassifier
 from mptrain.models.lstm_lm import LSTMLanguageModel

@@ -1,6 +1,5 @@
-"""BERT masked-LM LightningModule: transformers' BertForMaskedLM built from a config (nothing is
-downloaded), LayerNorms swapped by mptrain.nn.fuse_modules, AdamW with linear warm-up/decay,
-masked-token accuracy and perplexity."""
+"""BERT masked-LM LightningModule: transformers' BertForMaskedLM built from a config (no download), fused
+LayerNorms (mptrain.nn.fuse_modules), AdamW with linear warm-up/decay, masked-token accuracy and perplexity."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,6 +8,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchmetrics.aggregation import MeanMetric
 
 from mptrain.models.checks import check_args
 from mptrain.models.optim import build_optimizer, decay_groups
@@ -37,16 +37,11 @@ def build_bert_mlm(vocab_size: int, hidden_size: int = 768, num_layers: int = 12
 
 
 class MaskedLMNet(nn.Module):
-    """BERT's encoder and masked-LM head (``BertForMaskedLM``'s own ``bert`` and ``cls`` modules, so
-    the state-dict keys are the same) computing the loss of the masked positions only.
+    """BERT's encoder and masked-LM head (``BertForMaskedLM``'s own modules: same state-dict keys), the whole
+    network in one ``forward`` (what ``compile=True`` compiles), computing the loss of the masked positions only.
 
-    The whole network is this module's ``forward``: ``compile=True`` (which compiles
-    ``LightningModule.model``) covers the encoder, the gather and the head.
-
-    Only masked positions go through the vocabulary projection: it is the largest GEMM of the
-    head and ~85% of its rows would be thrown away.  With ``max_predictions`` the positions are
-    gathered with a fixed size per sequence (no host sync, static shapes); without it, by
-    boolean indexing (exact for any mask count, one host sync per step).
+    Only masked positions go through the vocabulary projection, the head's largest GEMM: gathered with a fixed size
+    per sequence with ``max_predictions`` (static shapes, no host sync), else by boolean indexing (one host sync).
     """
 
     def __init__(self, mlm: nn.Module, max_predictions: Optional[int] = None):
@@ -105,19 +100,16 @@ class BertMLM(L.LightningModule):
         super().__init__()
         if vocab_size is None:
             raise ValueError("model.vocab_size is not set: give it, or let the CLI take it from data.vocab_size")
-        if max_predictions is not None and max_predictions < 1:
-            raise ValueError(f"model.max_predictions must be >= 1 or null, got {max_predictions}")
         check_args(vocab_size=(vocab_size, ">=1"), hidden_size=(hidden_size, ">=1"), num_layers=(num_layers, ">=1"),
-                   num_heads=(num_heads, ">=1"), intermediate_size=(intermediate_size, ">=1"), dropout=(dropout, "[0,1)"),
-                   lr=(lr, ">0"), weight_decay=(weight_decay, ">=0"), eps=(eps, ">0"), warmup_steps=(warmup_steps, ">=0"),
-                   total_steps=(total_steps, ">=1"))
+                   num_heads=(num_heads, ">=1"), intermediate_size=(intermediate_size, ">=1"),
+                   dropout=(dropout, "[0,1)"), lr=(lr, ">0"), weight_decay=(weight_decay, ">=0"), eps=(eps, ">0"),
+                   warmup_steps=(warmup_steps, ">=0"), total_steps=(total_steps, ">=1"),
+                   max_predictions=(max_predictions, ">=1"))
         self.save_hyperparameters()
         self.model = MaskedLMNet(build_bert_mlm(vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
                                                 max_position_embeddings, dropout, attn_implementation), max_predictions)
         if fused_layernorm:
             self.model = fuse_modules(self.model)
-        from torchmetrics.aggregation import MeanMetric
-
         self.val_loss = MeanMetric()  # token-weighted over the epoch (and the ranks), for the perplexity
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,8 +118,7 @@ class BertMLM(L.LightningModule):
         return self.model(batch["input_ids"], batch["labels"], mask)
 
     def numerics_input(self, batch: dict) -> tuple:
-        """What ``mptrain numerics`` passes to ``forward``: the whole batch (its labels pick
-        the positions the head predicts)."""
+        """``mptrain numerics`` passes the whole batch to ``forward`` (its labels pick the predicted positions)."""
         return (batch,)
 
     def training_step(self, batch, batch_idx):
@@ -144,8 +135,7 @@ class BertMLM(L.LightningModule):
         self.val_loss.update(loss_sum.detach().float() / n, weight=n)
 
     def on_validation_epoch_end(self):
-        """Perplexity over every masked token of the epoch (exp of the mean loss; averaging
-        per-batch exps would overstate it)."""
+        """Perplexity over every masked token of the epoch: exp of the mean loss (a mean of exps would overstate it)."""
         self.log("val/perplexity", torch.exp(self.val_loss.compute().clamp(max=50.0)))
         self.val_loss.reset()
 

@@ -7,6 +7,7 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torchmetrics.functional.classification import multiclass_accuracy
 
 from mptrain.models.checks import check_args
 from mptrain.models.optim import build_optimizer, decay_groups
@@ -36,22 +37,16 @@ class ImageClassifier(L.LightningModule):
             raise ValueError(f"model.optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
         check_args(num_classes=(num_classes, ">=1"), lr=(lr, ">0"), momentum=(momentum, ">=0"),
                    weight_decay=(weight_decay, ">=0"), label_smoothing=(label_smoothing, "[0,1)"),
-                   warmup_steps=(warmup_steps, ">=0"), min_lr_ratio=(min_lr_ratio, ">=0"), total_steps=(total_steps, ">=1"))
+                   warmup_steps=(warmup_steps, ">=0"), min_lr_ratio=(min_lr_ratio, ">=0"),
+                   total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
         self.model = build_image_model(arch, num_classes)
-        from torchmetrics.functional.classification import multiclass_accuracy
-
-        self._accuracy = multiclass_accuracy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
     def _loss(self, batch):
         x, y = batch
-        if x.dim() == 4 and x.is_cuda:  # channels-last weights (trainer.channels_last) want channels-last input
-            first = next((m.weight for m in self.model.modules() if isinstance(m, torch.nn.Conv2d)), None)
-            if first is not None and first.is_contiguous(memory_format=torch.channels_last):
-                x = x.contiguous(memory_format=torch.channels_last)
         logits = self(x)
         return F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing), logits, y
 
@@ -66,17 +61,14 @@ class ImageClassifier(L.LightningModule):
         logits, k = logits.float(), self.hparams.num_classes
         self.log_dict({
             "val/loss": loss.detach(),
-            "val/acc": self._accuracy(logits, y, k, top_k=1, average="micro"),
-            "val/acc_top5": self._accuracy(logits, y, k, top_k=min(5, k), average="micro"),
+            "val/acc": multiclass_accuracy(logits, y, k, top_k=1, average="micro"),
+            "val/acc_top5": multiclass_accuracy(logits, y, k, top_k=min(5, k), average="micro"),
         })
 
     def configure_optimizers(self):
         hp = self.hparams
-        groups = decay_groups(self, hp.weight_decay)
-        on_cuda = next(self.parameters()).is_cuda
-        if hp.optimizer == "sgd":
-            opt = build_optimizer("sgd", groups, on_cuda, lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov)
-        else:
-            opt = build_optimizer("adamw", groups, on_cuda, lr=hp.lr)
+        kwargs = {"momentum": hp.momentum, "nesterov": hp.nesterov} if hp.optimizer == "sgd" else {}
+        opt = build_optimizer(hp.optimizer, decay_groups(self, hp.weight_decay), next(self.parameters()).is_cuda,
+                              lr=hp.lr, **kwargs)
         sched = warmup_cosine(opt, hp.warmup_steps, run_length(self, hp.total_steps), hp.min_lr_ratio)
         return {"optimizer": opt, "lr_scheduler": per_step(sched)}

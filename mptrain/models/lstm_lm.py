@@ -8,6 +8,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchmetrics.aggregation import MeanMetric
 
 from mptrain.models.checks import check_args
 from mptrain.models.optim import build_optimizer, decay_groups
@@ -22,8 +23,8 @@ class LSTMNet(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, embedding_dim)
         self.drop = nn.Dropout(dropout)
-        self.rnn = (FusedLSTM if fused else nn.LSTM)(embedding_dim, hidden_size, num_layers=num_layers, batch_first=True,
-                                                     dropout=dropout if num_layers > 1 else 0.0)
+        self.rnn = (FusedLSTM if fused else nn.LSTM)(embedding_dim, hidden_size, num_layers=num_layers,
+                                                     batch_first=True, dropout=dropout if num_layers > 1 else 0.0)
         self.proj = nn.Linear(hidden_size, embedding_dim) if tie_weights and hidden_size != embedding_dim else None
         self.head = nn.Linear(embedding_dim if tie_weights else hidden_size, vocab_size)
         if tie_weights:
@@ -54,13 +55,12 @@ class LSTMLanguageModel(L.LightningModule):
             raise ValueError("model.vocab_size is not set: give it, or let the CLI take it from data.vocab_size")
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"model.optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
-        check_args(vocab_size=(vocab_size, ">=1"), embedding_dim=(embedding_dim, ">=1"), hidden_size=(hidden_size, ">=1"),
-                   num_layers=(num_layers, ">=1"), dropout=(dropout, "[0,1)"), lr=(lr, ">0"),
-                   weight_decay=(weight_decay, ">=0"), warmup_steps=(warmup_steps, ">=0"), total_steps=(total_steps, ">=1"))
+        check_args(vocab_size=(vocab_size, ">=1"), embedding_dim=(embedding_dim, ">=1"),
+                   hidden_size=(hidden_size, ">=1"), num_layers=(num_layers, ">=1"), dropout=(dropout, "[0,1)"),
+                   lr=(lr, ">0"), weight_decay=(weight_decay, ">=0"), warmup_steps=(warmup_steps, ">=0"),
+                   total_steps=(total_steps, ">=1"))
         self.save_hyperparameters()
         self.model = LSTMNet(vocab_size, embedding_dim, hidden_size, num_layers, dropout, tie_weights, fused)
-        from torchmetrics.aggregation import MeanMetric
-
         self.val_loss = MeanMetric()  # token-weighted over the epoch (and the ranks), for the perplexity
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -83,15 +83,14 @@ class LSTMLanguageModel(L.LightningModule):
         self.val_loss.update(loss_sum / n, weight=n)
 
     def on_validation_epoch_end(self):
-        """Perplexity over every token of the epoch: exp of the mean loss (averaging per-batch
-        exps would overstate it)."""
+        """Perplexity over every token of the epoch: exp of the mean loss (a mean of exps would overstate it)."""
         self.log("val/perplexity", torch.exp(self.val_loss.compute().clamp(max=50.0)))
         self.val_loss.reset()
 
     def configure_optimizers(self):
         hp = self.hparams
-        groups = decay_groups(self, hp.weight_decay)
-        kwargs = {"lr": hp.lr} if hp.optimizer == "adamw" else {"lr": hp.lr, "momentum": 0.9}
-        opt = build_optimizer(hp.optimizer, groups, next(self.parameters()).is_cuda, **kwargs)
+        kwargs = {"momentum": 0.9} if hp.optimizer == "sgd" else {}
+        opt = build_optimizer(hp.optimizer, decay_groups(self, hp.weight_decay), next(self.parameters()).is_cuda,
+                              lr=hp.lr, **kwargs)
         sched = warmup_cosine(opt, hp.warmup_steps, run_length(self, hp.total_steps))
         return {"optimizer": opt, "lr_scheduler": per_step(sched)}

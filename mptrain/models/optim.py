@@ -2,6 +2,7 @@
 and BERT training; decaying them hurts accuracy)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
@@ -22,11 +23,8 @@ def decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(kind: str, groups: list[dict], params_on_cuda: bool, **kwargs):
     """SGD or AdamW over ``groups``: mptrain's fused multi-tensor version when the params are
     on CUDA (one kernel per step; with ``*-master`` it also owns the fp32 masters), torch's
-    otherwise (the CPU path of the fused classes is a reference, not tuned for speed)."""
-    import torch
-
-    if kind not in ("sgd", "adamw"):
-        raise ValueError(f"optimizer={kind!r}; valid: 'sgd', 'adamw'")
+    otherwise (the CPU path of the fused classes is a reference, not tuned for speed).  ``kind``: "sgd" or "adamw"
+    (the models check it when they are built)."""
     if params_on_cuda:
         from mptrain.optim import FusedAdamW, FusedSGD
 

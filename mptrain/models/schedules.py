@@ -8,22 +8,21 @@ from typing import Callable, Optional
 import torch
 
 
-def total_steps(module, default: int = 10_000) -> int:
-    """Optimizer steps of the whole run, from the attached trainer when it knows (0 or unknown
-    before the loaders are set up: then ``default``)."""
-    try:
-        est = int(module.trainer.estimated_stepping_batches)
-    except (AttributeError, RuntimeError, TypeError, ValueError, OverflowError):
-        est = None  # no trainer attached, or an infinite run
-    return est if est and est > 0 else default
-
-
 def run_length(module, fixed: Optional[int], default: int = 10_000) -> Callable[[], int]:
-    """``fixed``, or a function asking the trainer each time: a schedule built in
-    ``configure_optimizers`` may be built before the trainer has counted its batches."""
+    """Optimizer steps of the whole run: ``fixed``, or a function asking the attached trainer each time (a schedule
+    built in ``configure_optimizers`` may be built before it has counted its batches), ``default`` while it cannot
+    tell (no trainer attached, 0 batches counted yet, an infinite run)."""
     if fixed:
         return lambda: int(fixed)
-    return lambda: total_steps(module, default)
+
+    def estimate() -> int:
+        try:
+            est = int(module.trainer.estimated_stepping_batches)
+        except (AttributeError, RuntimeError, TypeError, ValueError, OverflowError):
+            return default
+        return est if est > 0 else default
+
+    return estimate
 
 
 def _warmup_then(optimizer: torch.optim.Optimizer, warmup_steps: int, total: Callable[[], int],
