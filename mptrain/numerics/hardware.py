@@ -1,10 +1,8 @@
 """`mptrain doctor`: what this machine can do for mixed precision, and what to use.
 
-Reports the GPUs (name, compute capability, memory, SMs), which tensor-core paths they
-have (TF32, FP16, BF16, INT8, FP8, from the capability and, with a GPU, a tiny probe of
-the op itself), the driver / CUDA / torch / nvcc / ninja versions, whether mptrain's CUDA
-extension builds and loads, and a one-line recommendation.  Everything degrades to
-"not available (why)" instead of raising: the doctor must run on a broken machine.
+GPUs and their tensor-core paths (from the capability and a tiny probe), toolchain versions,
+whether mptrain's CUDA extension builds and loads, and a recommendation.  Everything degrades
+to "not available (why)" instead of raising: the doctor must run on a broken machine.
 """
 from __future__ import annotations
 
@@ -55,19 +53,18 @@ def tool_versions() -> dict:
     return v
 
 
-def _probe(fn) -> tuple[bool, str]:
-    try:
-        fn()
-        torch.cuda.synchronize()
-        return True, "ok"
-    except Exception as e:  # noqa: BLE001 - any failure means "this path does not work here"
-        return False, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-
-
 def _probes(dev: int) -> dict:
     """Run each tensor-core product once on tiny operands (those of `mptrain bench gemm`)."""
-    device = torch.device("cuda", dev)
-    return {path: _probe(lambda: gemm_fn(path)(*make_operands(path, 32, device))) for path in TENSOR_CORE_MIN_CC}
+    device, probes = torch.device("cuda", dev), {}
+    for path in TENSOR_CORE_MIN_CC:
+        try:
+            gemm_fn(path)(*make_operands(path, 32, device))
+            torch.cuda.synchronize()
+            probes[path] = {"ok": True, "detail": "ok"}
+        except Exception as e:  # noqa: BLE001 - any failure means "this path does not work here"
+            first = str(e).splitlines()[0][:120] if str(e) else ""
+            probes[path] = {"ok": False, "detail": f"{type(e).__name__}: {first}"}
+    return probes
 
 
 def gpu_info(probe: bool = True) -> list[dict]:
@@ -84,7 +81,7 @@ def gpu_info(probe: bool = True) -> list[dict]:
                 "tensor_cores": paths, "probes": {}}
         if probe:
             with torch.cuda.device(i):
-                info["probes"] = {k: {"ok": ok, "detail": why} for k, (ok, why) in _probes(i).items()}
+                info["probes"] = _probes(i)
         gpus.append(info)
     return gpus
 
