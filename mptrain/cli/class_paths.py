@@ -1,11 +1,7 @@
-"""No code from YAML: every ``class_path`` in a parsed config must name a class of the kind
-its key expects (a Callback under ``trainer.callbacks``, a Logger under ``trainer.logger``,
-...) before anything is instantiated.  ``class_path: os.system`` under callbacks is refused
-here, so the command never runs.
-
-A ``class_path`` under a key with no expected kind (an argument typed ``Any``) is refused
-too: jsonargparse would build it, and nothing would say what it may be.
-"""
+"""No code from YAML: before anything is instantiated, every ``class_path`` in a parsed config must
+name a class of the kind its key expects (``class_path: os.system`` under ``trainer.callbacks`` is
+refused and never runs).  A ``class_path`` under a key typed ``Any`` is refused too: nothing says
+what it may be."""
 from __future__ import annotations
 
 import importlib
