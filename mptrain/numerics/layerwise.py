@@ -220,8 +220,7 @@ class LayerwiseReport:
                 local = -1.0
             return (not det.get("new_nonfinite", False), row["ok"], -_sortable(local), -_sortable(det["rel_err"]), i)
 
-        order = sorted(range(len(self.rows)), key=key)
-        return [(self.rows[i], self.details[i]) for i in order]
+        return [(self.rows[i], self.details[i]) for i in sorted(range(len(self.rows)), key=key)]
 
     def worst(self, n: int = 1) -> list[str]:
         """Names of the ``n`` worst modules."""
@@ -232,11 +231,8 @@ class LayerwiseReport:
         lines = [f"layerwise fp32 vs {self.precision} ({self.tolerance or f'rtol={self.rtol}, atol={self.atol}'}); "
                  f"first_bad={self.first_bad}; worst first", head, "-" * len(head)]
         for row, det in self.ranked()[:top]:
-            flags = []
-            if det.get("new_nonfinite"):
-                flags.append("CREATES-INF/NAN")
-            if not det.get("local_input_ok", True):
-                flags.append("input-overflows-dtype")
+            flags = [flag for flag, on in (("CREATES-INF/NAN", det.get("new_nonfinite")),
+                                           ("input-overflows-dtype", not det.get("local_input_ok", True))) if on]
             local = det.get("local_rel_err")
             lines.append(f"{_short(row['module'], 44):<44} {det.get('dtype', ''):>8} {_stats(row)} "
                          f"{'—' if local is None else _f(local)} {_f(det['rel_err'])}  {' '.join(flags)}")
@@ -334,7 +330,6 @@ class _Recorder:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        self.handles.clear()
 
     def _pre(self, name: str):
         def hook(module, args, kwargs):
@@ -346,7 +341,6 @@ class _Recorder:
                 self.inputs[key] = (_detach_clone(args), _detach_clone(kwargs))
             if self.role == "low":  # only the dtypes are read (for the local cast)
                 self.in_template[key] = (args, kwargs, _all_finite((args, kwargs)))
-            return None
         return hook
 
     def _post(self, name: str):
@@ -379,7 +373,6 @@ class _Recorder:
             self.new_nonfinite.setdefault(name, []).append(in_finite & ~_all_finite(outs))
             if self.local and key in self.shadow.inputs:
                 self._local(module, name, key, low_args, low_kwargs, ref)
-            return None
         return hook
 
     def _local(self, module, name, key, args, kwargs, ref) -> None:
@@ -546,10 +539,7 @@ def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale, rtol
         report.grad_rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})
     low_mods = dict(low_model.named_modules())
     for name, ref_m in ref_model.named_modules():
-        low_m = low_mods.get(name)
-        if low_m is None:
-            continue
-        low_params = dict(low_m.named_parameters(recurse=False))
+        low_params = dict(low_mods[name].named_parameters(recurse=False)) if name in low_mods else {}
         pairs = [(p.grad, low_params[n].grad) for n, p in ref_m.named_parameters(recurse=False)
                  if p.grad is not None and n in low_params and low_params[n].grad is not None]
         if not pairs:
