@@ -106,11 +106,7 @@ def quantize_activation(x2d: torch.Tensor, scheme: str = "symmetric", granularit
 
 
 def int_mm_supported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
-    """None when ``torch._int_mm(a, b)`` can run as is; otherwise why not.
-
-    cuBLASLt's int8 GEMM (as wrapped by torch) wants more than 16 rows, K and N
-    multiples of 8, and CUDA int8 operands.
-    """
+    """None when ``torch._int_mm(a, b)`` (cuBLASLt's int8 GEMM) can run as is; otherwise why not."""
     if not (a.is_cuda and b.is_cuda):
         return "operands are not on CUDA"
     if a.dtype != torch.int8 or b.dtype != torch.int8:
@@ -125,11 +121,8 @@ def int_mm_supported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
 
 
 def int8_matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Exact int8 ``[M,K] @ [K,N]`` with int32 result, on any device, without tensor cores.
-
-    The accumulation is done in int32 where it cannot overflow (K <= INT32_SAFE_K) and in
-    int64 otherwise; a result outside int32 raises instead of wrapping silently.
-    """
+    """Exact int8 ``[M,K] @ [K,N]`` with int32 result, on any device, without tensor cores; a result
+    outside int32 raises instead of wrapping silently."""
     _check_mm_operands(a, b)
     if a.is_cuda:
         # CUDA has no integer matmul; float64 is exact here (|sum| < 2**53 for any K < 2**39).
@@ -148,9 +141,8 @@ def int8_matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def int8_matmul(a: torch.Tensor, b: torch.Tensor, pad: bool = True) -> torch.Tensor:
     """int8 ``[M,K] @ [K,N]`` -> int32: ``torch._int_mm`` on CUDA, the reference elsewhere.
 
-    On CUDA, shapes that ``_int_mm`` refuses are zero-padded (M up to 32, K and N up to a
-    multiple of 8) when ``pad``: zero rows and columns add nothing to the integer sums, so
-    the result is still exact.  Without ``pad`` they fall back to the reference.
+    On CUDA, shapes that ``_int_mm`` refuses are zero-padded when ``pad`` (zeros add nothing to
+    the integer sums: still exact), else computed by the reference.
     """
     _check_mm_operands(a, b)
     if not a.is_cuda:
@@ -250,11 +242,8 @@ class Int8DynamicLinear(nn.Module):
 
 def quantize_dynamic(model: nn.Module, config: QuantConfig = QuantConfig(), inplace: bool = False,
                      skip: Iterable[str] = ()) -> nn.Module:
-    """Replace every ``nn.Linear`` (except names in ``skip``) by an :class:`Int8DynamicLinear`.
-
-    The model is first made float32 (quantization scales are computed from fp32 weights).
-    Returns the quantized model (a deep copy unless ``inplace``).
-    """
+    """Replace every ``nn.Linear`` (except names in ``skip``) by an :class:`Int8DynamicLinear`, scales
+    computed from fp32 weights; returns the quantized model (a deep copy unless ``inplace``)."""
     if not inplace:
         model = copy.deepcopy(model)
     model.float()
@@ -304,11 +293,8 @@ def _rel_err(ref: torch.Tensor, approx: torch.Tensor) -> tuple[float, float]:
 
 def quantization_report(model: nn.Module, example_input=None, config: QuantConfig = QuantConfig(),
                         skip: Iterable[str] = ()) -> QuantReport:
-    """Quantization error of each Linear: of its weight, and (with ``example_input``) of its output.
-
-    The output error is local: each int8 layer gets the same fp32 input its fp32 original
-    saw in a float32 forward pass, so the number belongs to that layer alone.
-    """
+    """Quantization error of each Linear: of its weight, and (with ``example_input``) of its output,
+    the int8 layer fed the fp32 input its original saw (so the number belongs to that layer alone)."""
     ref = copy.deepcopy(model).float().eval()
     skip = set(skip)
     linears = [(n, m) for n, m in ref.named_modules() if isinstance(m, nn.Linear) and n not in skip]
