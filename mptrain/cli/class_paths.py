@@ -53,9 +53,7 @@ def _classes_in(hint: Any) -> tuple[type, ...]:
     """The classes an annotation allows (``Optional[X]``, ``Union[X, Y]``, ``list[X]``)."""
     if inspect.isclass(hint) and hint is not typing.Any:
         return (hint,)
-    out: list[type] = []
-    for arg in typing.get_args(hint):
-        out.extend(_classes_in(arg))
+    out = [c for arg in typing.get_args(hint) for c in _classes_in(arg)]
     return tuple(c for c in out if c is not type(None) and c not in (str, int, float, bool, dict, list))
 
 

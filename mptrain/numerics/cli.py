@@ -5,6 +5,7 @@ layer on one batch."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -38,8 +39,7 @@ def doctor_main(argv: Optional[list[str]] = None) -> int:
     report = doctor_report(build_extension=cfg.build, probe=cfg.probe)
     print(format_doctor(report))
     if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(report, f, indent=2)
+        Path(cfg.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {cfg.json}")
     return 0
 
@@ -111,8 +111,7 @@ def numerics_main(argv: Optional[list[str]] = None) -> int:
     report = compare_layerwise(model, example, precision=str(precision), rtol=cfg.rtol, atol=cfg.atol,
                                backward=cfg.backward, train_mode=cfg.train_mode)
     if cfg.json:
-        with open(cfg.json, "w") as f:
-            f.write(report.to_json())
+        Path(cfg.json).write_text(report.to_json())
         print(f"wrote {cfg.json}")
     print(report.table(top=cfg.top))  # its last line: the worst module and why
     return 0

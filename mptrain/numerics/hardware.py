@@ -109,8 +109,7 @@ def recommend(gpus: list[dict]) -> str:
     g = gpus[0]
     tc = g["tensor_cores"]
     probes = g.get("probes") or {}
-    bf16_ok = tc["bf16"] and probes.get("bf16", {}).get("ok", True)
-    if bf16_ok:
+    if tc["bf16"] and probes.get("bf16", {}).get("ok", True):
         fp8 = " FP8 tensor cores are present (benchmark with `mptrain bench gemm`)." if tc["fp8"] else ""
         return (f"{g['name']} (sm_{g['capability'].replace('.', '')}): use precision='bf16-master' "
                 f"(bf16 has fp32's range: no loss scaling needed); TF32 for the fp32 parts.{fp8}")
