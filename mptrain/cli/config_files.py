@@ -26,10 +26,8 @@ def config_paths(argv: list[str]) -> Iterator[str]:
 
 
 def check_config_file(path: str) -> None:
-    """Raise ConfigError unless ``path`` is a readable, text, safe YAML mapping.
-
-    A value that is not an existing file but looks like inline YAML (``--config '{...}'``,
-    which jsonargparse accepts) is checked the same way."""
+    """Raise ConfigError unless ``path`` is a readable, text, safe YAML mapping; a value that looks
+    like inline YAML (``--config '{...}'``, which jsonargparse accepts) is checked the same way."""
     if not Path(path).exists() and (":" in path or path.strip().startswith("{")):
         return _check_text(path, path)
     try:

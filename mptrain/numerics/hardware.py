@@ -120,11 +120,8 @@ def recommend(gpus: list[dict]) -> str:
 
 
 def doctor_report(build_extension: Optional[bool] = None, probe: bool = True) -> dict:
-    """Everything `mptrain doctor` prints, as a dict (JSON-serializable).
-
-    ``build_extension``: try to build/load the CUDA extension (default: only with a GPU,
-    since the build needs one to be useful and can take minutes the first time).
-    """
+    """Everything `mptrain doctor` prints, as a JSON-serializable dict.  ``build_extension``: build/load
+    the CUDA extension (default: only with a GPU, where it is useful; the first build takes minutes)."""
     gpus = gpu_info(probe=probe)
     if build_extension is None:
         build_extension = bool(gpus)
@@ -142,25 +139,25 @@ def doctor_report(build_extension: Optional[bool] = None, probe: bool = True) ->
 
 def format_doctor(r: dict) -> str:
     """The report as text."""
-    v = r["versions"]
-    lines = ["mptrain doctor", "=============="]
-    lines.append(f"python {v['python']} | torch {v['torch']} (CUDA {v['torch_cuda'] or 'none'}, cuDNN {v['cudnn'] or 'none'})")
-    lines.append(f"driver {v['driver'] or 'not found (no nvidia-smi)'} | nvcc {v['nvcc'] or 'not found'} | "
-                 f"ninja {v['ninja'] or 'not found'}")
-    c = r["cpu"]
-    lines.append(f"CPU: {c['machine']}, {c['threads']} threads, vector ISA {c['capability']}, native bf16: "
-                 f"{'yes' if c['bf16_native'] else 'no'}")
+    v, c = r["versions"], r["cpu"]
+    lines = ["mptrain doctor", "==============",
+             f"python {v['python']} | torch {v['torch']} "
+             f"(CUDA {v['torch_cuda'] or 'none'}, cuDNN {v['cudnn'] or 'none'})",
+             f"driver {v['driver'] or 'not found (no nvidia-smi)'} | nvcc {v['nvcc'] or 'not found'} | "
+             f"ninja {v['ninja'] or 'not found'}",
+             f"CPU: {c['machine']}, {c['threads']} threads, vector ISA {c['capability']}, native bf16: "
+             f"{'yes' if c['bf16_native'] else 'no'}"]
     if not r["gpus"]:
         lines.append("GPU: none visible (torch.cuda.is_available() is False)")
     for g in r["gpus"]:
         lines.append(f"GPU {g['index']}: {g['name']}, compute capability {g['capability']}, "
                      f"{g['memory_gb']} GiB, {g['sms']} SMs")
         for path in ("tf32", "fp16", "bf16", "int8", "fp8"):
-            has = g["tensor_cores"][path]
             pr = g["probes"].get(path)
             probe = "" if pr is None else (" (probe ok)" if pr["ok"] else f" (probe failed: {pr['detail']})")
             need = ".".join(map(str, TENSOR_CORE_MIN_CC[path]))
-            lines.append(f"  {path.upper():<5} tensor cores: {'yes' if has else 'no '} (needs sm >= {need}){probe}")
+            has = "yes" if g["tensor_cores"][path] else "no "
+            lines.append(f"  {path.upper():<5} tensor cores: {has} (needs sm >= {need}){probe}")
     lines.append(f"float32 matmul precision: {r['matmul_precision']}")
     e = r["extension"]
     state = {True: "loads", False: "NOT available", None: "unknown"}[e.get("available")]

@@ -207,12 +207,9 @@ class LayerwiseReport:
         return next((r["module"] for r in self.grad_rows if not r["ok"]), None)
 
     def ranked(self) -> list[tuple[dict, dict]]:
-        """(row, detail) pairs, worst first.
-
-        Order: modules that created inf/NaN from finite inputs; then modules out of
-        tolerance; within each, the larger local error (the module's own), then the
-        larger global error.  Ties keep execution order, so the origin of a cascade wins.
-        """
+        """(row, detail) pairs, worst first: modules that created inf/NaN from finite inputs, then those
+        out of tolerance; within each by local (own), then global error; ties keep execution order,
+        so the origin of a cascade wins."""
         def key(i: int):
             row, det = self.rows[i], self.details[i]
             local = det.get("local_rel_err")
