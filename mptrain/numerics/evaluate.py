@@ -26,8 +26,6 @@ DEFAULT_PRECISIONS = ("32-true", "bf16-true", "16-true", "int8-dynamic")
 EXTRA_PRECISIONS = ("int8-dynamic",)
 #: keys of a dict batch that hold the target, not the model's input
 LABEL_KEYS = ("labels", "label", "target", "targets", "y")
-#: errors that mean "this device/dtype cannot run this model", reported as unsupported
-_UNSUPPORTED = (RuntimeError, NotImplementedError, TypeError)
 
 
 @dataclass
@@ -174,7 +172,7 @@ def evaluate_precisions(model: nn.Module, dataloader: Iterable, metric: Any = "a
             row.update(metric=value, latency_ms=latency)
             if nonfinite:
                 row["status"] = "ok (outputs contain inf/NaN)"
-        except _UNSUPPORTED as e:
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # this device/dtype cannot run the model
             row["status"] = f"unsupported: {_first_line(e)}"
         table.rows.append(row)
     measured = [r for r in table.rows if r["metric"] is not None]
