@@ -1,11 +1,7 @@
-"""The ``mptrain`` command (also ``python -m mptrain``).
-
-``mptrain fit|validate|test|predict`` is Lightning's ``LightningCLI`` with mptrain's Trainer
-(:class:`MptrainCLI`); ``mptrain doctor|numerics|bench`` are mptrain's tools, with the same
-flag style (snake_case, ``--config``, dotted overrides).  A config mistake prints one line
-naming the key, the value and what is valid, and exits with status 2 before anything is
-created.
-"""
+"""The ``mptrain`` command (also ``python -m mptrain``): LightningCLI's ``fit|validate|test|predict``
+with mptrain's Trainer, and the tools ``doctor|numerics|bench`` in the same flag style.  A config
+mistake prints one line naming the key, the value and what is valid, and exits 2 before anything
+is created."""
 from __future__ import annotations
 
 import os
@@ -51,8 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _close_process_group() -> None:
-    """Tear the process group down before the interpreter exits: gloo's threads left to the
-    interpreter's teardown abort the process ("terminate called without an active exception")."""
+    """Tear the process group down now: gloo's threads left to the interpreter's teardown abort it."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -60,10 +55,8 @@ def _close_process_group() -> None:
 
 
 def wandb_offline_without_key() -> None:
-    """W&B without credentials runs offline (``wandb sync`` later) instead of prompting.
-
-    Credentials are ``WANDB_API_KEY`` or a ``~/.netrc`` entry for api.wandb.ai (what
-    ``wandb login`` writes); the key itself is never read into mptrain."""
+    """W&B without credentials (``WANDB_API_KEY``, or the ~/.netrc entry ``wandb login`` writes)
+    runs offline (``wandb sync`` later) instead of prompting; the key itself is never read."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
         return
     import netrc

@@ -1,11 +1,7 @@
-"""No code from YAML: every ``class_path`` in a parsed config must name a class of the kind
-its key expects (a Callback under ``trainer.callbacks``, a Logger under ``trainer.logger``,
-...) before anything is instantiated.  ``class_path: os.system`` under callbacks is refused
-here, so the command never runs.
-
-A ``class_path`` under a key with no expected kind (an argument typed ``Any``) is refused
-too: jsonargparse would build it, and nothing would say what it may be.
-"""
+"""No code from YAML: before anything is instantiated, every ``class_path`` in a parsed config must
+name a class of the kind its key expects (``class_path: os.system`` under ``trainer.callbacks`` is
+refused and never runs).  A ``class_path`` under a key typed ``Any`` is refused too: nothing says
+what it may be."""
 from __future__ import annotations
 
 import importlib
@@ -57,9 +53,7 @@ def _classes_in(hint: Any) -> tuple[type, ...]:
     """The classes an annotation allows (``Optional[X]``, ``Union[X, Y]``, ``list[X]``)."""
     if inspect.isclass(hint) and hint is not typing.Any:
         return (hint,)
-    out: list[type] = []
-    for arg in typing.get_args(hint):
-        out.extend(_classes_in(arg))
+    out = [c for arg in typing.get_args(hint) for c in _classes_in(arg)]
     return tuple(c for c in out if c is not type(None) and c not in (str, int, float, bool, dict, list))
 
 

@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+import yaml
+
 from mptrain.cli.errors import ConfigError
 
 _PYTHON_TAG = re.compile(r"!!?python/|!<tag:yaml\.org,2002:python/")
@@ -24,33 +26,25 @@ def config_paths(argv: list[str]) -> Iterator[str]:
 
 
 def check_config_file(path: str) -> None:
-    """Raise ConfigError unless ``path`` is a readable, text, safe YAML mapping.
-
-    A value that is not an existing file but looks like inline YAML (``--config '{...}'``,
-    which jsonargparse accepts) is checked the same way."""
-    p = Path(path)
-    inline = not p.exists() and (":" in path or path.strip().startswith("{"))
-    if not inline:
-        try:
-            data = p.read_bytes()
-        except OSError as e:
-            raise ConfigError(f"--config {path!r}: cannot read the recipe ({e.strerror or e})") from None
-        nul = data.find(b"\x00")
-        if nul >= 0:
-            raise ConfigError(f"--config {path!r}: binary content (byte {nul} is NUL); "
-                              "a recipe is a YAML text file")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"--config {path!r}: not UTF-8 text (byte {e.start}); a recipe is a YAML text file") from None
-    else:
-        text = path
+    """Raise ConfigError unless ``path`` is a readable, text, safe YAML mapping; a value that looks
+    like inline YAML (``--config '{...}'``, which jsonargparse accepts) is checked the same way."""
+    if not Path(path).exists() and (":" in path or path.strip().startswith("{")):
+        return _check_text(path, path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"--config {path!r}: cannot read the recipe ({e.strerror or e})") from None
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise ConfigError(f"--config {path!r}: binary content (byte {nul} is NUL); a recipe is a YAML text file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path!r}: not UTF-8 text (byte {e.start}); a recipe is a YAML text file") from None
     _check_text(path, text)
 
 
 def _check_text(path: str, text: str) -> None:
-    import yaml
-
     for n, line in enumerate(text.splitlines(), 1):
         indent = line[: len(line) - len(line.lstrip(" \t"))]
         if "\t" in indent:

@@ -3,6 +3,7 @@ Lightning's multi-line messages into "key, value, what is valid"."""
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 from typing import Any, Iterable, Optional
 
@@ -47,13 +48,11 @@ def innermost_error(message: str) -> str:
 
 def _init_params(class_path: str) -> list[str]:
     """The keyword arguments of an (already imported) class named in a parse error."""
-    import importlib
-    import inspect
+    from mptrain.cli.class_paths import resolve  # it imports this module
 
-    module, _, name = class_path.rpartition(".")
     try:
-        params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
-    except (ImportError, AttributeError, TypeError, ValueError):
+        params = inspect.signature(resolve(class_path, "")).parameters
+    except (ConfigError, TypeError, ValueError):
         return []
     return [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 

@@ -1,15 +1,8 @@
-"""``mptrain fit|validate|test|predict``: Lightning's ``LightningCLI`` with mptrain's Trainer.
-
-Everything LightningCLI does is unchanged (recipes with ``seed_everything`` / ``trainer`` /
-``model`` / ``data``, ``--config``, dotted overrides, ``--print_config``, ``--model.help``,
-``--model=OtherClass``, the saved ``config.yaml``).  mptrain adds what makes a config mistake
-one line and exit 2 before anything is created:
-
-* recipe files are checked first (binary, tabs, YAML syntax, ``!!python`` tags);
-* after parsing, every ``class_path`` is checked against the kind its key expects, Trainer
-  values Lightning would only reject later are checked, and ``--ckpt_path`` must exist;
-* a ``ValueError`` / ``TypeError`` / ``MisconfigurationException`` from a class's
-  ``__init__`` becomes a ``ConfigError``.
+"""``mptrain fit|validate|test|predict``: Lightning's ``LightningCLI`` with mptrain's Trainer, unchanged
+but for config mistakes, which become one line and exit 2 before anything is created: after parsing,
+every ``class_path`` is checked against the kind its key expects, Trainer values Lightning would only
+reject later are checked, ``--ckpt_path`` must exist, and a constructor's ``ValueError`` / ``TypeError``
+/ ``MisconfigurationException`` becomes a ``ConfigError``.
 """
 from __future__ import annotations
 
@@ -37,13 +30,10 @@ class MptrainCLI(LightningCLI):
     def __init__(self, args: Any = None, **kwargs: Any) -> None:
         from mptrain import Trainer
 
-        kwargs.setdefault("trainer_class", Trainer)
-        kwargs.setdefault("subclass_mode_model", True)
-        kwargs.setdefault("subclass_mode_data", True)
-        kwargs.setdefault("auto_configure_optimizers", False)
         # config.yaml goes to the run's own log dir (version_N); overwrite only matters without a logger
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        super().__init__(args=args, **kwargs)
+        defaults = dict(trainer_class=Trainer, subclass_mode_model=True, subclass_mode_data=True,
+                        auto_configure_optimizers=False, save_config_kwargs={"overwrite": True})
+        super().__init__(args=args, **{**defaults, **kwargs})
 
     def init_parser(self, **kwargs: Any):
         kwargs.setdefault("exit_on_error", False)  # main() turns the error into one line
@@ -64,13 +54,11 @@ class MptrainCLI(LightningCLI):
         try:
             self.config = parser.parse_object(args) if isinstance(args, dict) else parser.parse_args(args)
         except ArgumentError as e:  # jsonargparse's, with exit_on_error=False
-            raise ConfigError(explain_parse_error(str(e), self.valid_keys(sys.argv[1:] if args is None else args))) from None
-
-    def valid_keys(self, args: Any) -> dict[str, list[str]]:
-        """Group -> its keys in the chosen subcommand's parser (for did-you-mean)."""
-        sub = next((a for a in (args or []) if a in self.subcommands()), None)
-        parser = self._subcommand_parsers.get(sub) if sub else None
-        return parser_keys(parser) if parser is not None else {"": list(self.subcommands())}
+            # the chosen subcommand's keys, for the did-you-mean
+            argv = (sys.argv[1:] if args is None else args) or []
+            sub_parser = self._subcommand_parsers.get(next((a for a in argv if a in self.subcommands()), None))
+            keys = parser_keys(sub_parser) if sub_parser is not None else {"": list(self.subcommands())}
+            raise ConfigError(explain_parse_error(str(e), keys)) from None
 
     def _set_seed(self) -> None:
         """The config checks run first: a mistake is reported before anything else is printed."""
@@ -82,13 +70,6 @@ class MptrainCLI(LightningCLI):
         check_trainer_values(plain.get("trainer") or {})
         check_ckpt_path(plain.get("ckpt_path"), self.subcommand or "")
         super()._set_seed()
-
-    def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        try:
-            fill_vocab_size(config)
-        except CONSTRUCTION_ERRORS as e:
-            raise ConfigError(one_line(innermost_error(str(e)))) from None
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's run, then one machine-readable line: step, log dir, the run's metrics."""
@@ -108,6 +89,7 @@ class MptrainCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         try:
+            fill_vocab_size(self.config[self.subcommand] if self.subcommand else self.config)
             super().instantiate_classes()
         except CONSTRUCTION_ERRORS as e:
             raise ConfigError(one_line(innermost_error(str(e)))) from None

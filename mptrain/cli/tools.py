@@ -13,14 +13,10 @@ BENCHES = {"gemm": "mptrain.bench.gemm", "kernels": "mptrain.bench.kernels", "e2
 
 def tool_parser(name: str):
     """The jsonargparse parser of a tool (for ``mptrain --help`` and for parsing)."""
-    if name == "doctor":
-        from mptrain.numerics.cli import doctor_parser
+    if name in ("doctor", "numerics"):
+        from mptrain.numerics import cli
 
-        return doctor_parser()
-    if name == "numerics":
-        from mptrain.numerics.cli import numerics_parser
-
-        return numerics_parser()
+        return getattr(cli, f"{name}_parser")()
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(prog="mptrain bench", exit_on_error=False,
@@ -35,9 +31,9 @@ def run_tool(name: str, argv: list[str]) -> int:
     try:
         if name == "bench":
             return _bench(argv)
-        from mptrain.numerics.cli import doctor_main, numerics_main
+        from mptrain.numerics import cli
 
-        return (doctor_main if name == "doctor" else numerics_main)(argv)
+        return getattr(cli, f"{name}_main")(argv)
     except ArgumentError as e:  # jsonargparse's, with exit_on_error=False
         from mptrain.cli.lightning_cli import parser_keys
 

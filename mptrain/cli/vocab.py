@@ -1,15 +1,13 @@
-"""A model configured with ``vocab_size: null`` takes the data module's vocabulary size
-(a tokenizer trained on the corpus at start, or a corpus vocabulary)."""
+"""A model configured with ``vocab_size: null`` takes the data module's vocabulary size."""
 from __future__ import annotations
 
 from typing import Any
 
 
 def fill_vocab_size(config: Any) -> None:
-    """Set ``model.init_args.vocab_size`` from the data module when the config leaves it null.
-
-    Only then: a model without a ``vocab_size`` argument is left alone (an argument link
-    would add the key to every model).  The data module is built once here to ask it."""
+    """Set ``model.init_args.vocab_size`` from the data module (built here once to ask it) when the
+    config leaves it null; a model without that argument is left alone (an argument link would add
+    the key to every model)."""
     model, data = config.get("model"), config.get("data")
     init = getattr(model, "init_args", None) if model is not None else None
     if data is None or init is None or "vocab_size" not in init or init["vocab_size"] is not None:

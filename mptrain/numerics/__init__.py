@@ -1,12 +1,6 @@
-"""Numerics toolkit: where does low precision hurt, layer by layer?
-
-* :func:`compare_layerwise` -- fp32 shadow comparison of every module (forward and backward);
-* :class:`OverflowMonitor` -- the Lightning callback counting inf/NaN, near-max values and
-  fp16-underflowing gradients per module (it lives in :mod:`mptrain.callbacks`, re-exported here);
-* :func:`evaluate_precisions` -- metric and latency of a trained model per precision,
-  int8 dynamic quantization included (:mod:`mptrain.numerics.quant`);
-* :func:`doctor_report` -- what the hardware and the toolchain can do.
-"""
+"""Numerics toolkit: where low precision hurts, layer by layer (:func:`compare_layerwise`), what a
+trained model's metric and latency become per precision, int8 included (:func:`evaluate_precisions`),
+what the hardware can do (:func:`doctor_report`); :class:`OverflowMonitor` is the callbacks' one."""
 from mptrain.callbacks.overflow_monitor import OverflowMonitor
 from mptrain.numerics.evaluate import PrecisionTable, evaluate_precisions
 from mptrain.numerics.hardware import doctor_report, format_doctor

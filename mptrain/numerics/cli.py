@@ -1,28 +1,30 @@
 """``mptrain doctor`` and ``mptrain numerics``: jsonargparse parsers in the flag style of
-``mptrain fit`` (snake_case, ``--config``, dotted overrides).
-
-``mptrain numerics --config RECIPE.yaml`` reads the recipe exactly as ``mptrain fit`` does
-(its ``trainer`` section is checked but not built), builds the model and the data module
-(every ``class_path`` checked first), takes one batch and prints the layerwise
-fp32-vs-low-precision comparison, ending with one line naming the worst layer and why.
-"""
+``mptrain fit`` (snake_case, ``--config``, dotted overrides); docs/cli.md lists the flags.
+``mptrain numerics`` reads a recipe as ``mptrain fit`` does and compares its model layer by
+layer on one batch."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Optional, Union
 
+import lightning.pytorch as pl
 import torch
+from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from mptrain.cli.class_paths import check_class_paths
+from mptrain.cli.errors import ConfigError, bad_value, innermost_error, one_line
+from mptrain.cli.lightning_cli import CONSTRUCTION_ERRORS
+from mptrain.cli.vocab import fill_vocab_size
 from mptrain.numerics.evaluate import LABEL_KEYS
+from mptrain.numerics.hardware import doctor_report, format_doctor
+from mptrain.numerics.layerwise import compare_layerwise
+from mptrain.precision import PRECISIONS, normalize_precision
+from mptrain.trainer import Trainer
 
 
-# ---------------------------------------------------------------------------------------
-# doctor
-# ---------------------------------------------------------------------------------------
 def doctor_parser():
-    from jsonargparse import ArgumentParser
-
     parser = ArgumentParser(prog="mptrain doctor", exit_on_error=False,
                             description="GPU, tensor-core paths, toolchain versions, extension status, advice.")
     parser.add_argument("--json", type=Optional[str], default=None, help="also write the report as JSON to this path")
@@ -34,26 +36,15 @@ def doctor_parser():
 
 def doctor_main(argv: Optional[list[str]] = None) -> int:
     cfg = doctor_parser().parse_args(argv)
-    from mptrain.numerics.hardware import doctor_report, format_doctor
-
     report = doctor_report(build_extension=cfg.build, probe=cfg.probe)
     print(format_doctor(report))
     if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(report, f, indent=2)
+        Path(cfg.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {cfg.json}")
     return 0
 
 
-# ---------------------------------------------------------------------------------------
-# numerics
-# ---------------------------------------------------------------------------------------
 def numerics_parser():
-    import lightning.pytorch as pl
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    from mptrain import Trainer
-
     parser = ArgumentParser(prog="mptrain numerics", exit_on_error=False,
                             description="Layerwise fp32-vs-low-precision comparison of a recipe's model on one batch.")
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="a recipe (the one `mptrain fit` takes)")
@@ -76,15 +67,6 @@ def numerics_parser():
     return parser
 
 
-def first_batch(data: Any) -> Any:
-    """One training batch from a LightningDataModule, a dataloader or an iterable."""
-    if hasattr(data, "train_dataloader"):
-        data.prepare_data()
-        data.setup("fit")
-        data = data.train_dataloader()
-    return next(iter(data))
-
-
 def batch_to_input(model: Any, batch: Any) -> Any:
     """What ``model.forward`` takes: the model's own ``numerics_input(batch)`` if it has one,
     else the first element of a tuple batch, or a dict batch without its label keys."""
@@ -98,35 +80,24 @@ def batch_to_input(model: Any, batch: Any) -> Any:
 
 
 def build_model_and_batch(parser, cfg) -> tuple[Any, Any]:
-    """The recipe's model and one batch of its data (class paths checked before anything is built)."""
-    import lightning.pytorch as pl
-
-    from mptrain.cli.class_paths import check_class_paths
-    from mptrain.cli.errors import ConfigError, innermost_error, one_line
-    from mptrain.cli.lightning_cli import CONSTRUCTION_ERRORS
-
+    """The recipe's model and one training batch of its data (class paths checked before anything is built)."""
     plain = cfg.clone().as_dict()
     check_class_paths({k: plain.get(k) for k in ("model", "data")}, object)
     if cfg.seed_everything is not False:
         pl.seed_everything(None if cfg.seed_everything is True else int(cfg.seed_everything), verbose=False)
-    from mptrain.cli.vocab import fill_vocab_size
-
     try:
         fill_vocab_size(cfg)
         built = parser.instantiate_classes(cfg)
     except CONSTRUCTION_ERRORS as e:
         raise ConfigError(one_line(innermost_error(str(e)))) from None
-    return built.model, first_batch(built.data)
+    built.data.prepare_data()
+    built.data.setup("fit")
+    return built.model, next(iter(built.data.train_dataloader()))
 
 
 def numerics_main(argv: Optional[list[str]] = None) -> int:
     parser = numerics_parser()
     cfg = parser.parse_args(argv)
-    from mptrain.numerics.layerwise import compare_layerwise
-
-    from mptrain.cli.errors import bad_value
-    from mptrain.precision import PRECISIONS, normalize_precision
-
     precision = cfg.precision or cfg.trainer.get("precision") or "bf16-mixed"
     try:
         precision = normalize_precision(precision)
@@ -140,8 +111,7 @@ def numerics_main(argv: Optional[list[str]] = None) -> int:
     report = compare_layerwise(model, example, precision=str(precision), rtol=cfg.rtol, atol=cfg.atol,
                                backward=cfg.backward, train_mode=cfg.train_mode)
     if cfg.json:
-        with open(cfg.json, "w") as f:
-            f.write(report.to_json())
+        Path(cfg.json).write_text(report.to_json())
         print(f"wrote {cfg.json}")
     print(report.table(top=cfg.top))  # its last line: the worst module and why
     return 0

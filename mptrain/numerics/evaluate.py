@@ -1,17 +1,15 @@
 """evaluate_precisions: what a trained model's metric and latency become in each precision.
 
-Each precision gets its own deep copy of the model, converted the way training would
-convert it (``build_precision(...).convert_module`` + ``forward_context``), or quantized
-to int8 (``int8-dynamic``, see :mod:`mptrain.numerics.quant`).  The metric is computed
-over the whole dataloader, the latency is the median time of one batch's forward
-(after warm-up; CUDA synchronized around each batch).  A precision the device cannot run
-(fp16 kernels missing on a CPU, bf16 on an old GPU) becomes an ``unsupported: reason`` row
-instead of an exception.
+Each precision runs on its own deep copy, converted as training would convert it (or quantized
+to int8, ``int8-dynamic``).  The metric covers the whole dataloader; the latency is the median
+forward time of one batch after warm-up.  A precision the device cannot run becomes an
+``unsupported: reason`` row instead of an exception.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -28,8 +26,6 @@ DEFAULT_PRECISIONS = ("32-true", "bf16-true", "16-true", "int8-dynamic")
 EXTRA_PRECISIONS = ("int8-dynamic",)
 #: keys of a dict batch that hold the target, not the model's input
 LABEL_KEYS = ("labels", "label", "target", "targets", "y")
-#: errors that mean "this device/dtype cannot run this model", reported as unsupported
-_UNSUPPORTED = (RuntimeError, NotImplementedError, TypeError)
 
 
 @dataclass
@@ -115,9 +111,7 @@ def _run_one(model, precision, loader, metric, device, quant_config, batch_fn, m
     preds, targets, times = [], [], []
     nonfinite = False
     with torch.no_grad():
-        for i, batch in enumerate(loader):
-            if max_batches is not None and i >= max_batches:
-                break
+        for batch in itertools.islice(loader, max_batches):
             x, y = batch_fn(batch)
             x, y = convert(move_data_to_device(x, device)), move_data_to_device(y, device)
             _sync(device)
@@ -178,17 +172,14 @@ def evaluate_precisions(model: nn.Module, dataloader: Iterable, metric: Any = "a
             row.update(metric=value, latency_ms=latency)
             if nonfinite:
                 row["status"] = "ok (outputs contain inf/NaN)"
-        except _UNSUPPORTED as e:
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # this device/dtype cannot run the model
             row["status"] = f"unsupported: {_first_line(e)}"
         table.rows.append(row)
-    base = next((r for r in table.rows if r["precision"] == "32-true" and r["metric"] is not None), None)
-    if base is None:
-        base = next((r for r in table.rows if r["metric"] is not None), None)
-    if base is not None:
-        for r in table.rows:
-            if r["metric"] is not None:
-                r["diff"] = r["metric"] - base["metric"]
-                r["speedup"] = base["latency_ms"] / r["latency_ms"] if r["latency_ms"] else None
+    measured = [r for r in table.rows if r["metric"] is not None]
+    base = next((r for r in measured if r["precision"] == "32-true"), measured[0] if measured else None)
+    for r in measured:  # against fp32, or the first precision measured without it
+        r["diff"] = r["metric"] - base["metric"]
+        r["speedup"] = base["latency_ms"] / r["latency_ms"] if r["latency_ms"] else None
     return table
 
 

@@ -1,10 +1,8 @@
 """`mptrain doctor`: what this machine can do for mixed precision, and what to use.
 
-Reports the GPUs (name, compute capability, memory, SMs), which tensor-core paths they
-have (TF32, FP16, BF16, INT8, FP8, from the capability and, with a GPU, a tiny probe of
-the op itself), the driver / CUDA / torch / nvcc / ninja versions, whether mptrain's CUDA
-extension builds and loads, and a one-line recommendation.  Everything degrades to
-"not available (why)" instead of raising: the doctor must run on a broken machine.
+GPUs and their tensor-core paths (from the capability and a tiny probe), toolchain versions,
+whether mptrain's CUDA extension builds and loads, and a recommendation.  Everything degrades
+to "not available (why)" instead of raising: the doctor must run on a broken machine.
 """
 from __future__ import annotations
 
@@ -55,19 +53,18 @@ def tool_versions() -> dict:
     return v
 
 
-def _probe(fn) -> tuple[bool, str]:
-    try:
-        fn()
-        torch.cuda.synchronize()
-        return True, "ok"
-    except Exception as e:  # noqa: BLE001 - any failure means "this path does not work here"
-        return False, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-
-
 def _probes(dev: int) -> dict:
     """Run each tensor-core product once on tiny operands (those of `mptrain bench gemm`)."""
-    device = torch.device("cuda", dev)
-    return {path: _probe(lambda: gemm_fn(path)(*make_operands(path, 32, device))) for path in TENSOR_CORE_MIN_CC}
+    device, probes = torch.device("cuda", dev), {}
+    for path in TENSOR_CORE_MIN_CC:
+        try:
+            gemm_fn(path)(*make_operands(path, 32, device))
+            torch.cuda.synchronize()
+            probes[path] = {"ok": True, "detail": "ok"}
+        except Exception as e:  # noqa: BLE001 - any failure means "this path does not work here"
+            first = str(e).splitlines()[0][:120] if str(e) else ""
+            probes[path] = {"ok": False, "detail": f"{type(e).__name__}: {first}"}
+    return probes
 
 
 def gpu_info(probe: bool = True) -> list[dict]:
@@ -84,7 +81,7 @@ def gpu_info(probe: bool = True) -> list[dict]:
                 "tensor_cores": paths, "probes": {}}
         if probe:
             with torch.cuda.device(i):
-                info["probes"] = {k: {"ok": ok, "detail": why} for k, (ok, why) in _probes(i).items()}
+                info["probes"] = _probes(i)
         gpus.append(info)
     return gpus
 
@@ -112,8 +109,7 @@ def recommend(gpus: list[dict]) -> str:
     g = gpus[0]
     tc = g["tensor_cores"]
     probes = g.get("probes") or {}
-    bf16_ok = tc["bf16"] and probes.get("bf16", {}).get("ok", True)
-    if bf16_ok:
+    if tc["bf16"] and probes.get("bf16", {}).get("ok", True):
         fp8 = " FP8 tensor cores are present (benchmark with `mptrain bench gemm`)." if tc["fp8"] else ""
         return (f"{g['name']} (sm_{g['capability'].replace('.', '')}): use precision='bf16-master' "
                 f"(bf16 has fp32's range: no loss scaling needed); TF32 for the fp32 parts.{fp8}")
@@ -124,11 +120,8 @@ def recommend(gpus: list[dict]) -> str:
 
 
 def doctor_report(build_extension: Optional[bool] = None, probe: bool = True) -> dict:
-    """Everything `mptrain doctor` prints, as a dict (JSON-serializable).
-
-    ``build_extension``: try to build/load the CUDA extension (default: only with a GPU,
-    since the build needs one to be useful and can take minutes the first time).
-    """
+    """Everything `mptrain doctor` prints, as a JSON-serializable dict.  ``build_extension``: build/load
+    the CUDA extension (default: only with a GPU, where it is useful; the first build takes minutes)."""
     gpus = gpu_info(probe=probe)
     if build_extension is None:
         build_extension = bool(gpus)
@@ -146,25 +139,25 @@ def doctor_report(build_extension: Optional[bool] = None, probe: bool = True) ->
 
 def format_doctor(r: dict) -> str:
     """The report as text."""
-    v = r["versions"]
-    lines = ["mptrain doctor", "=============="]
-    lines.append(f"python {v['python']} | torch {v['torch']} (CUDA {v['torch_cuda'] or 'none'}, cuDNN {v['cudnn'] or 'none'})")
-    lines.append(f"driver {v['driver'] or 'not found (no nvidia-smi)'} | nvcc {v['nvcc'] or 'not found'} | "
-                 f"ninja {v['ninja'] or 'not found'}")
-    c = r["cpu"]
-    lines.append(f"CPU: {c['machine']}, {c['threads']} threads, vector ISA {c['capability']}, native bf16: "
-                 f"{'yes' if c['bf16_native'] else 'no'}")
+    v, c = r["versions"], r["cpu"]
+    lines = ["mptrain doctor", "==============",
+             f"python {v['python']} | torch {v['torch']} "
+             f"(CUDA {v['torch_cuda'] or 'none'}, cuDNN {v['cudnn'] or 'none'})",
+             f"driver {v['driver'] or 'not found (no nvidia-smi)'} | nvcc {v['nvcc'] or 'not found'} | "
+             f"ninja {v['ninja'] or 'not found'}",
+             f"CPU: {c['machine']}, {c['threads']} threads, vector ISA {c['capability']}, native bf16: "
+             f"{'yes' if c['bf16_native'] else 'no'}"]
     if not r["gpus"]:
         lines.append("GPU: none visible (torch.cuda.is_available() is False)")
     for g in r["gpus"]:
         lines.append(f"GPU {g['index']}: {g['name']}, compute capability {g['capability']}, "
                      f"{g['memory_gb']} GiB, {g['sms']} SMs")
         for path in ("tf32", "fp16", "bf16", "int8", "fp8"):
-            has = g["tensor_cores"][path]
             pr = g["probes"].get(path)
             probe = "" if pr is None else (" (probe ok)" if pr["ok"] else f" (probe failed: {pr['detail']})")
             need = ".".join(map(str, TENSOR_CORE_MIN_CC[path]))
-            lines.append(f"  {path.upper():<5} tensor cores: {'yes' if has else 'no '} (needs sm >= {need}){probe}")
+            has = "yes" if g["tensor_cores"][path] else "no "
+            lines.append(f"  {path.upper():<5} tensor cores: {has} (needs sm >= {need}){probe}")
     lines.append(f"float32 matmul precision: {r['matmul_precision']}")
     e = r["extension"]
     state = {True: "loads", False: "NOT available", None: "unknown"}[e.get("available")]

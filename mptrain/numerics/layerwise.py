@@ -1,20 +1,12 @@
 """Layer-by-layer comparison of a low-precision model against its fp32 shadow.
 
-Two deep copies of the model run the same input: one in float32, one converted by a
-precision of :mod:`mptrain.precision`.  Hooks on every leaf module (and every module that
-owns parameters directly) record what each computed.  Two errors are measured per module:
-
-* **global**: its low-precision output against its fp32 output.  This includes whatever
-  error reached it from upstream, so everything after a bad layer looks bad too.
-* **local**: the low-precision module re-run on the fp32 input its shadow received (cast
-  to the dtype the low-precision module actually saw), against the fp32 output.  This is
-  the error the layer itself adds, and it is what ranks the table: a layer that overflows
-  or loses precision ranks above the layers that merely inherit its damage.
-
-A layer whose low-precision output holds inf/NaN although its low-precision input was
-finite *created* the non-finite values (``new_nonfinite``) and ranks above everything.
-
-Statistics stay on the device until the end (one host transfer for the whole report).
+Two deep copies run the same input, one in float32, one converted by a precision of
+:mod:`mptrain.precision`; hooks on every leaf module (and every module owning parameters)
+record what each computed.  Per module: the **global** error (low output vs fp32 output,
+upstream damage included) and the **local** error (the low module re-run on its shadow's
+fp32 input, cast to the dtype it really got): the error the layer adds, which ranks the
+table.  A layer that turns a finite input into inf/NaN (``new_nonfinite``) ranks first.
+Statistics stay on the device until the end (one host transfer for the report).
 """
 from __future__ import annotations
 
@@ -23,7 +15,7 @@ import copy
 import itertools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -47,19 +39,13 @@ LOCAL_FACTOR = 4.0
 class Tolerance:
     """What "ok" means for one module: ``|low - fp32| <= atol + rtol * |fp32|`` element-wise.
 
-    By default it follows the dtype's rounding: ``rtol = factor * u * sqrt(depth)``, with
-    ``u`` the low dtype's unit roundoff (bf16 2^-8, fp16 2^-11) and ``depth`` the number of
-    modules with parameters the input has gone through (independent rounding errors add up
-    like a random walk), and ``atol = rtol * rms(fp32 output)``.  The module's own error
-    (relative L2, on its fp32 input) must also stay within ``local_factor * u``: that is
-    what catches one wrong layer whose damage is small next to the inherited error.
-    ``rtol`` / ``atol`` given explicitly are used as they are for every module (and rtol
-    bounds the own error too).
-
-    The reduction size K of a layer does not widen the bound: products are accumulated in
-    fp32, so a K-term dot product of rounded inputs has an error of about ``u`` relative to
-    the output's RMS whatever K (random-sign rounding errors grow like sqrt(K), and so does
-    the output); it is depth, the number of roundings in series, that adds up."""
+    By default ``rtol = factor * u * sqrt(depth)``: ``u`` the low dtype's unit roundoff, ``depth``
+    the number of modules with parameters run so far (independent roundings add up like a random
+    walk; a layer's reduction size K does not widen it, products accumulate in fp32), and
+    ``atol = rtol * rms(fp32 output)``.  The module's own error (relative L2 on its fp32 input)
+    must also stay within ``local_factor * u``: that catches one wrong layer whose damage is small
+    next to the inherited error.  An explicit ``rtol`` / ``atol`` is used for every module (and
+    rtol bounds the own error too)."""
 
     unit_roundoff: float
     factor: float = TOL_FACTOR
@@ -68,9 +54,7 @@ class Tolerance:
     atol: Optional[float] = None
 
     def rtol_at(self, depth: int) -> float:
-        if self.rtol is not None:
-            return self.rtol
-        return self.factor * self.unit_roundoff * math.sqrt(depth)
+        return self.rtol if self.rtol is not None else self.factor * self.unit_roundoff * math.sqrt(depth)
 
     def local_limit(self) -> float:
         return self.rtol if self.rtol is not None else self.local_factor * self.unit_roundoff
@@ -83,21 +67,17 @@ class Tolerance:
         return f"{r}, {a}{own}"
 
 
-def _low_dtype(precision_name: str) -> torch.dtype:
+def _unit_roundoff(precision_name: str) -> float:
+    """The unit roundoff of the low dtype a precision name computes in."""
     if precision_name.startswith("bf16"):
-        return torch.bfloat16
-    if precision_name.startswith("16"):
-        return torch.float16
-    return torch.float32
+        return UNIT_ROUNDOFF[torch.bfloat16]
+    return UNIT_ROUNDOFF[torch.float16 if precision_name.startswith("16") else torch.float32]
 
 
 # Index of each statistic in the per-call vector (summed or max-ed over calls at the end).
 _N, _NBOTH, _SUMABS, _MAXABS, _MAXREL, _DOT, _REF2, _LOW2, _D2, _OVF, _UNF, _VIOL, _MISMATCH = range(13)
 
 
-# ---------------------------------------------------------------------------------------
-# tensor plumbing
-# ---------------------------------------------------------------------------------------
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """Floating-point tensors in ``obj`` (tensors, lists, tuples, dicts), in a fixed order."""
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -174,20 +154,11 @@ def _finalize(vecs: list[torch.Tensor]) -> dict:
     n = max(tot[_N], 1.0)
     broken = tot[_OVF] > 0 or tot[_MISMATCH] > 0
     nref, nlow = math.sqrt(tot[_REF2]), math.sqrt(tot[_LOW2])
-    if broken:
-        cosine = math.nan  # undefined with inf/NaN in one tensor and not the other
-    elif nref == 0 and nlow == 0:
-        cosine = 1.0
-    elif nref == 0 or nlow == 0:
-        cosine = 0.0
-    else:
-        cosine = max(-1.0, min(1.0, tot[_DOT] / (nref * nlow)))
-    if broken:
-        rel_err = math.inf
-    elif nref > 0:
-        rel_err = math.sqrt(tot[_D2]) / nref
-    else:
-        rel_err = 0.0 if tot[_D2] == 0 else math.inf
+    if broken:  # cosine is undefined with inf/NaN in one tensor and not the other
+        cosine, rel_err = math.nan, math.inf
+    else:  # two zero tensors agree (cosine 1); one zero tensor is orthogonal to anything (0)
+        cosine = max(-1.0, min(1.0, tot[_DOT] / (nref * nlow))) if nref and nlow else float(nref == nlow)
+        rel_err = math.sqrt(tot[_D2]) / nref if nref else (0.0 if tot[_D2] == 0 else math.inf)
     return {
         "max_abs": math.inf if broken else mx[_MAXABS],
         "max_rel": math.inf if broken else mx[_MAXREL],
@@ -200,26 +171,19 @@ def _finalize(vecs: list[torch.Tensor]) -> dict:
     }
 
 
-# ---------------------------------------------------------------------------------------
-# the report
-# ---------------------------------------------------------------------------------------
 @dataclass
 class LayerwiseReport:
     """Result of :func:`compare_layerwise`.
 
-    rows: one dict per module in execution order with exactly ``ROW_KEYS`` (global error):
-        max_abs / max_rel (relative to |fp32| where fp32 != 0) are inf when the low
-        precision has inf/NaN where fp32 is finite; mean_abs is over the values finite in
-        both; cosine is NaN in that case; overflow_frac counts inf *and* NaN created where
-        fp32 was finite; underflow_frac counts values non-zero in fp32 and exactly zero
-        in low precision.  A module called several times (a shared ReLU) gets one row
-        aggregated over its calls.
-    details: same order; per module the extra columns: dtype, calls, rel_err (relative
-        L2 error), local_max_abs / local_rel_err / local_cosine (the module's own error),
-        local_input_ok (False when the fp32 input is not representable in the low dtype,
-        e.g. it overflows on the cast: then the error belongs upstream), new_nonfinite.
-    grad_rows: with ``backward=True``, the gradient w.r.t. each module's output, in
-        backward execution order; param_grad_rows: each module's own parameter grads.
+    rows: one dict per module in execution order with exactly ``ROW_KEYS`` (global error), one
+        row per module over all its calls.  Where low precision has inf/NaN and fp32 not:
+        max_abs / max_rel are inf, cosine NaN, and overflow_frac counts them; mean_abs is over
+        values finite in both; underflow_frac counts values non-zero in fp32 and zero in low.
+    details: same order: dtype, calls, rel_err (relative L2), local_max_abs / local_rel_err /
+        local_cosine (the module's own error), local_input_ok (False when the fp32 input does not
+        fit the low dtype: the error belongs upstream), new_nonfinite.
+    grad_rows: with ``backward=True``, the gradient w.r.t. each module's output in backward
+        order; param_grad_rows: each module's own parameter grads.
     """
 
     precision: str
@@ -243,12 +207,9 @@ class LayerwiseReport:
         return next((r["module"] for r in self.grad_rows if not r["ok"]), None)
 
     def ranked(self) -> list[tuple[dict, dict]]:
-        """(row, detail) pairs, worst first.
-
-        Order: modules that created inf/NaN from finite inputs; then modules out of
-        tolerance; within each, the larger local error (the module's own), then the
-        larger global error.  Ties keep execution order, so the origin of a cascade wins.
-        """
+        """(row, detail) pairs, worst first: modules that created inf/NaN from finite inputs, then those
+        out of tolerance; within each by local (own), then global error; ties keep execution order,
+        so the origin of a cascade wins."""
         def key(i: int):
             row, det = self.rows[i], self.details[i]
             local = det.get("local_rel_err")
@@ -256,8 +217,7 @@ class LayerwiseReport:
                 local = -1.0
             return (not det.get("new_nonfinite", False), row["ok"], -_sortable(local), -_sortable(det["rel_err"]), i)
 
-        order = sorted(range(len(self.rows)), key=key)
-        return [(self.rows[i], self.details[i]) for i in order]
+        return [(self.rows[i], self.details[i]) for i in sorted(range(len(self.rows)), key=key)]
 
     def worst(self, n: int = 1) -> list[str]:
         """Names of the ``n`` worst modules."""
@@ -268,11 +228,8 @@ class LayerwiseReport:
         lines = [f"layerwise fp32 vs {self.precision} ({self.tolerance or f'rtol={self.rtol}, atol={self.atol}'}); "
                  f"first_bad={self.first_bad}; worst first", head, "-" * len(head)]
         for row, det in self.ranked()[:top]:
-            flags = []
-            if det.get("new_nonfinite"):
-                flags.append("CREATES-INF/NAN")
-            if not det.get("local_input_ok", True):
-                flags.append("input-overflows-dtype")
+            flags = [flag for flag, on in (("CREATES-INF/NAN", det.get("new_nonfinite")),
+                                           ("input-overflows-dtype", not det.get("local_input_ok", True))) if on]
             local = det.get("local_rel_err")
             lines.append(f"{_short(row['module'], 44):<44} {det.get('dtype', ''):>8} {_stats(row)} "
                          f"{'—' if local is None else _f(local)} {_f(det['rel_err'])}  {' '.join(flags)}")
@@ -280,8 +237,7 @@ class LayerwiseReport:
             lines += ["", f"output gradients (backward order); first_bad_grad={self.first_bad_grad}",
                       f"{'module':<44} {_STATS_HEAD}"]
             lines += [f"{_short(r['module'], 44):<44} {_stats(r)}" for r in self.grad_rows[:top]]
-        for note in self.notes:
-            lines.append(f"note: {note}")
+        lines += [f"note: {note}" for note in self.notes]
         lines.append(self.verdict())
         return "\n".join(lines)
 
@@ -303,18 +259,13 @@ class LayerwiseReport:
                     f"error is {row['module'] or '<root>'}: relative {det['rel_err']:.2e} vs {tol}{own}")
         return f"summary: {bad} of {len(self.rows)} modules out of tolerance; worst: {row['module'] or '<root>'}: {why}"
 
-    def __str__(self) -> str:
-        return self.table()
-
-    def to_dict(self) -> dict:
-        return {"precision": self.precision, "rtol": self.rtol, "atol": self.atol, "tolerance": self.tolerance,
-                "summary": self.verdict(), "first_bad": self.first_bad,
-                "worst": self.worst(5), "rows": self.rows, "details": self.details, "grad_rows": self.grad_rows,
-                "first_bad_grad": self.first_bad_grad, "param_grad_rows": self.param_grad_rows, "notes": self.notes}
+    __str__ = table
 
     def to_json(self, indent: Optional[int] = 2) -> str:
-        """JSON of :meth:`to_dict`; inf/NaN are written as Infinity/NaN (Python's json reads them back)."""
-        return json.dumps(self.to_dict(), indent=indent)
+        """The report as JSON; inf/NaN are written as Infinity/NaN (Python's json reads them back)."""
+        summary = {"summary": self.verdict(), "first_bad": self.first_bad, "worst": self.worst(5),
+                   "first_bad_grad": self.first_bad_grad}
+        return json.dumps({**asdict(self), **summary}, indent=indent)
 
 
 def _sortable(v: float) -> float:
@@ -339,18 +290,10 @@ def _short(name: str, width: int) -> str:
     return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
-# ---------------------------------------------------------------------------------------
-# the comparison
-# ---------------------------------------------------------------------------------------
 def _watched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Leaf modules and modules with parameters of their own (e.g. MultiheadAttention)."""
-    out = []
-    for name, m in model.named_modules():
-        leaf = next(iter(m.children()), None) is None
-        owns = next(iter(m.parameters(recurse=False)), None) is not None
-        if leaf or owns:
-            out.append((name, m))
-    return out
+    return [(name, m) for name, m in model.named_modules()
+            if next(m.children(), None) is None or next(m.parameters(recurse=False), None) is not None]
 
 
 class _Recorder:
@@ -362,14 +305,11 @@ class _Recorder:
         self.depth = 0  # modules with parameters run so far (the low run's depth)
         self.rtols: dict[str, float] = {}
         self.local, self.grads, self.grad_scale = local, grads, grad_scale
-        self.calls: dict[str, int] = {}
-        self.order: list[str] = []
+        self.calls: dict[str, int] = {}  # in first-call order
         self.inputs: dict[tuple, Any] = {}  # ref: cloned (args, kwargs) per call, for the local re-runs
-        self.in_finite: dict[tuple, torch.Tensor] = {}  # low: whether the call's input was all finite
-        self.in_template: dict[tuple, Any] = {}  # low: the call's (args, kwargs) as passed in
+        self.in_template: dict[tuple, Any] = {}  # low: the call's (args, kwargs, all finite?) as passed in
         self.outputs: dict[tuple, list] = {}
-        self.out_grads: dict[tuple, list] = {}
-        self.grad_order: list[tuple] = []
+        self.out_grads: dict[tuple, dict] = {}  # in backward order
         self.stats: dict[str, list] = {}
         self.local_stats: dict[str, list] = {}
         self.local_input_ok: dict[str, list] = {}
@@ -377,8 +317,7 @@ class _Recorder:
         self.dtypes: dict[str, str] = {}
         self.busy = False  # True while a module is re-run for its local error
         self.handles = []
-        self.modules = dict(_watched_modules(model))
-        for name, m in self.modules.items():
+        for name, m in _watched_modules(model):
             # Prepended: the pre-hook sees what the caller passed, before other pre-hooks (the
             # fp32 policy of *-master norms upcasts half input) change it; the forward hook
             # runs last and sees the final output.
@@ -388,7 +327,6 @@ class _Recorder:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        self.handles.clear()
 
     def _pre(self, name: str):
         def hook(module, args, kwargs):
@@ -398,10 +336,8 @@ class _Recorder:
             if self.role == "ref" and self.local:
                 # Cloned now: an in-place module (ReLU(inplace=True)) overwrites its input.
                 self.inputs[key] = (_detach_clone(args), _detach_clone(kwargs))
-            if self.role == "low":
-                self.in_finite[key] = _all_finite((args, kwargs))
-                self.in_template[key] = (args, kwargs)  # only the dtypes are read (for the local cast)
-            return None
+            if self.role == "low":  # only the dtypes are read (for the local cast)
+                self.in_template[key] = (args, kwargs, _all_finite((args, kwargs)))
         return hook
 
     def _post(self, name: str):
@@ -411,8 +347,6 @@ class _Recorder:
             idx = self.calls.get(name, 0)
             self.calls[name] = idx + 1
             key = (name, idx)
-            if idx == 0:
-                self.order.append(name)
             outs = _tensors(output)
             if not outs:
                 return None
@@ -432,12 +366,10 @@ class _Recorder:
             if ref is None or [t.shape for t in ref] != [t.shape for t in outs]:
                 return None
             self.stats.setdefault(name, []).append(_call_stats(ref, outs, rtol, atol))
-            in_finite = self.in_finite.pop(key, torch.tensor(True))
+            low_args, low_kwargs, in_finite = self.in_template.pop(key, (args, kwargs, torch.tensor(True)))
             self.new_nonfinite.setdefault(name, []).append(in_finite & ~_all_finite(outs))
-            low_args, low_kwargs = self.in_template.pop(key, (args, kwargs))
             if self.local and key in self.shadow.inputs:
                 self._local(module, name, key, low_args, low_kwargs, ref)
-            return None
         return hook
 
     def _local(self, module, name, key, args, kwargs, ref) -> None:
@@ -461,55 +393,42 @@ class _Recorder:
         for i, t in enumerate(outs):
             if t.requires_grad:
                 def grab(g, key=key, i=i):
-                    if key not in self.out_grads:
-                        self.grad_order.append(key)
-                    slot = self.out_grads.setdefault(key, {})
-                    slot[i] = g.detach().float() / self.grad_scale
+                    self.out_grads.setdefault(key, {})[i] = g.detach().float() / self.grad_scale
                 t.register_hook(grab)
 
 
 def _projection_loss(out: Any, seed: int = 1234) -> torch.Tensor:
     """sum(out_i * r_i) with fixed random r: every output element gets a distinct, O(1) gradient."""
+    outs = _tensors(out)
+    if not outs:
+        raise ValueError("compare_layerwise(backward=True): the model output has no floating-point tensor "
+                         "to differentiate")
     gen = torch.Generator().manual_seed(seed)
-    total = None
-    for t in _tensors(out):
-        r = torch.randn(t.shape, generator=gen).to(t.device)
-        term = (t.float() * r).sum()
-        total = term if total is None else total + term
-    if total is None:
-        raise ValueError("compare_layerwise(backward=True): the model output has no floating-point tensor to differentiate")
-    return total
+    return sum((t.float() * torch.randn(t.shape, generator=gen).to(t.device)).sum() for t in outs)
 
 
 @contextlib.contextmanager
 def _strict_fp32():
-    """fp32 math really in fp32 while the comparison runs.
-
-    CUDA convolutions default to TF32 (cudnn allow_tf32=True): a 10-bit mantissa, as coarse
-    as fp16, so the "fp32" shadow of a conv net would carry half-precision-sized error of its
-    own.  The flags are process-wide; they are restored on exit.
-    """
+    """fp32 math really in fp32 while the comparison runs (restored on exit): CUDA convolutions
+    default to TF32, a 10-bit mantissa as coarse as fp16's, which the fp32 shadow must not carry."""
     matmul = torch.get_float32_matmul_precision()
     # torch >= 2.9 has per-op fp32_precision (mixing it with the legacy allow_tf32 flag raises
     # on read); before, allow_tf32 is the only switch.  conv and rnn together keep them consistent.
     ops = [getattr(torch.backends.cudnn, op, None) for op in ("conv", "rnn")]
-    new_api = all(o is not None and hasattr(o, "fp32_precision") for o in ops)
-    saved = [o.fp32_precision for o in ops] if new_api else torch.backends.cudnn.allow_tf32
+    if all(hasattr(o, "fp32_precision") for o in ops):
+        changes = [(o, "fp32_precision", "ieee") for o in ops]
+    else:
+        changes = [(torch.backends.cudnn, "allow_tf32", False)]
+    saved = [getattr(o, attr) for o, attr, _ in changes]
     torch.set_float32_matmul_precision("highest")
     try:
-        if new_api:
-            for o in ops:
-                o.fp32_precision = "ieee"
-        else:
-            torch.backends.cudnn.allow_tf32 = False
+        for o, attr, value in changes:
+            setattr(o, attr, value)
         yield
     finally:
         torch.set_float32_matmul_precision(matmul)
-        if new_api:
-            for o, v in zip(ops, saved):
-                o.fp32_precision = v
-        else:
-            torch.backends.cudnn.allow_tf32 = saved
+        for (o, attr, _), value in zip(changes, saved):
+            setattr(o, attr, value)
 
 
 def _resolve_precision(precision, device):
@@ -533,18 +452,16 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
         model: left untouched; two deep copies are made on its device.
         example_input: a tensor, a tuple of positional arguments or a dict of keyword arguments.
         precision: a string of ``mptrain.PRECISIONS`` or a Precision object.
-        rtol, atol: a module is ``ok`` when every output element satisfies
-            ``|low - fp32| <= atol + rtol * |fp32|`` and it has inf/NaN only where fp32 has
-            the same.  ``None`` (default): from the low dtype's rounding and the module's
-            depth (see :class:`Tolerance`).
+        rtol, atol: a module is ``ok`` when every output element satisfies ``|low - fp32| <= atol
+            + rtol * |fp32|`` and it has inf/NaN only where fp32 has them.  ``None`` (default):
+            from the low dtype's rounding and the module's depth (see :class:`Tolerance`).
         backward: also compare gradients (w.r.t. each module's output and its parameters)
             of ``loss_fn(output)`` -- by default a fixed random projection of the outputs.
         local: also measure each module's own error on its fp32 input (ranks the table).
-        train_mode: keep the model's modules in training mode (BatchNorm batch statistics);
-            by default both copies are in eval mode, so dropout cannot make them differ.
-            Dropout masks are not reproduced between the copies: set dropout to 0 with it.
-        loss_scale: the low-precision loss is multiplied by it before backward and the
-            gradients divided by it (what a loss scaler does for fp16).
+        train_mode: keep training mode (BatchNorm batch statistics; dropout masks differ between
+            the copies: set dropout to 0); by default both copies are in eval mode.
+        loss_scale: multiplies the low-precision loss before backward; the gradients are divided
+            by it (what a loss scaler does for fp16).
     """
     device = _model_device(model)
     prec = _resolve_precision(precision, device)
@@ -556,7 +473,7 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
     low_in = prec.convert_input(tree_map_only(torch.Tensor, lambda t: t.to(device), example_input))
 
     name = getattr(prec, "precision", None) or getattr(prec, "name", None) or str(precision)
-    tol = Tolerance(UNIT_ROUNDOFF[_low_dtype(str(name))], rtol=rtol, atol=atol)
+    tol = Tolerance(_unit_roundoff(str(name)), rtol=rtol, atol=atol)
     ref_rec = _Recorder(ref_model, "ref", None, tol, local, backward, 1.0)
     low_rec = _Recorder(low_model, "low", ref_rec, tol, local, backward, loss_scale)
     loss_fn = loss_fn or _projection_loss
@@ -581,10 +498,10 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
 
 
 def _fill_forward(report: LayerwiseReport, ref_rec: _Recorder, low_rec: _Recorder, tol: Tolerance) -> None:
-    unmatched = [n for n in ref_rec.order if n not in low_rec.stats and (n, 0) in ref_rec.outputs]
+    unmatched = [n for n in ref_rec.calls if n not in low_rec.stats and (n, 0) in ref_rec.outputs]
     if unmatched:
         report.notes.append(f"{len(unmatched)} module(s) had no matching low-precision output: {unmatched[:5]}")
-    for name in ref_rec.order:
+    for name in ref_rec.calls:
         vecs = low_rec.stats.get(name)
         if not vecs:
             continue
@@ -607,12 +524,10 @@ def _fill_forward(report: LayerwiseReport, ref_rec: _Recorder, low_rec: _Recorde
 
 def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale, rtol: float, atol: Optional[float]) -> None:
     per_module: dict[str, list] = {}
-    for key in low_rec.grad_order:
-        ref_g, low_g = ref_rec.out_grads.get(key), low_rec.out_grads.get(key)
-        if not ref_g or not low_g or sorted(ref_g) != sorted(low_g):
-            continue
+    for key, low_g in low_rec.out_grads.items():
+        ref_g = ref_rec.out_grads.get(key, {})
         idx = sorted(ref_g)
-        if [ref_g[i].shape for i in idx] != [low_g[i].shape for i in idx]:
+        if not idx or idx != sorted(low_g) or [ref_g[i].shape for i in idx] != [low_g[i].shape for i in idx]:
             continue
         per_module.setdefault(key[0], []).append(
             _call_stats([ref_g[i] for i in idx], [low_g[i] for i in idx], rtol, atol))
@@ -621,10 +536,7 @@ def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale, rtol
         report.grad_rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})
     low_mods = dict(low_model.named_modules())
     for name, ref_m in ref_model.named_modules():
-        low_m = low_mods.get(name)
-        if low_m is None:
-            continue
-        low_params = dict(low_m.named_parameters(recurse=False))
+        low_params = dict(low_mods[name].named_parameters(recurse=False)) if name in low_mods else {}
         pairs = [(p.grad, low_params[n].grad) for n, p in ref_m.named_parameters(recurse=False)
                  if p.grad is not None and n in low_params and low_params[n].grad is not None]
         if not pairs:

@@ -1,21 +1,17 @@
 """int8 quantization for inference-time evaluation (the ``int8-dynamic`` precision).
 
-Weights are quantized once (per output channel or per tensor, symmetric or asymmetric);
-activations are quantized on every call from their own range (per token or per tensor):
-"dynamic" quantization needs no calibration data, which is what lets
-``evaluate_precisions`` try it on any model.  The product of the two int8 matrices is
-accumulated in int32 -- by ``torch._int_mm`` (cuBLASLt IMMA tensor cores) on CUDA where
-its shape rules hold, and by an integer matmul on the CPU otherwise -- and rescaled to
-float32 only at the end, so the only errors are the two roundings to int8.
-
-Zero points (asymmetric modes) are folded into the int32 result with row and column
-sums instead of being subtracted before the product: the operands stay int8, which is
-what the tensor cores take.
+Weights are quantized once, activations on every call from their own range (no calibration
+data, so ``evaluate_precisions`` can try it on any model).  The int8 product accumulates in
+int32 (``torch._int_mm`` on CUDA, an integer matmul on the CPU) and is rescaled to float32 at
+the end.  Zero points are folded into the int32 result with row and column sums, so both
+operands stay int8, which is what the tensor cores take.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -61,9 +57,6 @@ def _check_choice(name: str, value: str, choices: tuple) -> None:
         raise ValueError(f"QuantConfig.{name}={value!r} is not one of {choices}")
 
 
-# ---------------------------------------------------------------------------------------
-# quantize / dequantize
-# ---------------------------------------------------------------------------------------
 def quantize(x: torch.Tensor, scheme: str = "symmetric", dim: Optional[int] = None):
     """Quantize ``x`` to int8 with one scale per slice along ``dim`` (None: one for all).
 
@@ -112,15 +105,8 @@ def quantize_activation(x2d: torch.Tensor, scheme: str = "symmetric", granularit
     return quantize(x2d, scheme, dim=0 if granularity == "per_token" else None)
 
 
-# ---------------------------------------------------------------------------------------
-# int8 x int8 -> int32 matmul
-# ---------------------------------------------------------------------------------------
 def int_mm_supported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
-    """None when ``torch._int_mm(a, b)`` can run as is; otherwise why not.
-
-    cuBLASLt's int8 GEMM (as wrapped by torch) wants more than 16 rows, K and N
-    multiples of 8, and CUDA int8 operands.
-    """
+    """None when ``torch._int_mm(a, b)`` (cuBLASLt's int8 GEMM) can run as is; otherwise why not."""
     if not (a.is_cuda and b.is_cuda):
         return "operands are not on CUDA"
     if a.dtype != torch.int8 or b.dtype != torch.int8:
@@ -135,11 +121,8 @@ def int_mm_supported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
 
 
 def int8_matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Exact int8 ``[M,K] @ [K,N]`` with int32 result, on any device, without tensor cores.
-
-    The accumulation is done in int32 where it cannot overflow (K <= INT32_SAFE_K) and in
-    int64 otherwise; a result outside int32 raises instead of wrapping silently.
-    """
+    """Exact int8 ``[M,K] @ [K,N]`` with int32 result, on any device, without tensor cores; a result
+    outside int32 raises instead of wrapping silently."""
     _check_mm_operands(a, b)
     if a.is_cuda:
         # CUDA has no integer matmul; float64 is exact here (|sum| < 2**53 for any K < 2**39).
@@ -158,9 +141,8 @@ def int8_matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def int8_matmul(a: torch.Tensor, b: torch.Tensor, pad: bool = True) -> torch.Tensor:
     """int8 ``[M,K] @ [K,N]`` -> int32: ``torch._int_mm`` on CUDA, the reference elsewhere.
 
-    On CUDA, shapes that ``_int_mm`` refuses are zero-padded (M up to 32, K and N up to a
-    multiple of 8) when ``pad``: zero rows and columns add nothing to the integer sums, so
-    the result is still exact.  Without ``pad`` they fall back to the reference.
+    On CUDA, shapes that ``_int_mm`` refuses are zero-padded when ``pad`` (zeros add nothing to
+    the integer sums: still exact), else computed by the reference.
     """
     _check_mm_operands(a, b)
     if not a.is_cuda:
@@ -169,14 +151,11 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, pad: bool = True) -> torch.Ten
         # A row-major, B column-major: the layout cuBLASLt's IMMA kernels take without a
         # transpose pass (a Linear's weight.t() already is; a row-major B costs one copy).
         return _int_mm_checked(a.contiguous(), b if b.stride(0) == 1 else b.t().contiguous().t())
-    if not pad:
-        return int8_matmul_reference(a, b)
-    return _int_mm_padded(a, b)
+    return _int_mm_padded(a, b) if pad else int8_matmul_reference(a, b)
 
 
 def _int_mm_padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` through ``torch._int_mm`` on operands zero-padded to shapes it accepts
-    (M > 16, K and N multiples of 8); zeros add nothing to integer sums, so it stays exact."""
+    """``a @ b`` through ``torch._int_mm`` on operands zero-padded to shapes it accepts."""
     m, k = a.shape
     n = b.shape[1]
     mp, kp, np_ = 32 if m <= 16 else m, _round_up(k, 8), _round_up(n, 8)
@@ -197,8 +176,6 @@ def _int_mm_checked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch._int_mm(a, b)
     except RuntimeError as e:
         if not _warned_int_mm:
-            import warnings
-
             warnings.warn(f"torch._int_mm failed ({str(e).splitlines()[0][:200]}); int8 matmuls fall back to the "
                           f"exact but slow reference", RuntimeWarning, stacklevel=3)
             _warned_int_mm = True
@@ -216,9 +193,6 @@ def _check_mm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"int8 matmul: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not multiply")
 
 
-# ---------------------------------------------------------------------------------------
-# the quantized Linear
-# ---------------------------------------------------------------------------------------
 class Int8DynamicLinear(nn.Module):
     """A Linear with int8 weights and dynamically quantized int8 activations.
 
@@ -268,11 +242,8 @@ class Int8DynamicLinear(nn.Module):
 
 def quantize_dynamic(model: nn.Module, config: QuantConfig = QuantConfig(), inplace: bool = False,
                      skip: Iterable[str] = ()) -> nn.Module:
-    """Replace every ``nn.Linear`` (except names in ``skip``) by an :class:`Int8DynamicLinear`.
-
-    The model is first made float32 (quantization scales are computed from fp32 weights).
-    Returns the quantized model (a deep copy unless ``inplace``).
-    """
+    """Replace every ``nn.Linear`` (except names in ``skip``) by an :class:`Int8DynamicLinear`, scales
+    computed from fp32 weights; returns the quantized model (a deep copy unless ``inplace``)."""
     if not inplace:
         model = copy.deepcopy(model)
     model.float()
@@ -280,22 +251,13 @@ def quantize_dynamic(model: nn.Module, config: QuantConfig = QuantConfig(), inpl
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
     if not targets:
         raise ValueError("quantize_dynamic: the model has no nn.Linear to quantize")
+    if targets[0][0] == "":
+        raise ValueError("quantize_dynamic: the model itself is an nn.Linear; wrap it in a container")
     for name, lin in targets:
-        _set_submodule(model, name, Int8DynamicLinear(lin, config))
+        model.set_submodule(name, Int8DynamicLinear(lin, config))
     return model
 
 
-def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
-    if not name:
-        raise ValueError("quantize_dynamic: the model itself is an nn.Linear; wrap it in a container")
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, new)
-
-
-# ---------------------------------------------------------------------------------------
-# per-layer error report
-# ---------------------------------------------------------------------------------------
 @dataclass
 class QuantReport:
     """Per-Linear quantization error; ``rows`` in module order, printable as a table."""
@@ -316,9 +278,8 @@ class QuantReport:
 
     def worst(self) -> Optional[dict]:
         """The row with the largest output (else weight) relative error."""
-        if not self.rows:
-            return None
-        return max(self.rows, key=lambda r: r["out_rel_err"] if r["out_rel_err"] is not None else r["weight_rel_err"])
+        return max(self.rows, key=lambda r: r["weight_rel_err"] if r["out_rel_err"] is None else r["out_rel_err"],
+                   default=None)
 
 
 def _rel_err(ref: torch.Tensor, approx: torch.Tensor) -> tuple[float, float]:
@@ -332,11 +293,8 @@ def _rel_err(ref: torch.Tensor, approx: torch.Tensor) -> tuple[float, float]:
 
 def quantization_report(model: nn.Module, example_input=None, config: QuantConfig = QuantConfig(),
                         skip: Iterable[str] = ()) -> QuantReport:
-    """Quantization error of each Linear: of its weight, and (with ``example_input``) of its output.
-
-    The output error is local: each int8 layer gets the same fp32 input its fp32 original
-    saw in a float32 forward pass, so the number belongs to that layer alone.
-    """
+    """Quantization error of each Linear: of its weight, and (with ``example_input``) of its output,
+    the int8 layer fed the fp32 input its original saw (so the number belongs to that layer alone)."""
     ref = copy.deepcopy(model).float().eval()
     skip = set(skip)
     linears = [(n, m) for n, m in ref.named_modules() if isinstance(m, nn.Linear) and n not in skip]
@@ -345,22 +303,14 @@ def quantization_report(model: nn.Module, example_input=None, config: QuantConfi
     out_err: dict[str, tuple[float, float]] = {}
     if example_input is not None:
         quantized = {n: Int8DynamicLinear(m, config) for n, m in linears}
-        handles = []
 
-        def hook(name):
-            def fn(mod, args, out):
-                with torch.no_grad():
-                    out_err[name] = _rel_err(out, quantized[name](args[0].float()))
-            return fn
+        def record(mod, args, out, name):
+            out_err[name] = _rel_err(out, quantized[name](args[0].float()))
 
-        for n, m in linears:
-            handles.append(m.register_forward_hook(hook(n)))
-        try:
-            with torch.no_grad():
-                _call(ref, example_input)
-        finally:
-            for h in handles:
-                h.remove()
+        for n, m in linears:  # hooks on the private copy: nothing to remove afterwards
+            m.register_forward_hook(functools.partial(record, name=n))
+        with torch.no_grad():
+            _call(ref, example_input)
     rows = []
     for n, m in linears:
         q, s, z = quantize_weight(m.weight, config.weight, config.weight_granularity)
