@@ -4,11 +4,15 @@
 
 Per case: wall ms/step of the profiled window, then the top ops by self CPU time and by
 self CUDA time, and the count of aten ops per step (host work is what a host-bound step pays).
+`--classes` prints instead one line per case: GPU kernel time per step by class (GEMM,
+attention, optimizer, other) against the wall time, i.e. how far a step is from its GEMM +
+attention time (the most any change to the rest could gain).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import lightning as L
 import torch
@@ -20,7 +24,7 @@ from mptrain.bench.e2e_models import build, compile_lightning_module, use_optimi
 
 class Prof(L.Callback):
     def __init__(self, warmup, steps):
-        self.warmup, self.steps, self.n, self.prof = warmup, steps, 0, None
+        self.warmup, self.steps, self.n, self.prof, self.wall_ms = warmup, steps, 0, None, 0.0
 
     def on_train_batch_end(self, *a):
         self.n += 1
@@ -28,12 +32,35 @@ class Prof(L.Callback):
             torch.cuda.synchronize()
             self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False)
             self.prof.__enter__()
+            self.t0 = time.perf_counter()
         elif self.n == self.warmup + self.steps:
             torch.cuda.synchronize()
+            self.wall_ms = (time.perf_counter() - self.t0) * 1e3 / self.steps
             self.prof.__exit__(None, None, None)
 
 
-def run(model, name, warmup, steps, rows):
+# Kernel-name fragments of each class (cuBLAS/cuBLASLt/CUTLASS GEMMs, SDPA back ends, the optimizers).
+CLASSES = {
+    "gemm": ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk"),
+    "attention": ("flash", "fmha", "attention", "sdpa", "cudnn_generated", "efficient"),
+    "optimizer": ("multi_tensor", "adam", "fused_adamw"),
+}
+
+
+def kernel_classes(ka, steps):
+    """Self GPU ms per step by kernel class, from the kernel events of a key_averages()."""
+    out = dict.fromkeys([*CLASSES, "other"], 0.0)
+    for e in ka:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        name = e.key.lower()
+        cls = next((c for c, frags in CLASSES.items() if any(f in name for f in frags)), "other")
+        out[cls] += t / steps / 1e3
+    return out
+
+
+def run(model, name, warmup, steps, rows, classes=False):
     spec = e2e.CASES[name]
     prec = "bf16-master" if spec.precision == "best" else spec.precision
     module, batches, _ = build(model, warmup + steps, "cuda", stock=spec.trainer == "lightning")
@@ -48,6 +75,14 @@ def run(model, name, warmup, steps, rows):
     trainer.callbacks.append(cb)
     trainer.fit(module, train_dataloaders=batches)
     ka = cb.prof.key_averages()
+    if classes:
+        k = kernel_classes(ka, steps)
+        busy = sum(k.values())
+        print(f"{model} {name} ({prec}): wall {cb.wall_ms:.2f} ms/step (profiled), GPU busy {busy:.2f}; "
+              + ", ".join(f"{c} {v:.2f}" for c, v in k.items())
+              + f"; wall / (gemm + attention) = {cb.wall_ms / max(k['gemm'] + k['attention'], 1e-9):.2f}x",
+              flush=True)
+        return
     print(f"\n######## {model} {name} ({prec})")
     cpu_total = sum(e.self_cpu_time_total for e in ka) / steps / 1e3
     aten = sum(e.count for e in ka if e.key.startswith("aten::")) / steps
@@ -63,9 +98,10 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--classes", action="store_true", help="one line per case: GPU time by kernel class")
     a = p.parse_args(argv)
     for name in a.cases.split(","):
-        run(a.model, name, a.warmup, a.steps, a.rows)
+        run(a.model, name, a.warmup, a.steps, a.rows, a.classes)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,8 @@ Floors (bytes moved per parameter / 4.25 TB/s):
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import itertools
+from typing import Optional
 
 import torch
 
