@@ -1,24 +1,17 @@
 """fp32 fallback: listed ops compute in fp32 whatever the mode and return the input's dtype.
 
-Four mechanisms, one file:
-
-* **op list** — a ``TorchFunctionMode`` intercepts the listed functions however user
-  code reaches them (``F.softmax``, ``torch.softmax``, ``x.softmax``), upcasts their
-  half inputs, runs them with autocast off and casts the result back.  A mode rather
-  than monkey-patching ``torch.nn.functional`` because it also sees calls made
-  through ``torch.*`` and Tensor methods, and it is scoped to the forward context.
-* **module policy** — in ``*-master`` the normalization layers keep fp32 parameters;
-  a pre/post hook pair makes them take half input and give half output.
-* **CPU RNN policy** — torch's oneDNN bf16 LSTM crashes on CPUs without native bf16
-  (no avx512_bf16 / amx_bf16): there ``torch.lstm`` / ``torch.lstm_cell`` (what
-  ``nn.LSTM`` / ``nn.LSTMCell`` and the functional forms call) run in fp32 on CPU
-  tensors, whatever the op list says; GPU tensors are untouched.
-* **automatic promotion** — with ``auto_fp32_fallback`` every leaf module's output is
-  checked for inf/NaN *on the device*; the precision plugin reads the flags only where
-  it syncs anyway, and promotes a flagged module to fp32 for the rest of the run.
+* **op list**: a ``TorchFunctionMode`` (it sees ``F.softmax``, ``torch.softmax`` and ``x.softmax`` alike,
+  only inside the forward context) upcasts the listed ops' half inputs, runs them with autocast off
+  and casts the result back;
+* **module policy**: in ``*-master`` norm layers keep fp32 parameters and take/give half tensors;
+* **CPU RNN policy**: torch's oneDNN bf16 LSTM crashes on CPUs without native bf16, so there
+  ``torch.lstm`` / ``torch.lstm_cell`` run in fp32 on CPU tensors (GPU tensors untouched);
+* **automatic promotion** (``auto_fp32_fallback``): leaf modules' outputs are checked for inf/NaN on
+  the device; the plugin reads the flags where it syncs anyway and promotes the culprit to fp32.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Callable, Iterable, Optional
@@ -31,37 +24,16 @@ from torch.overrides import TorchFunctionMode
 log = logging.getLogger("mptrain")
 
 #: DESIGN §3 default list (torch functional names).
-DEFAULT_FP32_OPS: tuple[str, ...] = (
-    "softmax",
-    "log_softmax",
-    "layer_norm",
-    "group_norm",
-    "batch_norm",
-    "rms_norm",
-    "cross_entropy",
-    "nll_loss",
-    "binary_cross_entropy_with_logits",
-    "mse_loss",
-    "kl_div",
-    "logsumexp",
-)
+DEFAULT_FP32_OPS: tuple[str, ...] = ("softmax", "log_softmax", "layer_norm", "group_norm", "batch_norm", "rms_norm",
+                                     "cross_entropy", "nll_loss", "binary_cross_entropy_with_logits", "mse_loss",
+                                     "kl_div", "logsumexp")
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
 def _callables_for(name: str) -> list[Callable]:
     """Every public spelling of a functional op: F.name, torch.name, Tensor.name."""
-    found = []
-    for owner in (F, torch, torch.Tensor):
-        fn = getattr(owner, name, None)
-        if fn is not None and callable(fn):
-            found.append(fn)
-    return found
-
-
-def known_op_names() -> list[str]:
-    """Names accepted in ``fp32_fallback`` (functions of torch.nn.functional or torch)."""
-    return sorted(n for n in dir(F) if not n.startswith("_") and callable(getattr(F, n)))
+    return [fn for fn in (getattr(owner, name, None) for owner in (F, torch, torch.Tensor)) if callable(fn)]
 
 
 def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
@@ -80,12 +52,10 @@ def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
     if any(isinstance(n, str) and n[:1] in "+-" for n in names):
         base = list(DEFAULT_FP32_OPS)
         for n in names:
-            if n.startswith("+"):
-                base.append(n[1:]) if n[1:] not in base else None
-            elif n.startswith("-"):
+            if n.startswith("-"):
                 base = [b for b in base if b != n[1:]]
             else:
-                base.append(n) if n not in base else None
+                base.append(n.removeprefix("+"))  # a repeat is dropped below
         names = base
     for n in names:
         if not isinstance(n, str) or not _callables_for(n):
@@ -218,28 +188,15 @@ class Fp32Fallback:
             self._funcs.update({getattr(torch, name): name for name in CPU_RNN_OPS})
 
     def context(self):
-        if not self._funcs:
-            import contextlib
-
-            return contextlib.nullcontext()
-        return _Fp32OpsMode(self._funcs)
+        return _Fp32OpsMode(self._funcs) if self._funcs else contextlib.nullcontext()
 
     def __repr__(self) -> str:
         return f"Fp32Fallback({list(self.ops)})"
 
 
 # -- module policy ---------------------------------------------------------------
-NORM_TYPES: tuple[type, ...] = tuple(
-    t
-    for t in (
-        nn.modules.batchnorm._NormBase,
-        nn.LayerNorm,
-        nn.GroupNorm,
-        getattr(nn, "RMSNorm", None),
-        nn.LocalResponseNorm,
-    )
-    if t is not None
-)
+NORM_TYPES: tuple[type, ...] = tuple(t for t in (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
+                                                 getattr(nn, "RMSNorm", None), nn.LocalResponseNorm) if t is not None)
 
 
 def is_norm_module(module: nn.Module) -> bool:

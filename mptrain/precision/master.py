@@ -1,19 +1,10 @@
-"""``16-master`` and ``bf16-master``: half parameters, fp32 master weights in the optimizer step.
+"""``16-master`` and ``bf16-master``: half parameters, fp32 master weights in the optimizer step (apex's O2).
 
-apex's O2 done right.  The module holds fp16/bf16 weights (half the memory and
-bandwidth of fp32); normalization layers keep fp32 weights and compute in fp32; the
-optimizer updates fp32 masters that start from the fp32 init (not from its half copy):
-
-* with one of mptrain's fused optimizers the whole step is one kernel: it reads the
-  half grad and the master, writes master, moments and the half param, honouring the
-  loss scale, the clipping coefficient and ``found_inf`` on the device;
-* with any other ``torch.optim.Optimizer`` the param groups are swapped to fp32
-  masters (LR schedulers keep working: the group dicts are the same); grads are copied
-  up and params down with multi-tensor ops.
-
-``module.state_dict()`` reports the masters' fp32 values (so checkpoints, also
-weights-only ones, hold fp32 weights) and ``module.load_state_dict()`` writes loaded
-fp32 values into the masters bitwise.
+Norm layers keep fp32 weights; the masters start from the fp32 init.  mptrain's fused optimizers do the
+whole step in one kernel (half grad + master in; master, moments and half param out; loss scale, clipping
+and ``found_inf`` honoured on the device); any other optimizer gets its param groups swapped to fp32
+masters, with grads copied up and params down by multi-tensor ops.  ``module.state_dict()`` reports
+the masters' fp32 values and ``load_state_dict()`` writes fp32 values into the masters bitwise.
 """
 from __future__ import annotations
 
@@ -206,9 +197,11 @@ class MasterPrecision(MptrainPrecision):
             return p.grad
         return p.grad.float() / self._scale(p.grad.device)
 
-    def _scale(self, device: torch.device) -> torch.Tensor:
-        s = self.loss_scaler
-        return s.scale_tensor.to(device) if s is not None else torch.ones((), device=device)
+    def _scale(self, device: torch.device, optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
+        """The loss scale on ``device``; 1 without a scaler or once Fabric unscaled ``optimizer``'s half grads."""
+        if self.loss_scaler is None or id(optimizer) in self._fused_unscaled:
+            return torch.ones((), device=device)
+        return self.loss_scaler.scale_tensor.to(device)
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
         optimizer = _unwrap_optimizer(optimizer)
@@ -216,10 +209,7 @@ class MasterPrecision(MptrainPrecision):
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm or GradClipAlgorithmType.NORM)
         found = self._prepare(optimizer)
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            grads = super().main_grads(optimizer)
-            scale = self._scale(found.device)
-            G.clip_scaled_by_value_(grads, clip_val, scale if id(optimizer) not in self._fused_unscaled else
-                                    torch.ones_like(scale))
+            G.clip_scaled_by_value_(super().main_grads(optimizer), clip_val, self._scale(found.device, optimizer))
         else:
             self._fused_clip[id(optimizer)] = float(clip_val)  # folded into grad_scale at the step
 
@@ -239,9 +229,7 @@ class MasterPrecision(MptrainPrecision):
         if self.phase != "low" or not G.is_mptrain_fused(optimizer):
             return super()._optimizer_step(optimizer, found_inf, **kwargs)
         key = id(optimizer)
-        scale = self._scale(found_inf.device)
-        if key in self._fused_unscaled:
-            scale = torch.ones_like(scale)
+        scale = self._scale(found_inf.device, optimizer)
         max_norm = self._fused_clip.pop(key, None)
         if max_norm is not None:
             coef = torch.clamp(max_norm / (self._fused_norm[key] + 1e-6), max=1.0)

@@ -1,23 +1,12 @@
 """The shared core of every mode: one Lightning precision plugin for ``lightning.Trainer`` and ``lightning.Fabric``.
 
-``lightning.pytorch``'s ``Precision`` subclasses ``lightning.fabric``'s, so one object
-serves both; the two call it differently and it adapts:
-
-* ``lightning.Trainer`` calls ``connect(model, optimizers, schedulers)`` at setup and
-  ``optimizer_step(optimizer, model=..., closure=...)`` once per accumulation window
-  (after the window's backward calls; the closure runs the last micro-batch);
-* ``lightning.Fabric`` never calls ``connect``; it calls ``backward(loss, module)`` and
-  ``optimizer_step(optimizer)`` without a closure, and ``unscale_gradients`` +
-  ``main_params`` from ``fabric.clip_gradients``. Optimizers are prepared on first use.
-
-The optimizer step is where precision matters: grads are copied up (``*-master``),
-unscaled and checked for inf/NaN on the device (the loss too), all ranks agree on the
-flag, clipping sees unscaled grads, and the step is skipped on the device.
-
-Host syncs per step: none with mptrain's fused optimizers or torch's ``fused=True`` ones
-(they honour ``found_inf`` inside the kernel); any other optimizer costs one read of the
-flag before ``step()``, as with torch's GradScaler.  On a GPU the skip counter is copied to
-pinned memory every ``guard.check_every`` steps and read once that copy has landed (never waited for).
+``lightning.Trainer`` calls ``connect`` at setup and ``optimizer_step(optimizer, model=..., closure=...)``
+once per accumulation window; ``lightning.Fabric`` never connects and calls ``backward(loss, module)``,
+``optimizer_step(optimizer)`` without a closure and ``unscale_gradients`` + ``main_params`` from
+``clip_gradients`` (optimizers are prepared on first use).  In the step, grads are copied up (``*-master``),
+unscaled and checked for inf/NaN on the device (the loss too), the flag is agreed across ranks, clipping
+sees unscaled grads and the skip happens on the device: no host sync with optimizers that honour
+``found_inf`` in the kernel, one read of the flag with any other (as with torch's GradScaler).
 """
 from __future__ import annotations
 
@@ -128,20 +117,20 @@ class MptrainPrecision(_LightningPrecision):
     def _convert(self, module: nn.Module) -> nn.Module:
         return module
 
+    def _device(self) -> torch.device:
+        p = next(self._module.parameters(), None) if self._module is not None else None
+        return p.device if p is not None else torch.device("cpu")
+
     def convert_input(self, data: Any) -> Any:
         if self.param_dtype not in HALF:
             return data
         return apply_to_collection(data, torch.Tensor, _to_dtype, self.param_dtype)
 
-    def _device_type(self) -> str:
-        p = next(self._module.parameters(), None) if self._module is not None else None
-        return p.device.type if p is not None else "cpu"
-
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Autocast (``*-mixed``) and the fp32 fallback of listed ops, around every forward."""
         stack = contextlib.ExitStack()
         if self.autocast_dtype is not None:
-            stack.enter_context(torch.autocast(self._device_type(), dtype=self.autocast_dtype))
+            stack.enter_context(torch.autocast(self._device().type, dtype=self.autocast_dtype))
         if self.fallback is not None:
             stack.enter_context(self.fallback.context())
         return stack
@@ -254,10 +243,6 @@ class MptrainPrecision(_LightningPrecision):
         self._pending[id(optimizer)] = found
         return found
 
-    def _device(self) -> torch.device:
-        p = next(self._module.parameters(), None) if self._module is not None else None
-        return p.device if p is not None else torch.device("cpu")
-
     def _step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         found = self._prepare(optimizer)
         synced = not G.accepts_device_found_inf(optimizer)
@@ -341,7 +326,7 @@ class MptrainPrecision(_LightningPrecision):
 
     # -- automatic fp32 fallback -------------------------------------------------------
     def enable_auto_fallback(self, module: nn.Module) -> None:
-        """Watch leaf modules' outputs for inf/NaN; an offender is promoted to fp32 (see ``poll_auto_fallback``)."""
+        """Watch leaf modules' outputs for inf/NaN; an offender is promoted to fp32 (see ``_poll_auto_fallback``)."""
         self._module = self._module or module
         if self.compute_dtype in HALF and self.phase == "low" and self.auto is None:
             self.auto = AutoFallback(module)
@@ -351,21 +336,13 @@ class MptrainPrecision(_LightningPrecision):
     def _poll_auto_fallback(self, synced: bool) -> None:
         if self.auto is None:
             return
-        free = self._device_type() == "cpu" if self.guard.free_reads is None else self.guard.free_reads
-        if synced or free or self.guard.steps % self.guard.check_every == 0:
-            for name in self.poll_auto_fallback():
-                log.warning("auto_fp32_fallback: module %r produced inf/NaN; it runs in fp32 from step %d on",
-                            name, self.guard.steps)
-
-    def poll_auto_fallback(self) -> list[str]:
-        """Promote the earliest module whose output overflowed since the last poll (one host read)."""
-        if self.auto is None:
-            return []
-        names = []
-        for name, module in self.auto.poll():
+        free = self._device().type == "cpu" if self.guard.free_reads is None else self.guard.free_reads
+        if not (synced or free or self.guard.steps % self.guard.check_every == 0):
+            return
+        for name, module in self.auto.poll():  # the earliest module that overflowed since the last poll
             self.promote_module(module)
-            names.append(name)
-        return names
+            log.warning("auto_fp32_fallback: module %r produced inf/NaN; it runs in fp32 from step %d on",
+                        name, self.guard.steps)
 
     def _promote_by_name(self, name: str) -> None:
         modules = dict(self._module.named_modules())
@@ -379,7 +356,7 @@ class MptrainPrecision(_LightningPrecision):
 
         module._mpt_promoted = True
         if self.autocast_dtype is not None:
-            orig, dev = module.forward, self._device_type()
+            orig, dev = module.forward, self._device().type
 
             def forward(*args, **kwargs):
                 with torch.autocast(dev, enabled=False):
@@ -412,11 +389,8 @@ class MptrainPrecision(_LightningPrecision):
         log.info("precision switched from %r to '32-true'", self.initial_precision)
 
     def _to_fp32(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Optimizer state follows its params to fp32 (moments, momentum buffers)."""
         for st in optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" and v.dim() > 0:
-                    st[k] = v.float()
+            float_state_(st)
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -469,6 +443,13 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside Fabric's or Lightning's wrapper."""
     inner = getattr(optimizer, "_optimizer", None)  # Fabric's and Lightning's wrappers both keep it here
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def float_state_(state: dict) -> None:
+    """A param's optimizer state follows it to fp32 (moments, momentum buffers; not the step count)."""
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" and v.dim() > 0:
+            state[k] = v.float()
 
 
 def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
