@@ -1,11 +1,4 @@
-"""mptrain: mixed-precision training for PyTorch inside Lightning.
-
-Public API: :class:`Trainer` (a ``lightning.pytorch.Trainer``), the precision plugins
-(:class:`MasterPrecision`, :class:`MixedPrecision`, :class:`TruePrecision`,
-:class:`ShardedPrecision` for ``strategy="fsdp"``),
-:class:`DynamicLossScaler`, :class:`NonFiniteError`, :data:`PRECISIONS`, the checkpoint
-plugin :class:`AtomicCheckpointIO` with :class:`CheckpointError`, and the callbacks.
-"""
+"""mptrain: mixed-precision training for PyTorch inside Lightning (the public API is ``__all__``)."""
 from __future__ import annotations
 
 __version__ = "0.1.0"

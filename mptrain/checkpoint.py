@@ -1,14 +1,9 @@
 """AtomicCheckpointIO: Lightning's checkpoint format, written atomically, read safely.
 
-Save: ``torch.save`` into a temp file in the target's folder, flush, fsync, ``os.replace``
-over the target, fsync the folder; a process killed mid-save leaves the previous file intact
-and an orphan temp file that the next save removes.  Weights that are not finite are never
-written (the previous checkpoint stays the last good one).
-
-Load: ``torch.load(weights_only=True)`` only, so a file whose pickle would build arbitrary
-objects is refused before any of it runs.  The zip records' CRC32 (computed by ``torch.save``)
-are verified first, so a flipped bit is an error rather than a silently wrong weight.  Every
-failure is a :class:`CheckpointError` naming the file and what is wrong.
+Save: into a temp file in the target's folder, fsync, ``os.replace``, fsync the folder (a killed save
+leaves the previous file intact; the next save removes the orphan); non-finite weights are refused.
+Load: CRC32 of every zip record verified, then ``torch.load(weights_only=True)`` only.  Every failure
+is a :class:`CheckpointError` naming the file and what is wrong.
 """
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Precision modes as Lightning precision plugins (DESIGN §2): the strings are the public API.
-
-``lightning.Trainer(plugins=[MasterPrecision("bf16-master")])`` and
-``lightning.Fabric(plugins=[...])`` take them as they are; ``precision_plugin(string)``
-builds the right one from any precision string; ``ShardedPrecision`` is the engine under
-``strategy="fsdp"``.
-"""
+"""Precision modes as Lightning precision plugins (DESIGN §2); ``precision_plugin(string)`` builds the right one."""
 from __future__ import annotations
 
 from mptrain.precision.factory import (PRECISIONS, build_precision, check_device_supports, normalize_precision,

@@ -1,8 +1,5 @@
-"""Gradient passes of the optimizer step: unscale + inf/NaN check, clipping, the skip.
-
-Everything here stays on the device: ``found_inf`` is a 1-element float32 tensor
-(nonzero = skip this step) that the optimizer honours without a host sync when it can.
-"""
+"""Gradient passes of the optimizer step, all on the device: ``found_inf`` is a 1-element float32 tensor
+(nonzero = skip this step) that the optimizer honours without a host sync when it can."""
 from __future__ import annotations
 
 from typing import Iterable, Optional

@@ -1,11 +1,8 @@
 """CUDA graph capture with errors that say what failed and where (``cuda_graphs=True``).
 
-A capture fails when the captured code needs the host: ``.item()``, ``.cpu()``, boolean-mask
-indexing, ``torch.nonzero``, printing a tensor, a CPU tensor in the step, an allocation
-the caching allocator cannot serve from the graph's pool.  CUDA reports only
-"operation not permitted when stream is capturing", often re-raised by ``capture_end``;
-:func:`capture` turns that into a :class:`CudaGraphError` naming the part of the step, the
-line of user code that issued the failing call and the fix.
+CUDA reports a host sync, a CPU tensor or an unservable allocation during capture only as "operation not
+permitted when stream is capturing"; :func:`capture` raises a :class:`CudaGraphError` naming the part of
+the step, the line of user code that issued the failing call and the fix.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The non-finite guard of every mode: count skipped steps on the device, stop a run that cannot progress.
 
-With or without a loss scaler, a step whose loss or gradients hold an inf/NaN is skipped
-(the weights stay untouched).  ``max_consecutive_skips`` skips in a row end the run with
-:class:`NonFiniteError`.  The counters live on the device; they are read on the CPU (free) or
-where the step already synced.  On CUDA, every ``check_every`` steps the counter is copied into
-pinned host memory behind an event, and read once a later step finds the event complete: the
-run never waits for the GPU (zero host syncs per step), and stops at most a few steps late.
+A step whose loss or gradients hold an inf/NaN is skipped; ``max_consecutive_skips`` in a row raise
+:class:`NonFiniteError`.  The counters are read on the CPU (free) or where the step synced anyway; on
+CUDA they are copied to pinned memory every ``check_every`` steps and read once that copy has landed,
+so the run never waits for the GPU and stops at most a few steps late.
 """
 from __future__ import annotations
 

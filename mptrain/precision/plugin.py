@@ -47,6 +47,7 @@ class MptrainPrecision(_LightningPrecision):
     MODES: dict[str, torch.dtype] = {}
     SCALER_BY_DEFAULT: tuple[str, ...] = ()
     SCALER_ALLOWED = True
+    FP32_PARAMS = False  # the module keeps fp32 parameters whatever the compute dtype
     has_master_weights = False
 
     def __init__(self, precision: str, *, loss_scaler: Any = None, fp32_fallback: Any = "default",
@@ -59,8 +60,8 @@ class MptrainPrecision(_LightningPrecision):
         self.precision = self.initial_precision = precision
         dtype = self.MODES[precision]
         self.compute_dtype = dtype
-        self.param_dtype = self._param_dtype(dtype)
-        self.autocast_dtype: Optional[torch.dtype] = None
+        self.param_dtype = torch.float32 if self.FP32_PARAMS else dtype
+        self.autocast_dtype: Optional[torch.dtype] = dtype if precision.endswith("-mixed") else None
         self.fused = fused
         self.loss_scaler = self._build_scaler(loss_scaler)
         fallback = Fp32Fallback(fp32_fallback)  # checks the list in every mode
@@ -71,17 +72,12 @@ class MptrainPrecision(_LightningPrecision):
         self.phase = "fp32" if dtype == torch.float32 else "low"
         self.auto: Optional[AutoFallback] = None
         self._module: Optional[nn.Module] = None
-        self._optimizers: list[torch.optim.Optimizer] = []
-        self._ready: set[int] = set()  # ids of optimizers prepared (masters swapped in)
+        self._optimizers: list[torch.optim.Optimizer] = []  # prepared (masters swapped in)
         self._lightning = False  # True once lightning.Trainer connected us (Fabric never does)
         self._pending: dict[int, torch.Tensor] = {}  # optimizer id -> found_inf of the step in progress
         self._loss_bad: Optional[torch.Tensor] = None  # a non-finite loss in the current window
         self._hooks: list = []
         self._promoted_names: list[str] = []
-
-    @staticmethod
-    def _param_dtype(dtype: torch.dtype) -> torch.dtype:
-        return dtype
 
     def _build_scaler(self, spec: Any) -> Optional[DynamicLossScaler]:
         if spec is False or spec == "off":
@@ -182,20 +178,18 @@ class MptrainPrecision(_LightningPrecision):
         """Masters were built: fp32 copies kept for params no optimizer holds would only cost memory."""
 
     def _forget_optimizers(self) -> None:
-        self._ready.clear()
         self._optimizers = []
 
     def _ensure_ready(self, optimizer: torch.optim.Optimizer) -> None:
-        if id(optimizer) in self._ready:
+        if any(o is optimizer for o in self._optimizers):
             return
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(f"{self!r} does not support torch.optim.LBFGS: it re-evaluates the closure inside "
                              "step(), where the loss scale and the non-finite skip cannot apply. Use another "
                              "optimizer or Lightning's own precision='32-true'")
-        if not self._lightning and not self._ready:  # Fabric: the device is known at the first optimizer
+        if not self._lightning and not self._optimizers:  # Fabric: the device is known at the first optimizer
             self.check_device(self._device())
         self._setup_optimizer(optimizer)
-        self._ready.add(id(optimizer))
         self._optimizers.append(optimizer)
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -209,13 +203,12 @@ class MptrainPrecision(_LightningPrecision):
         if closure is None:  # Fabric
             return self._step(optimizer, **kwargs)
         closure_result = closure()
-        skip = closure_result is None and getattr(model, "automatic_optimization", False)
-        if not skip:
-            self._prepare(optimizer)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
-        if skip:  # training_step returned None: Lightning steps nothing
+        if closure_result is None and getattr(model, "automatic_optimization", False):
+            self._after_closure(model, optimizer)  # training_step returned None: Lightning steps nothing
             self._end_step(optimizer)
             return closure_result
+        self._prepare(optimizer)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
         self._step(optimizer, **kwargs)
         return closure_result
 
@@ -269,12 +262,8 @@ class MptrainPrecision(_LightningPrecision):
         Valid from ``on_before_optimizer_step`` until the step ends."""
         if self._module is None:
             return {}
-        out = {}
-        for name, p in self._module.named_parameters():
-            g = self._unscaled_grad(p)
-            if g is not None:
-                out[name] = g
-        return out
+        grads = {name: self._unscaled_grad(p) for name, p in self._module.named_parameters()}
+        return {name: g for name, g in grads.items() if g is not None}
 
     def _unscaled_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         return p.grad

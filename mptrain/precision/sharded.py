@@ -1,23 +1,12 @@
-"""Sharded training (FSDP): the sharded fp32 parameters are the masters.
+"""Sharded training (FSDP): the sharded fp32 parameters are the masters (no second fp32 copy).
 
-Under ``strategy="fsdp"`` (Lightning's ``FSDPStrategy``, torch's FullyShardedDataParallel)
-each rank holds a shard of every parameter.  Keeping those shards in fp32 makes them the
-master weights: no second fp32 copy is made.  FSDP's own mixed precision does the compute
-cast — it all-gathers the shards as half parameters for forward and backward, and
-reduce-scatters the gradients in fp32 into the fp32 shards' grads — and any
-``torch.optim.Optimizer`` (or mptrain's fused ones) steps the fp32 shards.
-
-What mptrain adds on top is the same as in the unsharded modes: the dynamic loss scaler
-(fp16 on by default, bf16 opt-in), the unscale + inf/NaN check of the local grad shards
-with ``found_inf`` all-reduced (MAX) across ranks so every rank skips the same step, the
-non-finite guard, and the fp32 fallback of listed ops.  Norm layers keep fp32 affine
-parameters through FSDP's ``_module_classes_to_ignore``: torch applies it only with an
-``auto_wrap_policy`` (each norm becomes its own fp32 FSDP unit); without one, the norms'
-weights are all-gathered in half and their math still runs in fp32 (the fallback list).
-
-What cannot combine with sharding is refused at setup: ``*-true`` half modes (Lightning's
-own ``FSDPPrecision`` runs those), the late switch to fp32 (``Fp32Finetune``: FSDP fixes
-its mixed precision when it wraps) and the automatic fp32 promotion of modules.
+FSDP's own mixed precision all-gathers half parameters for forward/backward and reduce-scatters fp32
+grads into the fp32 shards, which any optimizer steps.  mptrain adds what the unsharded modes have:
+the dynamic loss scaler, the unscale + inf/NaN check of the local grad shards with ``found_inf``
+all-reduced (MAX) so every rank skips the same step, the non-finite guard and the fp32 op fallback.
+Norm layers keep fp32 parameters through FSDP's ``_module_classes_to_ignore``, which torch honours
+only with an ``auto_wrap_policy``.  Refused at setup: ``*-true`` half modes (Lightning's
+``FSDPPrecision`` runs those), the late switch to fp32 and the automatic fp32 promotion.
 """
 from __future__ import annotations
 
@@ -61,6 +50,7 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
     MODES = {"32-true": torch.float32, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
              "16-master": torch.float16, "bf16-master": torch.bfloat16}
     SCALER_BY_DEFAULT = ("16-mixed", "16-master")
+    FP32_PARAMS = True  # the sharded params stay fp32; FSDP casts what it all-gathers
 
     def __init__(self, precision: str = "bf16-master", *, norms_fp32: bool = True, **kwargs: Any):
         if precision in ("16-true", "bf16-true"):
@@ -73,18 +63,12 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         self.norms_fp32 = norms_fp32
         self.scaler = None  # FSDPPrecision's ShardedGradScaler: mptrain's DynamicLossScaler replaces it
         self._desired_input_dtype = torch.float32  # modules are created (and sharded) in fp32
-        if precision.endswith("-mixed"):
-            self.autocast_dtype = self.compute_dtype
         self._norm_classes: tuple[type, ...] = ()
         self._root: Optional[nn.Module] = None
 
     @property
     def has_master_weights(self) -> bool:  # the fp32 shards are the masters
         return self.precision.endswith("-master")
-
-    @staticmethod
-    def _param_dtype(dtype: torch.dtype) -> torch.dtype:
-        return torch.float32  # the sharded params stay fp32; FSDP casts what it all-gathers
 
     # -- module -----------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:

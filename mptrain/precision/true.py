@@ -1,8 +1,5 @@
-"""``32-true``, ``16-true``, ``bf16-true``: the whole module in one dtype (as in Lightning).
-
-Half modes keep no fp32 copy and use no loss scaler; the listed fp32-fallback ops still
-compute in fp32, and every mode has the non-finite guard (a NaN step is skipped).
-"""
+"""``32-true``, ``16-true``, ``bf16-true``: the whole module in one dtype, no loss scaler (as in Lightning);
+the fp32-fallback ops and the non-finite guard still apply."""
 from __future__ import annotations
 
 import contextlib
