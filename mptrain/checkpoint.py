@@ -41,7 +41,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         _check_finite(checkpoint, path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_orphans(path.parent)
+        for orphan in path.parent.glob(f".*{_TMP_SUFFIX}"):  # left by a save killed before its rename
+            orphan.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -67,35 +68,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"refused to load {str(path)!r} with weights_only=False: AtomicCheckpointIO only unpickles tensors "
                 "and plain containers (register extra types with torch.serialization.add_safe_globals)"
             )
-        return load_checkpoint(path, map_location)
-
-
-def load_checkpoint(path: _PATH, map_location: Any = "cpu") -> dict[str, Any]:
-    """Verify and load a Lightning checkpoint file with ``weights_only=True``."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file; check ckpt_path")
-    _verify_zip(path)
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"refused to load checkpoint {str(path)!r}: it holds Python objects other than tensors and plain "
-            f"containers, so unpickling it could run code. Load only checkpoints you trust; a type you trust can be "
-            f"allowed with torch.serialization.add_safe_globals. Detail: {_first_line(e)}"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - any other failure to read is a damaged file
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(e).__name__}: {_first_line(e)})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
-        what = type(state).__name__ if not isinstance(state, dict) else f"a dict without 'state_dict' (keys {sorted(state)[:8]})"
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint: it holds {what}")
-    return state
-
-
-def remove_orphans(folder: Path) -> None:
-    """Delete temp files left by a save that was killed before its rename."""
-    for orphan in folder.glob(f".*{_TMP_SUFFIX}"):
-        orphan.unlink(missing_ok=True)
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file; check ckpt_path")
+        _verify_zip(path)
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"refused to load checkpoint {str(path)!r}: it holds Python objects other than tensors and plain "
+                f"containers, so unpickling it could run code. Load only checkpoints you trust; a type you trust "
+                f"can be allowed with torch.serialization.add_safe_globals. Detail: {_first_line(e)}"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - any other failure to read is a damaged file
+            raise CheckpointError(f"checkpoint {str(path)!r} cannot be read "
+                                  f"({type(e).__name__}: {_first_line(e)})") from None
+        if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
+            what = (type(state).__name__ if not isinstance(state, dict)
+                    else f"a dict without 'state_dict' (keys {sorted(state)[:8]})")
+            raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint: it holds {what}")
+        return state
 
 
 def _verify_zip(path: Path) -> None:
