@@ -45,11 +45,7 @@ def check_device_supports(name: str, device: torch.device) -> None:
     """bf16 on a GPU without bf16 (pre-Ampere) must fail before training, not produce garbage."""
     if torch.device(device).type != "cuda" or not name.startswith("bf16"):
         return
-    try:
-        ok = torch.cuda.is_bf16_supported(including_emulation=False)
-    except TypeError:  # torch without the argument
-        ok = torch.cuda.is_bf16_supported()
-    if not ok:
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
         cap = torch.cuda.get_device_capability(device)
         raise RuntimeError(f"precision={name!r} needs a GPU with bf16 support (compute capability >= 8.0); "
                            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. "

@@ -2,7 +2,7 @@
 (nonzero = skip this step) that the optimizer honours without a host sync when it can."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 
@@ -48,12 +48,6 @@ def clip_scaled_by_value_(grads: list[torch.Tensor], clip_val: float, scale: tor
     for g in grads:
         bound = (scale * clip_val).to(g.device)
         g.copy_(torch.clamp(g.float(), min=-bound, max=bound))
-
-
-def zero_nonfinite_(grads: Iterable[torch.Tensor]) -> None:
-    """inf/NaN -> 0 in place (finite values unchanged), for a step that is skipped anyway."""
-    for g in grads:
-        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def all_reduce_max_(found_inf: torch.Tensor) -> None:

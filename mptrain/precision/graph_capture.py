@@ -56,8 +56,7 @@ def _release_generators(device: int) -> None:
     if device >= len(torch.cuda.default_generators):  # CUDA not initialized: nothing was capturing
         return
     gen = torch.cuda.default_generators[device]
-    if hasattr(gen, "graphsafe_set_state"):  # torch >= 2.4
-        gen.graphsafe_set_state(gen.clone_state())
+    gen.graphsafe_set_state(gen.clone_state())
 
 
 def describe_capture_error(exc: BaseException, what: str, fix: str) -> str:

@@ -21,8 +21,8 @@ from lightning_utilities import apply_to_collection
 from torch import nn
 
 from mptrain.precision import grads as G
-from mptrain.precision.fallback import AutoFallback, Fp32Fallback
-from mptrain.precision.loss_scaler import DynamicLossScaler
+from mptrain.precision.fallback import AutoFallback, Fp32Fallback, run_module_in_fp32
+from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
 from mptrain.precision.nonfinite import NonFiniteGuard
 
 log = logging.getLogger("mptrain")
@@ -289,7 +289,9 @@ class MptrainPrecision(_LightningPrecision):
         optimizer = _unwrap_optimizer(optimizer)
         self._ensure_ready(optimizer)
         self._prepare(optimizer)
-        G.zero_nonfinite_(p.grad for p in self.main_params(optimizer) if p.grad is not None)
+        for p in self.main_params(optimizer):
+            if p.grad is not None:  # inf/NaN -> 0 in a step that is skipped anyway
+                torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
 
     # -- non-finite error -------------------------------------------------------------
     def _step_number(self) -> int:
@@ -319,8 +321,7 @@ class MptrainPrecision(_LightningPrecision):
         self._module = self._module or module
         if self.compute_dtype in HALF and self.phase == "low" and self.auto is None:
             self.auto = AutoFallback(module)
-            for name in self._promoted_names:
-                self._promote_by_name(name)
+            self._promote_saved()
 
     def _poll_auto_fallback(self, synced: bool) -> None:
         if self.auto is None:
@@ -333,16 +334,16 @@ class MptrainPrecision(_LightningPrecision):
             log.warning("auto_fp32_fallback: module %r produced inf/NaN; it runs in fp32 from step %d on",
                         name, self.guard.steps)
 
-    def _promote_by_name(self, name: str) -> None:
+    def _promote_saved(self) -> None:
+        """Modules promoted before a resume or a new fit are promoted again."""
         modules = dict(self._module.named_modules())
-        if name in modules and name not in self.auto.promoted:
-            self.auto.promoted.add(name)
-            self.promote_module(modules[name])
+        for name in self._promoted_names:
+            if name in modules and name not in self.auto.promoted:
+                self.auto.promoted.add(name)
+                self.promote_module(modules[name])
 
     def promote_module(self, module: nn.Module) -> None:
         """Run ``module`` in fp32 for the rest of the run (params and compute; its output keeps its dtype)."""
-        from mptrain.precision.fallback import run_module_in_fp32
-
         module._mpt_promoted = True
         if self.autocast_dtype is not None:
             orig, dev = module.forward, self._device().type
@@ -404,8 +405,7 @@ class MptrainPrecision(_LightningPrecision):
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self._promoted_names = list(state_dict.get("promoted", []))
         if self.auto is not None and self._module is not None:
-            for name in self._promoted_names:
-                self._promote_by_name(name)
+            self._promote_saved()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint is never written with non-finite weights (they would poison every resume)."""
@@ -416,8 +416,6 @@ class MptrainPrecision(_LightningPrecision):
         finite = torch.stack([torch.isfinite(v).all().to(self._device()) for v in floats.values()])
         if bool(finite.all()):  # one host read per checkpoint
             return
-        from mptrain.precision.loss_scaler import NonFiniteError
-
         name = list(floats)[int((~finite).nonzero()[0])]
         raise NonFiniteError(f"refusing to save a checkpoint: weight {name!r} holds inf/NaN at step "
                              f"{self._step_number()} (precision={self.precision!r}); the previous "

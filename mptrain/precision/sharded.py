@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from mptrain.precision.fallback import is_norm_module
+from mptrain.precision.loss_scaler import NonFiniteError
 from mptrain.precision.plugin import HALF, MptrainPrecision, _unwrap_optimizer
 
 #: Callbacks whose work FSDP cannot do: they change parameter dtypes after wrapping.
@@ -175,8 +176,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if bool(finite.item()):
             return
-        from mptrain.precision.loss_scaler import NonFiniteError
-
         raise NonFiniteError(f"refusing to save a checkpoint: a weight holds inf/NaN at step {self._step_number()} "
                              f"(precision={self.precision!r}); the previous checkpoint is the last good one")
 
