@@ -26,12 +26,8 @@ class CheckpointError(RuntimeError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """A Lightning ``CheckpointIO`` plugin: atomic local writes, ``weights_only`` verified reads.
-
-    ``Trainer(plugins=[AtomicCheckpointIO()])`` under plain Lightning; ``mptrain.Trainer`` adds
-    it unless another ``CheckpointIO`` is given.  Remote (``scheme://``) paths go through
-    Lightning's own ``TorchCheckpointIO`` unchanged.
-    """
+    """A Lightning ``CheckpointIO`` plugin: atomic local writes, ``weights_only`` verified reads; remote
+    (``scheme://``) paths go through Lightning's ``TorchCheckpointIO``.  ``mptrain.Trainer`` adds it by default."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
         if _is_remote(path):

@@ -30,10 +30,8 @@ def normalize_precision(precision: Any) -> str:
 
 
 def precision_plugin(precision: Any, *, sharded: bool = False, **kwargs: Any) -> MptrainPrecision:
-    """The plugin for a precision string: ``loss_scaler``, ``fp32_fallback``, ``fused``, ``max_consecutive_skips``.
-
-    ``sharded=True``: the :class:`ShardedPrecision` that ``strategy="fsdp"`` needs (it refuses the modes
-    sharding cannot run, naming the valid ones)."""
+    """The plugin for a precision string (``loss_scaler``, ``fp32_fallback``, ``fused``, ``max_consecutive_skips``);
+    ``sharded=True``: the :class:`ShardedPrecision` that ``strategy="fsdp"`` needs."""
     name = normalize_precision(precision)
     if sharded:
         return ShardedPrecision(name, **kwargs)

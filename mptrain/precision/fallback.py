@@ -37,10 +37,7 @@ def _callables_for(name: str) -> list[Callable]:
 
 
 def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
-    """Turn ``"default"``, a list of names or ``[]`` into a checked tuple of op names.
-
-    A list may start from the default with ``"+name"`` / ``"-name"`` entries.
-    """
+    """``"default"``, a list of names (``"+name"`` / ``"-name"`` edit the default) or ``[]``: a checked tuple."""
     if spec is None or spec == "default":
         return DEFAULT_FP32_OPS
     if isinstance(spec, str):
@@ -114,12 +111,8 @@ def _downcast(obj, dtype: torch.dtype):
 
 
 def _batch_norm_fp32(func, args, kwargs):
-    """batch_norm updates running stats in place: run on fp32 copies, write them back.
-
-    On CUDA the activation itself stays half: cuDNN's batch norm takes half input with
-    fp32 weights and statistics and computes in fp32 (what autocast relies on), so an fp32
-    copy of every activation would only cost memory and bandwidth.  On the CPU it is upcast.
-    """
+    """batch_norm updates running stats in place: run on fp32 copies, write them back.  On CUDA the input
+    stays half (cuDNN takes half input with fp32 weights and stats and computes in fp32); on the CPU it is upcast."""
     names = ["input", "running_mean", "running_var", "weight", "bias"]
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
@@ -195,8 +188,7 @@ class Fp32Fallback:
 
 
 # -- module policy ---------------------------------------------------------------
-NORM_TYPES: tuple[type, ...] = tuple(t for t in (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
-                                                 getattr(nn, "RMSNorm", None), nn.LocalResponseNorm) if t is not None)
+NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -208,11 +200,8 @@ def is_norm_module(module: nn.Module) -> bool:
 
 
 def run_module_in_fp32(module: nn.Module) -> list:
-    """Make ``module`` take any float input, compute in fp32 and return the input's dtype.
-
-    Returns the hook handles.  Modules that accept half input with fp32 parameters
-    natively (``accepts_mixed_dtypes = True``, e.g. mptrain's fused LayerNorm) are left alone.
-    """
+    """Hooks (returned) that make ``module`` compute in fp32 and return the input's dtype; modules with
+    ``accepts_mixed_dtypes = True`` (e.g. mptrain's fused LayerNorm) take half input natively: left alone."""
     if getattr(module, "accepts_mixed_dtypes", False):
         return []
 
@@ -240,14 +229,11 @@ def run_module_in_fp32(module: nn.Module) -> list:
 
 # -- automatic promotion ---------------------------------------------------------
 class AutoFallback:
-    """Watches leaf modules' outputs for inf/NaN on the device; promotes the first offender.
+    """Watches leaf modules' outputs for inf/NaN on the device; ``poll()`` names the first offender.
 
-    ``first_bad`` holds, per watched module, the call number of its first non-finite output
-    since the last poll (a large value if none); hooks update it with a ``minimum`` on the
-    device, without syncing.  Modules downstream of an overflow see inf too, so ``poll()``
-    (called by the precision plugin where it syncs anyway) promotes only the earliest offender in
-    execution order: the culprit, not its victims.
-    """
+    ``first_bad`` holds, per module, the call number of its first non-finite output since the last poll
+    (updated with a device ``minimum``, no sync).  Modules downstream of an overflow see inf too, so only
+    the earliest in execution order is promoted: the culprit, not its victims."""
 
     _NONE = 2**30
 

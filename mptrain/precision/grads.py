@@ -13,11 +13,8 @@ def is_mptrain_fused(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def accepts_device_found_inf(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` can honour ``found_inf`` on the device (no host sync).
-
-    mptrain's fused optimizers do, and torch's ``fused=True`` ones (they read the
-    ``grad_scale`` / ``found_inf`` attributes, torch.amp.GradScaler's protocol).
-    """
+    """Whether ``optimizer.step()`` honours ``found_inf`` on the device: mptrain's fused optimizers and torch's
+    ``fused=True`` ones (the ``grad_scale`` / ``found_inf`` attributes of torch.amp.GradScaler's protocol)."""
     if is_mptrain_fused(optimizer):
         return True
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -60,11 +57,8 @@ def all_reduce_max_(found_inf: torch.Tensor) -> None:
 
 def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
                         grad_scale: Optional[torch.Tensor] = None, **kwargs) -> bool:
-    """Step, or skip when ``found_inf`` is set. Returns False when it knew (on the host) it skipped.
-
-    Fused optimizers decide on the device (torch.amp.GradScaler's attribute protocol);
-    any other optimizer costs one host read of ``found_inf``, as GradScaler does.
-    """
+    """Step, or skip when ``found_inf`` is set (on the device where the optimizer can, else after one host read,
+    as GradScaler does). Returns False when it knew (on the host) it skipped."""
     if accepts_device_found_inf(optimizer):
         optimizer.grad_scale = grad_scale.reshape(1).float() if grad_scale is not None else None
         # torch's fused Adam subtracts found_inf from its 0-dim step counts in place: 0-dim there.

@@ -122,10 +122,7 @@ class DynamicLossScaler:
         return (1.0 / self._scale).to(torch.float32)
 
     def update(self, found_inf: torch.Tensor) -> None:
-        """Advance the state after a step; ``found_inf`` is a device tensor (nonzero = overflow).
-
-        All branches are computed with ``torch.where`` so nothing leaves the device.
-        """
+        """Advance the state after a step (``found_inf`` nonzero = overflow) with ``torch.where``: no host sync."""
         inf = found_inf.reshape(()).to(device=self.device) != 0
         # Overflow: hysteresis counts down, growth restarts, the scale backs off at zero.
         hyst_after_inf = self._hysteresis_tracker - 1

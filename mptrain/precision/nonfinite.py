@@ -40,11 +40,8 @@ class NonFiniteGuard:
         self.steps += 1
 
     def check(self, describe: Callable[[int], str], synced: bool = False) -> None:
-        """Raise :class:`NonFiniteError` once ``max_consecutive_skips`` is reached.
-
-        ``describe(skips)`` builds the message (step, scale, first non-finite parameter);
-        it runs only when raising.  ``synced``: the step already read the device.
-        """
+        """Raise :class:`NonFiniteError` (message from ``describe(skips)``) once ``max_consecutive_skips`` is reached.
+        ``synced``: the step already read the device."""
         free = self.consecutive.device.type == "cpu" if self.free_reads is None else self.free_reads
         if synced or free:
             self._raise_at(int(self.consecutive.item()), describe)

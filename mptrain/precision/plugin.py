@@ -257,9 +257,7 @@ class MptrainPrecision(_LightningPrecision):
         self._loss_bad = None
 
     def unscaled_grads(self) -> dict[str, torch.Tensor]:
-        """The module's unscaled grads by parameter name (fp32 masters' where they exist).
-
-        Valid from ``on_before_optimizer_step`` until the step ends."""
+        """Unscaled grads by parameter name (the masters'), from ``on_before_optimizer_step`` to the step's end."""
         if self._module is None:
             return {}
         grads = {name: self._unscaled_grad(p) for name, p in self._module.named_parameters()}
