@@ -114,23 +114,20 @@ def _batch_norm_fp32(func, args, kwargs):
     """batch_norm updates running stats in place: run on fp32 copies, write them back.  On CUDA the input
     stays half (cuDNN takes half input with fp32 weights and stats and computes in fp32); on the CPU it is upcast."""
     names = ["input", "running_mean", "running_var", "weight", "bias"]
-    bound = dict(zip(names, args))
-    bound.update({k: v for k, v in kwargs.items() if k in names})
-    rest_args = args[len(names):]
+    bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
     rest_kwargs = {k: v for k, v in kwargs.items() if k not in names}
     x = bound["input"]
-    originals = {k: bound.get(k) for k in ("running_mean", "running_var")}
     call = {}
     keep_half_input = isinstance(x, torch.Tensor) and x.is_cuda
     for k in names:
         v = bound.get(k)
         upcast = isinstance(v, torch.Tensor) and v.dtype in _HALF and not (k == "input" and keep_half_input)
         call[k] = v.float() if upcast else v
-    out = func(*[call[k] for k in names], *rest_args, **rest_kwargs)
-    for k, orig in originals.items():
-        if isinstance(orig, torch.Tensor) and orig is not call[k]:
+    out = func(*[call[k] for k in names], *args[len(names):], **rest_kwargs)
+    for k in ("running_mean", "running_var"):
+        if isinstance(bound.get(k), torch.Tensor) and bound[k] is not call[k]:
             with torch.no_grad():
-                orig.copy_(call[k])
+                bound[k].copy_(call[k])
     return out.to(x.dtype) if x.dtype in _HALF else out
 
 
@@ -165,9 +162,7 @@ def _fp32_call(name: str, func, args, kwargs):
     up_kwargs = {k: _upcast(v, seen) for k, v in kwargs.items()}
     if not seen:
         return func(*args, **kwargs)
-    # "the input's dtype": the first floating tensor argument decides.
-    out = func(*up_args, **up_kwargs)
-    return _downcast(out, seen[0])
+    return _downcast(func(*up_args, **up_kwargs), seen[0])  # "the input's dtype": the first half tensor's
 
 
 class Fp32Fallback:

@@ -34,17 +34,12 @@ _REFUSED_CALLBACKS = {
 
 
 class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
-    """mptrain's precision engine for ``strategy="fsdp"``: Lightning's ``FSDPPrecision`` (Trainer and Fabric).
-
-    ``lightning.Trainer(strategy="fsdp", plugins=[ShardedPrecision("bf16-master")])``, the same in
-    ``lightning.Fabric(...)``; ``mptrain.Trainer(strategy="fsdp", precision=...)`` picks it by itself.
+    """mptrain's precision engine for ``strategy="fsdp"``, a Lightning ``FSDPPrecision`` (Trainer and Fabric).
 
     Args:
-        precision: ``"bf16-master"`` / ``"16-master"`` (half compute params all-gathered from the fp32
-            shards, fp32 gradient reduction), ``"bf16-mixed"`` / ``"16-mixed"`` (the same, plus autocast,
-            as Lightning's FSDP mixed modes but reducing in fp32) or ``"32-true"``.
-        norms_fp32: keep normalization layers' parameters in fp32 (needs the strategy's
-            ``auto_wrap_policy``; see the module docstring). Default True.
+        precision: ``"bf16-master"`` / ``"16-master"`` (half params all-gathered from the fp32 shards, fp32
+            gradient reduction), ``"bf16-mixed"`` / ``"16-mixed"`` (the same plus autocast) or ``"32-true"``.
+        norms_fp32: keep normalization layers' parameters in fp32 (needs the strategy's ``auto_wrap_policy``).
         loss_scaler, fp32_fallback, fused, max_consecutive_skips: as :class:`MptrainPrecision`.
     """
 
