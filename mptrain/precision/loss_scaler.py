@@ -38,6 +38,9 @@ class DynamicLossScaler:
         max_scale: float = _DEFAULTS["max_scale"],
         max_consecutive_skips: int = _DEFAULTS["max_consecutive_skips"],
     ):
+        config = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                      growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
+                      max_scale=max_scale, max_consecutive_skips=max_consecutive_skips)
         checks = [
             ("init_scale", init_scale > 0, "> 0"),
             ("growth_factor", growth_factor >= 1.0, ">= 1.0"),
@@ -47,25 +50,19 @@ class DynamicLossScaler:
             ("min_scale", min_scale > 0, "> 0"),
             ("max_scale", max_scale >= min_scale, ">= min_scale"),
             ("max_consecutive_skips", int(max_consecutive_skips) >= 1, ">= 1"),
+            ("init_scale", min_scale <= init_scale <= max_scale, f"in [min_scale={min_scale}, max_scale={max_scale}]"),
         ]
         for name, ok, want in checks:
             if not ok:
-                raise ValueError(f"DynamicLossScaler: {name}={locals().get(name, '?')!r} must be {want}")
-        if not (min_scale <= init_scale <= max_scale):
-            raise ValueError(
-                f"DynamicLossScaler: init_scale={init_scale} must lie in [min_scale={min_scale}, max_scale={max_scale}]"
-            )
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.hysteresis = int(hysteresis)
-        self.min_scale = float(min_scale)
-        self.max_scale = float(max_scale)
-        self.max_consecutive_skips = int(max_consecutive_skips)
-        self._init_scale = float(init_scale)
+                raise ValueError(f"DynamicLossScaler: {name}={config[name]!r} must be {want}")
+        self._configure(config)
         self._scale = torch.full((), self._init_scale, dtype=torch.float32)
         self._growth_tracker = torch.zeros((), dtype=torch.int32)
         self._hysteresis_tracker = torch.full((), self.hysteresis, dtype=torch.int32)
+
+    def _configure(self, config: dict) -> None:
+        for k, v in config.items():
+            setattr(self, "_init_scale" if k == "init_scale" else k, type(_DEFAULTS[k])(v))
 
     @classmethod
     def from_spec(cls, spec: "DynamicLossScaler | dict | None") -> "DynamicLossScaler":
@@ -79,7 +76,8 @@ class DynamicLossScaler:
             if unknown:
                 raise ValueError(f"loss_scaler: unknown key(s) {unknown}; valid keys: {sorted(_DEFAULTS)}")
             return cls(**spec)
-        raise TypeError(f"loss_scaler must be None, a DynamicLossScaler or a dict of its arguments, got {type(spec).__name__}")
+        raise TypeError(f"loss_scaler must be None, a DynamicLossScaler or a dict of its arguments, "
+                        f"got {type(spec).__name__}")
 
     # -- device state: name in the state dict -> (attribute, dtype) ----------
     _STATE = {"scale": ("_scale", torch.float32), "growth_tracker": ("_growth_tracker", torch.int32),
@@ -131,7 +129,8 @@ class DynamicLossScaler:
         growth_after_clean = self._growth_tracker + 1
         grow = (~inf) & (growth_after_clean >= self.growth_interval)
 
-        new_scale = torch.where(backoff, torch.clamp(self._scale * self.backoff_factor, min=self.min_scale), self._scale)
+        backed_off = torch.clamp(self._scale * self.backoff_factor, min=self.min_scale)
+        new_scale = torch.where(backoff, backed_off, self._scale)
         new_scale = torch.where(grow, torch.clamp(new_scale * self.growth_factor, max=self.max_scale), new_scale)
         new_hyst = torch.where(inf, torch.clamp(hyst_after_inf, min=0), self._hysteresis_tracker)
         new_hyst = torch.where(grow, torch.full_like(new_hyst, self.hysteresis), new_hyst)
@@ -154,11 +153,7 @@ class DynamicLossScaler:
             unknown = sorted(set(config) - set(_DEFAULTS))
             if unknown:
                 raise KeyError(f"DynamicLossScaler.load_state_dict: unknown config key(s) {unknown}")
-            for k, v in config.items():
-                if k == "init_scale":
-                    self._init_scale = float(v)
-                else:
-                    setattr(self, k, type(_DEFAULTS[k])(v))
+            self._configure(config)
         for key, (attr, dtype) in self._STATE.items():
             setattr(self, attr, state[key].to(self.device, dtype).clone())
 
