@@ -182,7 +182,6 @@ class Fp32Fallback:
         return f"Fp32Fallback({list(self.ops)})"
 
 
-# -- module policy ---------------------------------------------------------------
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
 
 
@@ -222,7 +221,6 @@ def run_module_in_fp32(module: nn.Module) -> list:
     ]
 
 
-# -- automatic promotion ---------------------------------------------------------
 class AutoFallback:
     """Watches leaf modules' outputs for inf/NaN on the device; ``poll()`` names the first offender.
 

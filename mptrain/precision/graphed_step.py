@@ -1,10 +1,5 @@
-"""The optimizer side of ``cuda_graphs=True``: a precision plugin's optimizer step replayed from two CUDA graphs.
-
-:class:`~mptrain.callbacks.cuda_graphs.CudaGraphs` installs :meth:`GraphedStep.optimizer_step` in place
-of the plugin's.  After ``warmup_steps`` eager steps it captures, then replays, in the plugin's own
-order: graph ``prepare`` (the plugin's ``_prepare``: grads up, unscaled, checked into ``found_inf``);
-eagerly the ``on_before_optimizer_step`` hooks and clipping; graph ``update`` (the optimizer step
-honouring ``found_inf`` and the loss-scaler update); eagerly the guard's counters and ``_end_step``.
+"""The optimizer side of ``cuda_graphs=True`` (the order is in :mod:`mptrain.callbacks.cuda_graphs`): the
+plugin's ``_prepare``, and its optimizer step with the loss-scaler update, replayed from two CUDA graphs.
 
 Inputs that change between steps live in buffers that stay put: the loss's non-finite flag, each
 group's ``lr`` (a device scalar, so LR schedulers keep working), the grads (``.grad`` is pointed back
@@ -88,7 +83,6 @@ class GraphedStep:
             self.stepped += 1
         return result
 
-    # -- capture and replay ---------------------------------------------------------
     def _capture(self, optimizer: torch.optim.Optimizer, model: Any) -> None:
         plugin, key = self.plugin, id(optimizer)
         device = next(p.device for g in optimizer.param_groups for p in g["params"])

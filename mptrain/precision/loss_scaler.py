@@ -138,7 +138,6 @@ class DynamicLossScaler:
         self._hysteresis_tracker.copy_(new_hyst)
         self._growth_tracker.copy_(torch.where(inf | grow, torch.zeros_like(growth_after_clean), growth_after_clean))
 
-    # -- persistence -----------------------------------------------------
     def state_dict(self) -> dict:
         state = {key: getattr(self, attr).detach().cpu().clone() for key, (attr, _) in self._STATE.items()}
         config = {k: getattr(self, k) for k in _DEFAULTS if k != "init_scale"} | {"init_scale": self._init_scale}

@@ -48,7 +48,6 @@ class MasterPrecision(MptrainPrecision):
         self.__dict__.update(state)
         self._converted = weakref.WeakSet()
 
-    # -- module ------------------------------------------------------------------
     def _convert(self, module: nn.Module) -> nn.Module:
         if module in self._converted:
             return module  # validate/test after fit set the module up again: hooks once
@@ -113,7 +112,6 @@ class MasterPrecision(MptrainPrecision):
     def _release_fp32_init(self) -> None:
         self._fp32_init.clear()
 
-    # -- optimizer ---------------------------------------------------------------
     def _init_for(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 value a new master starts from: the fp32 init or loaded weights, else a previous
         optimizer's master (a second ``fit``), else the half value itself."""
@@ -247,7 +245,6 @@ class MasterPrecision(MptrainPrecision):
         self._fused_unscaled.discard(id(optimizer))
         super()._end_step(optimizer)
 
-    # -- late switch to fp32 ----------------------------------------------------------
     def _to_fp32(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if G.is_mptrain_fused(optimizer):
             optimizer.disable_master_weights()  # masters become the params, fp32 moments stay

@@ -1,9 +1,7 @@
-"""The non-finite guard of every mode: count skipped steps on the device, stop a run that cannot progress.
-
-A step whose loss or gradients hold an inf/NaN is skipped; ``max_consecutive_skips`` in a row raise
-:class:`NonFiniteError`.  The counters are read on the CPU (free) or where the step synced anyway; on
-CUDA they are copied to pinned memory every ``check_every`` steps and read once that copy has landed,
-so the run never waits for the GPU and stops at most a few steps late.
+"""The non-finite guard of every mode: a step with an inf/NaN loss or gradient is skipped, and
+``max_consecutive_skips`` in a row raise :class:`NonFiniteError`.  The device counters are read on the CPU,
+where the step synced anyway, or (CUDA) from a pinned copy made every ``check_every`` steps once it has
+landed: the run never waits for the GPU and stops at most a few steps late.
 """
 from __future__ import annotations
 

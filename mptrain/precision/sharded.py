@@ -66,7 +66,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
     def has_master_weights(self) -> bool:  # the fp32 shards are the masters
         return self.precision.endswith("-master")
 
-    # -- module -----------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Before wrapping: parameters stay fp32 (FSDP shards them); the norm classes are noted."""
         self._module = module
@@ -85,7 +84,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         return FSDPMixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
                                   buffer_dtype=self.compute_dtype, _module_classes_to_ignore=self._norm_classes)
 
-    # -- setup --------------------------------------------------------------------------
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple:
         """Setup: the model must be FSDP-wrapped with this plugin's mixed precision."""
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -144,7 +142,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
     def switch_to_fp32(self, model: nn.Module, optimizers: list) -> None:
         raise ValueError(f"the switch to fp32 cannot run with {self!r}: {_REFUSED_CALLBACKS['Fp32Finetune']}")
 
-    # -- clipping ----------------------------------------------------------------------
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: Any = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         """Clip the unscaled fp32 grad shards; the norm is the full model's (FSDP reduces it across ranks)."""
@@ -157,7 +154,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         self._prepare(optimizer)
         self._root.clip_grad_norm_(clip_val)
 
-    # -- checkpoints -------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse non-finite weights on every rank together (a full state dict lives on rank 0 only,
         a sharded one is split across ranks): one all-reduce per checkpoint."""
