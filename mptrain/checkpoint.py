@@ -51,12 +51,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
         _fsync_dir(path.parent)
 
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        map_location: Optional[Callable] = lambda storage, loc: storage,
-        weights_only: Optional[bool] = None,
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
         if _is_remote(path):
             return super().load_checkpoint(path, map_location, weights_only=True)
         if weights_only is False:
@@ -88,7 +84,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def _verify_zip(path: Path) -> None:
     if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a torch.save zip archive (truncated, or not a checkpoint)")
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a torch.save zip archive "
+                              "(truncated, or not a checkpoint)")
     try:
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()  # reads every record and checks its CRC32

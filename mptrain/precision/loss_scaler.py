@@ -1,15 +1,13 @@
 """Dynamic loss scaling with hysteresis, kept on the device: ``.item()`` runs only when ``.scale`` is read."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
 class NonFiniteError(RuntimeError):
     """Raised when training cannot make progress: too many non-finite steps in a row."""
-
-
-_DEFAULTS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, hysteresis=2,
-                 min_scale=1.0, max_scale=2.0**24, max_consecutive_skips=100)
 
 
 class DynamicLossScaler:
@@ -27,17 +25,9 @@ class DynamicLossScaler:
             :class:`NonFiniteError` (checked where the loop syncs with the host).
     """
 
-    def __init__(
-        self,
-        init_scale: float = _DEFAULTS["init_scale"],
-        growth_factor: float = _DEFAULTS["growth_factor"],
-        backoff_factor: float = _DEFAULTS["backoff_factor"],
-        growth_interval: int = _DEFAULTS["growth_interval"],
-        hysteresis: int = _DEFAULTS["hysteresis"],
-        min_scale: float = _DEFAULTS["min_scale"],
-        max_scale: float = _DEFAULTS["max_scale"],
-        max_consecutive_skips: int = _DEFAULTS["max_consecutive_skips"],
-    ):
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, hysteresis: int = 2, min_scale: float = 1.0, max_scale: float = 2.0**24,
+                 max_consecutive_skips: int = 100):
         config = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                       growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
                       max_scale=max_scale, max_consecutive_skips=max_consecutive_skips)
@@ -161,3 +151,7 @@ class DynamicLossScaler:
             f"DynamicLossScaler(scale={self._scale.item():g}, growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis}, min_scale={self.min_scale:g}, max_scale={self.max_scale:g})"
         )
+
+
+#: the constructor's arguments and defaults (the keys a loss_scaler dict and a saved config may hold)
+_DEFAULTS = {k: p.default for k, p in inspect.signature(DynamicLossScaler).parameters.items()}

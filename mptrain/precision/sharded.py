@@ -15,9 +15,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as FabricFSDPPrecision
+from lightning.fabric.utilities import rank_zero_warn
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision as FSDPMixedPrecision
 
 from mptrain.precision.fallback import is_norm_module
 from mptrain.precision.loss_scaler import NonFiniteError
@@ -75,10 +77,8 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         return module
 
     @property
-    def mixed_precision_config(self) -> Optional["torch.distributed.fsdp.MixedPrecision"]:
+    def mixed_precision_config(self) -> Optional[FSDPMixedPrecision]:
         """What FSDP casts: half all-gathered params and buffers, fp32 reduction; None in ``32-true``."""
-        from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
-
         if self.compute_dtype not in HALF:
             return None
         return FSDPMixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
@@ -86,8 +86,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
 
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple:
         """Setup: the model must be FSDP-wrapped with this plugin's mixed precision."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         if not isinstance(model, FullyShardedDataParallel):
             raise ValueError(f"{self!r} runs under strategy='fsdp' (Lightning's FSDPStrategy), but the model is a "
                              f"{type(model).__name__}. Use strategy='fsdp', or mptrain.MasterPrecision / "
@@ -118,9 +116,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
 
     def _warn_if_norms_half(self, model: nn.Module) -> None:
         """torch honours ``_module_classes_to_ignore`` only with an ``auto_wrap_policy``: say so once."""
-        from lightning.fabric.utilities import rank_zero_warn
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         if not self._norm_classes:
             return
         units = [m.module for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
