@@ -48,25 +48,13 @@ class Trainer(pl.Trainer):
     (``*-true`` half modes, ``fp32_finetune_*``, ``auto_fp32_fallback`` and ``cuda_graphs`` are refused).
     """
 
-    def __init__(
-        self,
-        *,
-        precision: Optional[Union[str, int]] = None,
-        fp32_finetune_epochs: int = 0,
-        fp32_finetune_steps: int = 0,
-        loss_scaler: Any = None,
-        fp32_fallback: Union[str, list[str]] = "default",
-        auto_fp32_fallback: bool = False,
-        fused: Union[str, bool] = "auto",
-        cuda_graphs: bool = False,
-        checkpoint_every_n_steps: Optional[int] = None,
-        channels_last: bool = False,
-        seed: Optional[int] = None,
-        compile: Union[bool, dict[str, Any]] = False,
-        plugins: Any = None,
-        callbacks: Any = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *, precision: Optional[Union[str, int]] = None, fp32_finetune_epochs: int = 0,
+                 fp32_finetune_steps: int = 0, loss_scaler: Any = None,
+                 fp32_fallback: Union[str, list[str]] = "default", auto_fp32_fallback: bool = False,
+                 fused: Union[str, bool] = "auto", cuda_graphs: bool = False,
+                 checkpoint_every_n_steps: Optional[int] = None, channels_last: bool = False,
+                 seed: Optional[int] = None, compile: Union[bool, dict[str, Any]] = False, plugins: Any = None,
+                 callbacks: Any = None, **kwargs: Any) -> None:
         check_finetune(fp32_finetune_epochs, fp32_finetune_steps, kwargs)
         check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback)
         plugins = _as_list(plugins)

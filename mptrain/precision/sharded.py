@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as FabricFSDPPrecision
 from lightning.fabric.utilities import rank_zero_warn
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
@@ -21,6 +20,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision as FSDPMixedPrecision
 
+from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module
 from mptrain.precision.loss_scaler import NonFiniteError
 from mptrain.precision.plugin import HALF, MptrainPrecision, _unwrap_optimizer
@@ -154,13 +154,11 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         a sharded one is split across ranks): one all-reduce per checkpoint."""
         local = [_local(v) for v in checkpoint.get("state_dict", {}).values()]
         floats = [t for t in local if t is not None and t.is_floating_point() and t.numel()]
-        device = self._device()
-        finite = torch.ones(1, device=device)
+        bad = torch.zeros(1, device=self._device())
         if floats:
-            finite = torch.stack([torch.isfinite(t).all() for t in floats]).all().float().reshape(1).to(device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if bool(finite.item()):
+            bad = (~torch.stack([torch.isfinite(t).all() for t in floats]).all()).float().reshape(1).to(bad.device)
+        G.all_reduce_max_(bad)
+        if not bool(bad.item()):
             return
         raise NonFiniteError(f"refusing to save a checkpoint: a weight holds inf/NaN at step {self._step_number()} "
                              f"(precision={self.precision!r}); the previous checkpoint is the last good one")
