@@ -7,7 +7,7 @@ import torch
 
 from mptrain.precision.master import MasterPrecision
 from mptrain.precision.mixed import MixedPrecision
-from mptrain.precision.plugin import MptrainPrecision
+from mptrain.precision.plugin import MptrainPrecision, check_device_supports
 from mptrain.precision.sharded import ShardedPrecision
 from mptrain.precision.true import TruePrecision
 
@@ -37,17 +37,6 @@ def precision_plugin(precision: Any, *, sharded: bool = False, **kwargs: Any) ->
         return ShardedPrecision(name, **kwargs)
     cls = MasterPrecision if name.endswith("-master") else MixedPrecision if name.endswith("-mixed") else TruePrecision
     return cls(name, **kwargs)
-
-
-def check_device_supports(name: str, device: torch.device) -> None:
-    """bf16 on a GPU without bf16 (pre-Ampere) must fail before training, not produce garbage."""
-    if torch.device(device).type != "cuda" or not name.startswith("bf16"):
-        return
-    if not torch.cuda.is_bf16_supported(including_emulation=False):
-        cap = torch.cuda.get_device_capability(device)
-        raise RuntimeError(f"precision={name!r} needs a GPU with bf16 support (compute capability >= 8.0); "
-                           f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. "
-                           f"Use '16-master' or '16-mixed' instead.")
 
 
 def build_precision(name: Any, device: torch.device | str = "cpu", fp32_fallback: Any = "default") -> MptrainPrecision:

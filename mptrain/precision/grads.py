@@ -56,24 +56,22 @@ def all_reduce_max_(found_inf: torch.Tensor) -> None:
 
 
 def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
-                        grad_scale: Optional[torch.Tensor] = None, **kwargs) -> bool:
-    """Step, or skip when ``found_inf`` is set (on the device where the optimizer can, else after one host read,
-    as GradScaler does). Returns False when it knew (on the host) it skipped."""
-    if accepts_device_found_inf(optimizer):
-        optimizer.grad_scale = grad_scale.reshape(1).float() if grad_scale is not None else None
-        # torch's fused Adam subtracts found_inf from its 0-dim step counts in place: 0-dim there.
-        optimizer.found_inf = found_inf if is_mptrain_fused(optimizer) else found_inf.reshape(())
-        if is_mptrain_fused(optimizer) and grad_scale is not None:
-            # The engine never reads the grads after the step: skip the optimizer's extra pass that
-            # leaves them unscaled (done for GradScaler parity, which torch's fused optimizers keep).
-            kwargs.setdefault("unscale_grads", False)
-        try:
+                        grad_scale: Optional[torch.Tensor] = None, **kwargs) -> None:
+    """Step, or skip when ``found_inf`` is set: on the device where the optimizer can, else after one host read
+    (as GradScaler does)."""
+    if not accepts_device_found_inf(optimizer):
+        if not bool(found_inf.item()):
             optimizer.step(**kwargs)
-        finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
-        return True
-    if bool(found_inf.item()):
-        return False
-    optimizer.step(**kwargs)
-    return True
+        return
+    optimizer.grad_scale = grad_scale.reshape(1).float() if grad_scale is not None else None
+    # torch's fused Adam subtracts found_inf from its 0-dim step counts in place: 0-dim there.
+    optimizer.found_inf = found_inf if is_mptrain_fused(optimizer) else found_inf.reshape(())
+    if is_mptrain_fused(optimizer) and grad_scale is not None:
+        # The engine never reads the grads after the step: skip the optimizer's extra pass that
+        # leaves them unscaled (done for GradScaler parity, which torch's fused optimizers keep).
+        kwargs.setdefault("unscale_grads", False)
+    try:
+        optimizer.step(**kwargs)
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf

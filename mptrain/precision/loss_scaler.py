@@ -147,10 +147,8 @@ class DynamicLossScaler:
             setattr(self, attr, state[key].to(self.device, dtype).clone())
 
     def __repr__(self) -> str:
-        return (
-            f"DynamicLossScaler(scale={self._scale.item():g}, growth_interval={self.growth_interval}, "
-            f"hysteresis={self.hysteresis}, min_scale={self.min_scale:g}, max_scale={self.max_scale:g})"
-        )
+        return (f"DynamicLossScaler(scale={self._scale.item():g}, growth_interval={self.growth_interval}, "
+                f"hysteresis={self.hysteresis}, min_scale={self.min_scale:g}, max_scale={self.max_scale:g})")
 
 
 #: the constructor's arguments and defaults (the keys a loss_scaler dict and a saved config may hold)

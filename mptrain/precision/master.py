@@ -40,9 +40,7 @@ class MasterPrecision(MptrainPrecision):
         self._converted: weakref.WeakSet = weakref.WeakSet()  # modules already converted
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_converted"] = None  # a WeakSet does not pickle (ddp_spawn pickles the plugin)
-        return state
+        return {**self.__dict__, "_converted": None}  # a WeakSet does not pickle (ddp_spawn pickles the plugin)
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -130,21 +128,11 @@ class MasterPrecision(MptrainPrecision):
                         optimizer.master_param(p).copy_(self._init_for(p))
                         self._fused_of[id(p)] = optimizer
             return
-        halfs, masters = [], []
-        for group in optimizer.param_groups:
-            swapped = []
-            for p in group["params"]:
-                if p.dtype not in HALF:
-                    swapped.append(p)
-                    continue
-                master = nn.Parameter(self._init_for(p), requires_grad=p.requires_grad)
-                if p in optimizer.state:  # an optimizer that already holds state (rare)
-                    optimizer.state[master] = optimizer.state.pop(p)
-                halfs.append(p)
-                masters.append(master)
-                self._master_of[id(p)] = master
-                swapped.append(master)
-            group["params"] = swapped
+        halfs = [p for g in optimizer.param_groups for p in g["params"] if p.dtype in HALF]
+        masters = [nn.Parameter(self._init_for(p), requires_grad=p.requires_grad) for p in halfs]
+        master_of = {id(p): m for p, m in zip(halfs, masters)}
+        self._master_of.update(master_of)
+        _swap_params(optimizer, master_of)
         self._pairs[id(optimizer)] = (halfs, masters)
 
     def main_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -250,17 +238,9 @@ class MasterPrecision(MptrainPrecision):
             optimizer.disable_master_weights()  # masters become the params, fp32 moments stay
         elif id(optimizer) in self._pairs:
             halfs, masters = self._pairs.pop(id(optimizer))
-            back = {id(m): p for p, m in zip(halfs, masters)}
-            for group in optimizer.param_groups:
-                new = []
-                for q in group["params"]:
-                    p = back.get(id(q))
-                    if p is not None:
-                        p.data, p.grad = q.data, None
-                        if q in optimizer.state:
-                            optimizer.state[p] = optimizer.state.pop(q)
-                    new.append(p if p is not None else q)
-                group["params"] = new
+            for p, m in zip(halfs, masters):
+                p.data, p.grad = m.data, None
+            _swap_params(optimizer, {id(m): p for p, m in zip(halfs, masters)})
         super()._to_fp32(model, optimizer)
         self._master_of.clear()
         self._fused_of.clear()
@@ -271,3 +251,12 @@ class MasterPrecision(MptrainPrecision):
                 m = self.master_for(p)
                 p.data = m.detach().clone() if m is not None else p.data.float()
         super().promote_module(module)
+
+
+def _swap_params(optimizer: torch.optim.Optimizer, replace: dict[int, torch.Tensor]) -> None:
+    """Params whose id is in ``replace`` give way to their replacement in the groups; their state moves along."""
+    for group in optimizer.param_groups:
+        for q in group["params"]:
+            if id(q) in replace and q in optimizer.state:  # an optimizer that already holds state
+                optimizer.state[replace[id(q)]] = optimizer.state.pop(q)
+        group["params"] = [replace.get(id(q), q) for q in group["params"]]

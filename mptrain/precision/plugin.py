@@ -58,8 +58,7 @@ class MptrainPrecision(_LightningPrecision):
         if fused not in FUSED_CHOICES:
             raise ValueError(f"fused={fused!r} is not supported. Valid values: 'auto', True, False")
         self.precision = self.initial_precision = precision
-        dtype = self.MODES[precision]
-        self.compute_dtype = dtype
+        self.compute_dtype = dtype = self.MODES[precision]
         self.param_dtype = torch.float32 if self.FP32_PARAMS else dtype
         self.autocast_dtype: Optional[torch.dtype] = dtype if precision.endswith("-mixed") else None
         self.fused = fused
@@ -166,8 +165,6 @@ class MptrainPrecision(_LightningPrecision):
 
     def check_device(self, device: torch.device) -> None:
         """Before any training: bf16 on a GPU without it, ``fused=True`` without a built extension."""
-        from mptrain.precision.factory import check_device_supports
-
         check_device_supports(self.initial_precision, device)
         if self.fused is True and device.type == "cuda":
             from mptrain import ops
@@ -422,6 +419,17 @@ class MptrainPrecision(_LightningPrecision):
     def teardown(self) -> None:
         self._pending.clear()
         self._loss_bad = None
+
+
+def check_device_supports(name: str, device: torch.device) -> None:
+    """bf16 on a GPU without bf16 (pre-Ampere) must fail before training, not produce garbage."""
+    if torch.device(device).type != "cuda" or not name.startswith("bf16"):
+        return
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        cap = torch.cuda.get_device_capability(device)
+        raise RuntimeError(f"precision={name!r} needs a GPU with bf16 support (compute capability >= 8.0); "
+                           f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. "
+                           f"Use '16-master' or '16-mixed' instead.")
 
 
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
