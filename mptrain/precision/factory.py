@@ -19,10 +19,7 @@ _ALIASES: dict[Any, str] = {32: "32-true", "32": "32-true", 16: "16-mixed", "16"
 
 def normalize_precision(precision: Any) -> str:
     """The canonical string for ``precision`` (Lightning's aliases accepted); ValueError listing the valid ones."""
-    try:
-        name = _ALIASES.get(precision, precision)
-    except TypeError:  # unhashable
-        name = precision
+    name = _ALIASES.get(precision, precision) if isinstance(precision, (int, float, str)) else precision
     if name not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported. Valid values: {', '.join(PRECISIONS)} "
                          f"(and Lightning's aliases 32, '32', 16, '16', 'bf16')")

@@ -69,8 +69,7 @@ class NonFiniteGuard:
     def __setstate__(self, state: dict) -> None:
         # Unpickled in a spawned process (ddp_spawn): torch shares pickled CPU tensors through shared
         # memory, which would make every rank count into the same counters. Each gets its own.
-        self.__dict__.update(state)
-        self._snapshot = None
+        self.__dict__.update(state)  # without its snapshot (see __getstate__)
         self.consecutive, self.total = self.consecutive.clone(), self.total.clone()
 
     def state_dict(self) -> dict:

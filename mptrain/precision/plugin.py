@@ -341,13 +341,7 @@ class MptrainPrecision(_LightningPrecision):
         """Run ``module`` in fp32 for the rest of the run (params and compute; its output keeps its dtype)."""
         module._mpt_promoted = True
         if self.autocast_dtype is not None:
-            orig, dev = module.forward, self._device().type
-
-            def forward(*args, **kwargs):
-                with torch.autocast(dev, enabled=False):
-                    return orig(*args, **kwargs)
-
-            module.forward = forward
+            module.forward = torch.autocast(self._device().type, enabled=False)(module.forward)
         self._hooks += run_module_in_fp32(module)
 
     # -- late switch to fp32 ------------------------------------------------------------
