@@ -11,5 +11,5 @@ from mptrain.precision.sharded import ShardedPrecision
 from mptrain.precision.true import TruePrecision
 
 __all__ = ["PRECISIONS", "normalize_precision", "precision_plugin", "build_precision", "check_device_supports",
-           "MptrainPrecision", "MasterPrecision", "MixedPrecision", "TruePrecision", "ShardedPrecision", "DynamicLossScaler",
-           "NonFiniteError"]
+           "MptrainPrecision", "MasterPrecision", "MixedPrecision", "TruePrecision", "ShardedPrecision",
+           "DynamicLossScaler", "NonFiniteError"]
