@@ -1,14 +1,9 @@
 """AtomicCheckpointIO: Lightning's checkpoint format, written atomically, read safely.
 
-Save: ``torch.save`` into a temp file in the target's folder, flush, fsync, ``os.replace``
-over the target, fsync the folder; a process killed mid-save leaves the previous file intact
-and an orphan temp file that the next save removes.  Weights that are not finite are never
-written (the previous checkpoint stays the last good one).
-
-Load: ``torch.load(weights_only=True)`` only, so a file whose pickle would build arbitrary
-objects is refused before any of it runs.  The zip records' CRC32 (computed by ``torch.save``)
-are verified first, so a flipped bit is an error rather than a silently wrong weight.  Every
-failure is a :class:`CheckpointError` naming the file and what is wrong.
+Save: into a temp file in the target's folder, fsync, ``os.replace``, fsync the folder (a killed save
+leaves the previous file intact; the next save removes the orphan); non-finite weights are refused.
+Load: CRC32 of every zip record verified, then ``torch.load(weights_only=True)`` only.  Every failure
+is a :class:`CheckpointError` naming the file and what is wrong.
 """
 from __future__ import annotations
 
@@ -31,12 +26,8 @@ class CheckpointError(RuntimeError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """A Lightning ``CheckpointIO`` plugin: atomic local writes, ``weights_only`` verified reads.
-
-    ``Trainer(plugins=[AtomicCheckpointIO()])`` under plain Lightning; ``mptrain.Trainer`` adds
-    it unless another ``CheckpointIO`` is given.  Remote (``scheme://``) paths go through
-    Lightning's own ``TorchCheckpointIO`` unchanged.
-    """
+    """A Lightning ``CheckpointIO`` plugin: atomic local writes, ``weights_only`` verified reads; remote
+    (``scheme://``) paths go through Lightning's ``TorchCheckpointIO``.  ``mptrain.Trainer`` adds it by default."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
         if _is_remote(path):
@@ -46,7 +37,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         _check_finite(checkpoint, path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_orphans(path.parent)
+        for orphan in path.parent.glob(f".*{_TMP_SUFFIX}"):  # left by a save killed before its rename
+            orphan.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -59,12 +51,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
         _fsync_dir(path.parent)
 
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        map_location: Optional[Callable] = lambda storage, loc: storage,
-        weights_only: Optional[bool] = None,
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
         if _is_remote(path):
             return super().load_checkpoint(path, map_location, weights_only=True)
         if weights_only is False:
@@ -72,40 +60,32 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"refused to load {str(path)!r} with weights_only=False: AtomicCheckpointIO only unpickles tensors "
                 "and plain containers (register extra types with torch.serialization.add_safe_globals)"
             )
-        return load_checkpoint(path, map_location)
-
-
-def load_checkpoint(path: _PATH, map_location: Any = "cpu") -> dict[str, Any]:
-    """Verify and load a Lightning checkpoint file with ``weights_only=True``."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file; check ckpt_path")
-    _verify_zip(path)
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"refused to load checkpoint {str(path)!r}: it holds Python objects other than tensors and plain "
-            f"containers, so unpickling it could run code. Load only checkpoints you trust; a type you trust can be "
-            f"allowed with torch.serialization.add_safe_globals. Detail: {_first_line(e)}"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - any other failure to read is a damaged file
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(e).__name__}: {_first_line(e)})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
-        what = type(state).__name__ if not isinstance(state, dict) else f"a dict without 'state_dict' (keys {sorted(state)[:8]})"
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint: it holds {what}")
-    return state
-
-
-def remove_orphans(folder: Path) -> None:
-    """Delete temp files left by a save that was killed before its rename."""
-    for orphan in folder.glob(f".*{_TMP_SUFFIX}"):
-        orphan.unlink(missing_ok=True)
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file; check ckpt_path")
+        _verify_zip(path)
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"refused to load checkpoint {str(path)!r}: it holds Python objects other than tensors and plain "
+                f"containers, so unpickling it could run code. Load only checkpoints you trust; a type you trust "
+                f"can be allowed with torch.serialization.add_safe_globals. Detail: {_first_line(e)}"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - any other failure to read is a damaged file
+            raise CheckpointError(f"checkpoint {str(path)!r} cannot be read "
+                                  f"({type(e).__name__}: {_first_line(e)})") from None
+        if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
+            what = (type(state).__name__ if not isinstance(state, dict)
+                    else f"a dict without 'state_dict' (keys {sorted(state)[:8]})")
+            raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint: it holds {what}")
+        return state
 
 
 def _verify_zip(path: Path) -> None:
     if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a torch.save zip archive (truncated, or not a checkpoint)")
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a torch.save zip archive "
+                              "(truncated, or not a checkpoint)")
     try:
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()  # reads every record and checks its CRC32

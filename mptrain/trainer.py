@@ -1,9 +1,5 @@
-"""mptrain's Trainer: ``lightning.pytorch.Trainer`` with the precision engine plugged in.
-
-The loop, callbacks, loggers and checkpoint layout are Lightning's.  This class only turns
-mptrain's arguments (DESIGN §3) into a precision plugin, a checkpoint IO plugin and
-callbacks, and makes the train loader resumable mid-epoch.
-"""
+"""mptrain's Trainer: ``lightning.pytorch.Trainer`` with mptrain's arguments (DESIGN §3) turned into a
+precision plugin, a checkpoint IO plugin and callbacks, and a train loader resumable mid-epoch."""
 from __future__ import annotations
 
 from typing import Any, Optional, Union
@@ -30,58 +26,35 @@ from mptrain.trainer_checks import (check_arguments, check_finetune, check_mode_
 
 
 class Trainer(pl.Trainer):
-    """A ``lightning.pytorch.Trainer`` that trains in any mptrain precision mode.
-
-    Every ``lightning.pytorch.Trainer`` argument is accepted unchanged (``**kwargs``).
+    """A ``lightning.pytorch.Trainer`` that trains in any mptrain precision mode; every Lightning argument works.
 
     Args:
-        precision: One of ``mptrain.PRECISIONS`` (``32-true``, ``16-mixed``, ``bf16-mixed``,
-            ``16-true``, ``bf16-true``, ``16-master``, ``bf16-master``) or a Lightning alias
-            (``32``, ``16``, ``bf16``). Default ``32-true``; leave it unset when ``plugins``
-            holds a precision plugin.
-        fp32_finetune_epochs: Train the last N epochs in ``32-true`` (fp32 weights from the
-            masters, optimizer state kept). Needs an epoch-based run (``max_epochs`` > 0).
+        precision: One of ``mptrain.PRECISIONS`` or a Lightning alias (``32``, ``16``, ``bf16``); default
+            ``32-true``; leave it unset when ``plugins`` holds a precision plugin.
+        fp32_finetune_epochs: Train the last N epochs of a ``max_epochs`` run in ``32-true`` (optimizer state kept).
         fp32_finetune_steps: Train the last N optimizer steps of a ``max_steps`` run in ``32-true``.
-        loss_scaler: None for the mode's default, a ``DynamicLossScaler``, or a dict of its
-            arguments.
-        fp32_fallback: ``"default"``, a list of op names (``"+name"``/``"-name"`` edit the
-            default list) or ``[]``: ops computed in fp32 whatever the mode.
+        loss_scaler: None for the mode's default, a ``DynamicLossScaler``, or a dict of its arguments.
+        fp32_fallback: Ops computed in fp32 whatever the mode: ``"default"``, a list of op names
+            (``"+name"``/``"-name"`` edit the default list) or ``[]``.
         auto_fp32_fallback: Promote modules whose output overflows to fp32, and log which.
-        fused: ``"auto"`` uses the fused CUDA kernels where available, ``True`` requires them,
-            ``False`` uses the PyTorch references only.
-        cuda_graphs: Capture the train step in CUDA graphs and replay it (the ``CudaGraphs``
-            callback; one CUDA GPU, no accumulation; what it cannot capture is refused at setup).
+        fused: ``"auto"``: the fused CUDA kernels where available, ``True``: required, ``False``: PyTorch only.
+        cuda_graphs: Capture the train step in CUDA graphs and replay it (one GPU, no accumulation).
         checkpoint_every_n_steps: Add ``ModelCheckpoint(every_n_train_steps=N, save_last=True)``.
         channels_last: Convert the module and every 4-D input batch to ``torch.channels_last``.
         seed: ``seed_everything(seed, workers=True)`` at the start of ``fit``.
-        compile: ``True`` or a dict of ``torch.compile`` arguments: compile the
-            LightningModule's ``model`` attribute at setup.
+        compile: ``True`` or a dict of ``torch.compile`` arguments: compile the LightningModule's ``model``.
 
-    With ``strategy="fsdp"`` (or an ``FSDPStrategy``) the precision plugin is a
-    :class:`~mptrain.precision.sharded.ShardedPrecision`: the sharded fp32 parameters are the
-    masters. ``*-true`` half modes, ``fp32_finetune_*``, ``auto_fp32_fallback`` and
-    ``cuda_graphs`` are refused there.
+    With ``strategy="fsdp"`` the plugin is a :class:`~mptrain.precision.sharded.ShardedPrecision`
+    (``*-true`` half modes, ``fp32_finetune_*``, ``auto_fp32_fallback`` and ``cuda_graphs`` are refused).
     """
 
-    def __init__(
-        self,
-        *,
-        precision: Optional[Union[str, int]] = None,
-        fp32_finetune_epochs: int = 0,
-        fp32_finetune_steps: int = 0,
-        loss_scaler: Any = None,
-        fp32_fallback: Union[str, list[str]] = "default",
-        auto_fp32_fallback: bool = False,
-        fused: Union[str, bool] = "auto",
-        cuda_graphs: bool = False,
-        checkpoint_every_n_steps: Optional[int] = None,
-        channels_last: bool = False,
-        seed: Optional[int] = None,
-        compile: Union[bool, dict[str, Any]] = False,
-        plugins: Any = None,
-        callbacks: Any = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *, precision: Optional[Union[str, int]] = None, fp32_finetune_epochs: int = 0,
+                 fp32_finetune_steps: int = 0, loss_scaler: Any = None,
+                 fp32_fallback: Union[str, list[str]] = "default", auto_fp32_fallback: bool = False,
+                 fused: Union[str, bool] = "auto", cuda_graphs: bool = False,
+                 checkpoint_every_n_steps: Optional[int] = None, channels_last: bool = False,
+                 seed: Optional[int] = None, compile: Union[bool, dict[str, Any]] = False, plugins: Any = None,
+                 callbacks: Any = None, **kwargs: Any) -> None:
         check_finetune(fp32_finetune_epochs, fp32_finetune_steps, kwargs)
         check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback)
         plugins = _as_list(plugins)

@@ -18,7 +18,8 @@ def check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, 
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} is not valid; valid values: True, False")
     if not isinstance(compile, (bool, dict)):
-        raise ValueError(f"compile={compile!r} is not valid; valid values: True, False, or a dict of torch.compile arguments")
+        raise ValueError(f"compile={compile!r} is not valid; valid values: True, False, "
+                         "or a dict of torch.compile arguments")
 
 
 def check_finetune(epochs, steps, lightning_kwargs) -> None:
@@ -77,14 +78,12 @@ def _name(strategy) -> str:
 
 
 def check_user_plugin(precision, loss_scaler, fp32_fallback, fused) -> None:
-    given = {k: v for k, v, default in (("precision", precision, None), ("loss_scaler", loss_scaler, None),
-                                       ("fp32_fallback", fp32_fallback, "default"), ("fused", fused, "auto"))
-             if v != default}
+    given = [f"{k}={v!r}" for k, v, default in (("precision", precision, None), ("loss_scaler", loss_scaler, None),
+                                               ("fp32_fallback", fp32_fallback, "default"), ("fused", fused, "auto"))
+             if v != default]
     if given:
-        raise ValueError(
-            f"plugins= holds a precision plugin, so {', '.join(f'{k}={v!r}' for k, v in given.items())} would be "
-            f"ignored: configure the plugin itself, or drop it from plugins and pass these arguments"
-        )
+        raise ValueError(f"plugins= holds a precision plugin, so {', '.join(given)} would be ignored: configure the "
+                         f"plugin itself, or drop it from plugins and pass these arguments")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from mptrain.precision.master import MasterPrecision
 from mptrain.precision.mixed import MixedPrecision
-from mptrain.precision.plugin import MptrainPrecision
+from mptrain.precision.plugin import MptrainPrecision, check_device_supports
 from mptrain.precision.sharded import ShardedPrecision
 from mptrain.precision.true import TruePrecision
 
@@ -19,10 +19,7 @@ _ALIASES: dict[Any, str] = {32: "32-true", "32": "32-true", 16: "16-mixed", "16"
 
 def normalize_precision(precision: Any) -> str:
     """The canonical string for ``precision`` (Lightning's aliases accepted); ValueError listing the valid ones."""
-    try:
-        name = _ALIASES.get(precision, precision)
-    except TypeError:  # unhashable
-        name = precision
+    name = _ALIASES.get(precision, precision) if isinstance(precision, (int, float, str)) else precision
     if name not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported. Valid values: {', '.join(PRECISIONS)} "
                          f"(and Lightning's aliases 32, '32', 16, '16', 'bf16')")
@@ -30,30 +27,13 @@ def normalize_precision(precision: Any) -> str:
 
 
 def precision_plugin(precision: Any, *, sharded: bool = False, **kwargs: Any) -> MptrainPrecision:
-    """The plugin for a precision string: ``loss_scaler``, ``fp32_fallback``, ``fused``, ``max_consecutive_skips``.
-
-    ``sharded=True``: the :class:`ShardedPrecision` that ``strategy="fsdp"`` needs (it refuses the modes
-    sharding cannot run, naming the valid ones)."""
+    """The plugin for a precision string (``loss_scaler``, ``fp32_fallback``, ``fused``, ``max_consecutive_skips``);
+    ``sharded=True``: the :class:`ShardedPrecision` that ``strategy="fsdp"`` needs."""
     name = normalize_precision(precision)
     if sharded:
         return ShardedPrecision(name, **kwargs)
     cls = MasterPrecision if name.endswith("-master") else MixedPrecision if name.endswith("-mixed") else TruePrecision
     return cls(name, **kwargs)
-
-
-def check_device_supports(name: str, device: torch.device) -> None:
-    """bf16 on a GPU without bf16 (pre-Ampere) must fail before training, not produce garbage."""
-    if torch.device(device).type != "cuda" or not name.startswith("bf16"):
-        return
-    try:
-        ok = torch.cuda.is_bf16_supported(including_emulation=False)
-    except TypeError:  # torch without the argument
-        ok = torch.cuda.is_bf16_supported()
-    if not ok:
-        cap = torch.cuda.get_device_capability(device)
-        raise RuntimeError(f"precision={name!r} needs a GPU with bf16 support (compute capability >= 8.0); "
-                           f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. "
-                           f"Use '16-master' or '16-mixed' instead.")
 
 
 def build_precision(name: Any, device: torch.device | str = "cpu", fp32_fallback: Any = "default") -> MptrainPrecision:

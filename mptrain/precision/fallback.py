@@ -1,24 +1,17 @@
 """fp32 fallback: listed ops compute in fp32 whatever the mode and return the input's dtype.
 
-Four mechanisms, one file:
-
-* **op list** — a ``TorchFunctionMode`` intercepts the listed functions however user
-  code reaches them (``F.softmax``, ``torch.softmax``, ``x.softmax``), upcasts their
-  half inputs, runs them with autocast off and casts the result back.  A mode rather
-  than monkey-patching ``torch.nn.functional`` because it also sees calls made
-  through ``torch.*`` and Tensor methods, and it is scoped to the forward context.
-* **module policy** — in ``*-master`` the normalization layers keep fp32 parameters;
-  a pre/post hook pair makes them take half input and give half output.
-* **CPU RNN policy** — torch's oneDNN bf16 LSTM crashes on CPUs without native bf16
-  (no avx512_bf16 / amx_bf16): there ``torch.lstm`` / ``torch.lstm_cell`` (what
-  ``nn.LSTM`` / ``nn.LSTMCell`` and the functional forms call) run in fp32 on CPU
-  tensors, whatever the op list says; GPU tensors are untouched.
-* **automatic promotion** — with ``auto_fp32_fallback`` every leaf module's output is
-  checked for inf/NaN *on the device*; the precision plugin reads the flags only where
-  it syncs anyway, and promotes a flagged module to fp32 for the rest of the run.
+* **op list**: a ``TorchFunctionMode`` (it sees ``F.softmax``, ``torch.softmax`` and ``x.softmax`` alike,
+  only inside the forward context) upcasts the listed ops' half inputs, runs them with autocast off
+  and casts the result back;
+* **module policy**: in ``*-master`` norm layers keep fp32 parameters and take/give half tensors;
+* **CPU RNN policy**: torch's oneDNN bf16 LSTM crashes on CPUs without native bf16, so there
+  ``torch.lstm`` / ``torch.lstm_cell`` run in fp32 on CPU tensors (GPU tensors untouched);
+* **automatic promotion** (``auto_fp32_fallback``): leaf modules' outputs are checked for inf/NaN on
+  the device; the plugin reads the flags where it syncs anyway and promotes the culprit to fp32.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Callable, Iterable, Optional
@@ -31,44 +24,20 @@ from torch.overrides import TorchFunctionMode
 log = logging.getLogger("mptrain")
 
 #: DESIGN §3 default list (torch functional names).
-DEFAULT_FP32_OPS: tuple[str, ...] = (
-    "softmax",
-    "log_softmax",
-    "layer_norm",
-    "group_norm",
-    "batch_norm",
-    "rms_norm",
-    "cross_entropy",
-    "nll_loss",
-    "binary_cross_entropy_with_logits",
-    "mse_loss",
-    "kl_div",
-    "logsumexp",
-)
+DEFAULT_FP32_OPS: tuple[str, ...] = ("softmax", "log_softmax", "layer_norm", "group_norm", "batch_norm", "rms_norm",
+                                     "cross_entropy", "nll_loss", "binary_cross_entropy_with_logits", "mse_loss",
+                                     "kl_div", "logsumexp")
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
 def _callables_for(name: str) -> list[Callable]:
     """Every public spelling of a functional op: F.name, torch.name, Tensor.name."""
-    found = []
-    for owner in (F, torch, torch.Tensor):
-        fn = getattr(owner, name, None)
-        if fn is not None and callable(fn):
-            found.append(fn)
-    return found
-
-
-def known_op_names() -> list[str]:
-    """Names accepted in ``fp32_fallback`` (functions of torch.nn.functional or torch)."""
-    return sorted(n for n in dir(F) if not n.startswith("_") and callable(getattr(F, n)))
+    return [fn for fn in (getattr(owner, name, None) for owner in (F, torch, torch.Tensor)) if callable(fn)]
 
 
 def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
-    """Turn ``"default"``, a list of names or ``[]`` into a checked tuple of op names.
-
-    A list may start from the default with ``"+name"`` / ``"-name"`` entries.
-    """
+    """``"default"``, a list of names (``"+name"`` / ``"-name"`` edit the default) or ``[]``: a checked tuple."""
     if spec is None or spec == "default":
         return DEFAULT_FP32_OPS
     if isinstance(spec, str):
@@ -80,12 +49,10 @@ def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
     if any(isinstance(n, str) and n[:1] in "+-" for n in names):
         base = list(DEFAULT_FP32_OPS)
         for n in names:
-            if n.startswith("+"):
-                base.append(n[1:]) if n[1:] not in base else None
-            elif n.startswith("-"):
+            if n.startswith("-"):
                 base = [b for b in base if b != n[1:]]
             else:
-                base.append(n) if n not in base else None
+                base.append(n.removeprefix("+"))  # a repeat is dropped below
         names = base
     for n in names:
         if not isinstance(n, str) or not _callables_for(n):
@@ -144,30 +111,23 @@ def _downcast(obj, dtype: torch.dtype):
 
 
 def _batch_norm_fp32(func, args, kwargs):
-    """batch_norm updates running stats in place: run on fp32 copies, write them back.
-
-    On CUDA the activation itself stays half: cuDNN's batch norm takes half input with
-    fp32 weights and statistics and computes in fp32 (what autocast relies on), so an fp32
-    copy of every activation would only cost memory and bandwidth.  On the CPU it is upcast.
-    """
+    """batch_norm updates running stats in place: run on fp32 copies, write them back.  On CUDA the input
+    stays half (cuDNN takes half input with fp32 weights and stats and computes in fp32); on the CPU it is upcast."""
     names = ["input", "running_mean", "running_var", "weight", "bias"]
-    bound = dict(zip(names, args))
-    bound.update({k: v for k, v in kwargs.items() if k in names})
-    rest_args = args[len(names):]
+    bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
     rest_kwargs = {k: v for k, v in kwargs.items() if k not in names}
     x = bound["input"]
-    originals = {k: bound.get(k) for k in ("running_mean", "running_var")}
     call = {}
     keep_half_input = isinstance(x, torch.Tensor) and x.is_cuda
     for k in names:
         v = bound.get(k)
         upcast = isinstance(v, torch.Tensor) and v.dtype in _HALF and not (k == "input" and keep_half_input)
         call[k] = v.float() if upcast else v
-    out = func(*[call[k] for k in names], *rest_args, **rest_kwargs)
-    for k, orig in originals.items():
-        if isinstance(orig, torch.Tensor) and orig is not call[k]:
+    out = func(*[call[k] for k in names], *args[len(names):], **rest_kwargs)
+    for k in ("running_mean", "running_var"):
+        if isinstance(bound.get(k), torch.Tensor) and bound[k] is not call[k]:
             with torch.no_grad():
-                orig.copy_(call[k])
+                bound[k].copy_(call[k])
     return out.to(x.dtype) if x.dtype in _HALF else out
 
 
@@ -202,9 +162,7 @@ def _fp32_call(name: str, func, args, kwargs):
     up_kwargs = {k: _upcast(v, seen) for k, v in kwargs.items()}
     if not seen:
         return func(*args, **kwargs)
-    # "the input's dtype": the first floating tensor argument decides.
-    out = func(*up_args, **up_kwargs)
-    return _downcast(out, seen[0])
+    return _downcast(func(*up_args, **up_kwargs), seen[0])  # "the input's dtype": the first half tensor's
 
 
 class Fp32Fallback:
@@ -218,28 +176,13 @@ class Fp32Fallback:
             self._funcs.update({getattr(torch, name): name for name in CPU_RNN_OPS})
 
     def context(self):
-        if not self._funcs:
-            import contextlib
-
-            return contextlib.nullcontext()
-        return _Fp32OpsMode(self._funcs)
+        return _Fp32OpsMode(self._funcs) if self._funcs else contextlib.nullcontext()
 
     def __repr__(self) -> str:
         return f"Fp32Fallback({list(self.ops)})"
 
 
-# -- module policy ---------------------------------------------------------------
-NORM_TYPES: tuple[type, ...] = tuple(
-    t
-    for t in (
-        nn.modules.batchnorm._NormBase,
-        nn.LayerNorm,
-        nn.GroupNorm,
-        getattr(nn, "RMSNorm", None),
-        nn.LocalResponseNorm,
-    )
-    if t is not None
-)
+NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -251,11 +194,8 @@ def is_norm_module(module: nn.Module) -> bool:
 
 
 def run_module_in_fp32(module: nn.Module) -> list:
-    """Make ``module`` take any float input, compute in fp32 and return the input's dtype.
-
-    Returns the hook handles.  Modules that accept half input with fp32 parameters
-    natively (``accepts_mixed_dtypes = True``, e.g. mptrain's fused LayerNorm) are left alone.
-    """
+    """Hooks (returned) that make ``module`` compute in fp32 and return the input's dtype; modules with
+    ``accepts_mixed_dtypes = True`` (e.g. mptrain's fused LayerNorm) take half input natively: left alone."""
     if getattr(module, "accepts_mixed_dtypes", False):
         return []
 
@@ -281,16 +221,12 @@ def run_module_in_fp32(module: nn.Module) -> list:
     ]
 
 
-# -- automatic promotion ---------------------------------------------------------
 class AutoFallback:
-    """Watches leaf modules' outputs for inf/NaN on the device; promotes the first offender.
+    """Watches leaf modules' outputs for inf/NaN on the device; ``poll()`` names the first offender.
 
-    ``first_bad`` holds, per watched module, the call number of its first non-finite output
-    since the last poll (a large value if none); hooks update it with a ``minimum`` on the
-    device, without syncing.  Modules downstream of an overflow see inf too, so ``poll()``
-    (called by the precision plugin where it syncs anyway) promotes only the earliest offender in
-    execution order: the culprit, not its victims.
-    """
+    ``first_bad`` holds, per module, the call number of its first non-finite output since the last poll
+    (updated with a device ``minimum``, no sync).  Modules downstream of an overflow see inf too, so only
+    the earliest in execution order is promoted: the culprit, not its victims."""
 
     _NONE = 2**30
 

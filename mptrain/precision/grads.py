@@ -1,11 +1,8 @@
-"""Gradient passes of the optimizer step: unscale + inf/NaN check, clipping, the skip.
-
-Everything here stays on the device: ``found_inf`` is a 1-element float32 tensor
-(nonzero = skip this step) that the optimizer honours without a host sync when it can.
-"""
+"""Gradient passes of the optimizer step, all on the device: ``found_inf`` is a 1-element float32 tensor
+(nonzero = skip this step) that the optimizer honours without a host sync when it can."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 
@@ -16,11 +13,8 @@ def is_mptrain_fused(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def accepts_device_found_inf(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` can honour ``found_inf`` on the device (no host sync).
-
-    mptrain's fused optimizers do, and torch's ``fused=True`` ones (they read the
-    ``grad_scale`` / ``found_inf`` attributes, torch.amp.GradScaler's protocol).
-    """
+    """Whether ``optimizer.step()`` honours ``found_inf`` on the device: mptrain's fused optimizers and torch's
+    ``fused=True`` ones (the ``grad_scale`` / ``found_inf`` attributes of torch.amp.GradScaler's protocol)."""
     if is_mptrain_fused(optimizer):
         return True
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -53,12 +47,6 @@ def clip_scaled_by_value_(grads: list[torch.Tensor], clip_val: float, scale: tor
         g.copy_(torch.clamp(g.float(), min=-bound, max=bound))
 
 
-def zero_nonfinite_(grads: Iterable[torch.Tensor]) -> None:
-    """inf/NaN -> 0 in place (finite values unchanged), for a step that is skipped anyway."""
-    for g in grads:
-        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def all_reduce_max_(found_inf: torch.Tensor) -> None:
     """Every rank takes the same skip decision: found_inf = max over ranks (on the device)."""
     import torch.distributed as dist
@@ -68,27 +56,22 @@ def all_reduce_max_(found_inf: torch.Tensor) -> None:
 
 
 def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
-                        grad_scale: Optional[torch.Tensor] = None, **kwargs) -> bool:
-    """Step, or skip when ``found_inf`` is set. Returns False when it knew (on the host) it skipped.
-
-    Fused optimizers decide on the device (torch.amp.GradScaler's attribute protocol);
-    any other optimizer costs one host read of ``found_inf``, as GradScaler does.
-    """
-    if accepts_device_found_inf(optimizer):
-        optimizer.grad_scale = grad_scale.reshape(1).float() if grad_scale is not None else None
-        # torch's fused Adam subtracts found_inf from its 0-dim step counts in place: 0-dim there.
-        optimizer.found_inf = found_inf if is_mptrain_fused(optimizer) else found_inf.reshape(())
-        if is_mptrain_fused(optimizer) and grad_scale is not None:
-            # The engine never reads the grads after the step: skip the optimizer's extra pass that
-            # leaves them unscaled (done for GradScaler parity, which torch's fused optimizers keep).
-            kwargs.setdefault("unscale_grads", False)
-        try:
+                        grad_scale: Optional[torch.Tensor] = None, **kwargs) -> None:
+    """Step, or skip when ``found_inf`` is set: on the device where the optimizer can, else after one host read
+    (as GradScaler does)."""
+    if not accepts_device_found_inf(optimizer):
+        if not bool(found_inf.item()):
             optimizer.step(**kwargs)
-        finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
-        return True
-    if bool(found_inf.item()):
-        return False
-    optimizer.step(**kwargs)
-    return True
+        return
+    optimizer.grad_scale = grad_scale.reshape(1).float() if grad_scale is not None else None
+    # torch's fused Adam subtracts found_inf from its 0-dim step counts in place: 0-dim there.
+    optimizer.found_inf = found_inf if is_mptrain_fused(optimizer) else found_inf.reshape(())
+    if is_mptrain_fused(optimizer) and grad_scale is not None:
+        # The engine never reads the grads after the step: skip the optimizer's extra pass that
+        # leaves them unscaled (done for GradScaler parity, which torch's fused optimizers keep).
+        kwargs.setdefault("unscale_grads", False)
+    try:
+        optimizer.step(**kwargs)
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf

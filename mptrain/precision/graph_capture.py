@@ -1,11 +1,8 @@
 """CUDA graph capture with errors that say what failed and where (``cuda_graphs=True``).
 
-A capture fails when the captured code needs the host: ``.item()``, ``.cpu()``, boolean-mask
-indexing, ``torch.nonzero``, printing a tensor, a CPU tensor in the step, an allocation
-the caching allocator cannot serve from the graph's pool.  CUDA reports only
-"operation not permitted when stream is capturing", often re-raised by ``capture_end``;
-:func:`capture` turns that into a :class:`CudaGraphError` naming the part of the step, the
-line of user code that issued the failing call and the fix.
+CUDA reports a host sync, a CPU tensor or an unservable allocation during capture only as "operation not
+permitted when stream is capturing"; :func:`capture` raises a :class:`CudaGraphError` naming the part of
+the step, the line of user code that issued the failing call and the fix.
 """
 from __future__ import annotations
 
@@ -27,12 +24,9 @@ class CudaGraphError(RuntimeError):
 
 @contextlib.contextmanager
 def capture(graph: "torch.cuda.CUDAGraph", pool, what: str, fix: str) -> Iterator[None]:
-    """Capture the block into ``graph`` (memory from ``pool``); a failure raises :class:`CudaGraphError`.
-
-    ``what`` names the captured part of the step, ``fix`` what the user can do about it.
-    Autocast's weight cache is off while capturing: a cast cached by eager code before the
-    capture would be read by every replay after the cache let it go.
-    """
+    """Capture the block into ``graph`` (memory from ``pool``); a failure raises :class:`CudaGraphError` naming
+    ``what`` part of the step failed and the ``fix``.  Autocast's weight cache is off while capturing: a cast
+    cached by eager code before the capture would be read by every replay after the cache let it go."""
     device = torch.cuda.current_device()
     autocast = contextlib.nullcontext()
     if torch.is_autocast_enabled("cuda"):
@@ -51,16 +45,12 @@ def capture(graph: "torch.cuda.CUDAGraph", pool, what: str, fix: str) -> Iterato
 
 
 def _release_generators(device: int) -> None:
-    """Take the device's default CUDA generator out of capture after a failed capture.
-
-    ``capture_end`` raises before it tells the generator the capture is over, so every later
-    random op on the device (``torch.randn``, dropout) would fail with "Offset increment outside
-    graph capture".  A fresh state object with the same seed and offset is not capturing."""
+    """After a failed capture, a fresh state (same seed and offset) takes the default CUDA generator out of it:
+    ``capture_end`` raised before telling it, and every later random op would fail ("Offset increment ...")."""
     if device >= len(torch.cuda.default_generators):  # CUDA not initialized: nothing was capturing
         return
     gen = torch.cuda.default_generators[device]
-    if hasattr(gen, "graphsafe_set_state"):  # torch >= 2.4
-        gen.graphsafe_set_state(gen.clone_state())
+    gen.graphsafe_set_state(gen.clone_state())
 
 
 def describe_capture_error(exc: BaseException, what: str, fix: str) -> str:

@@ -1,26 +1,10 @@
-"""The optimizer side of ``cuda_graphs=True``: one precision plugin's optimizer step replayed from two CUDA graphs.
+"""The optimizer side of ``cuda_graphs=True`` (the order is in :mod:`mptrain.callbacks.cuda_graphs`): the
+plugin's ``_prepare``, and its optimizer step with the loss-scaler update, replayed from two CUDA graphs.
 
-:class:`~mptrain.callbacks.cuda_graphs.CudaGraphs` installs :meth:`GraphedStep.optimizer_step` in place
-of the plugin's ``optimizer_step`` (Lightning's automatic optimization calls it once per step with the
-closure that runs ``training_step``, ``zero_grad`` and the backward).  It follows the plugin's own
-``optimizer_step`` / ``_step`` order and calls the plugin's methods for every part; after
-``warmup_steps`` eager steps it captures, and then replays each step:
-
-* graph ``prepare``: the plugin's ``_prepare`` -- the window's non-finite-loss flag, grads copied up
-  into the fp32 masters (generic ``*-master`` path) or their norm (fused path), unscaled and checked
-  for inf/NaN into ``found_inf``;
-* eagerly: ``on_before_optimizer_step`` hooks and gradient clipping (the plugin's ``_after_closure``);
-* graph ``update``: the optimizer step with ``found_inf`` honoured on the device and the loss-scaler
-  update;
-* eagerly: the non-finite guard's device counters and its host check every ``check_every`` steps, the
-  plugin's ``_end_step`` (masters copied down on the generic path, the window's flags reset).
-
-What changes between steps reaches the graphs through buffers that stay put: the loss's
-non-finite flag (copied into one static tensor), each group's ``lr`` (copied into a device scalar
-that the captured step reads, so LR schedulers keep working), the grads (the same tensors every
-step; a ``zero_grad(set_to_none=True)`` is undone by pointing ``.grad`` back at them) and the
-scaler's own device state.  Any other hyperparameter, the clipping setting and the optimizer are
-fixed at capture: a change raises :class:`CudaGraphError`.
+Inputs that change between steps live in buffers that stay put: the loss's non-finite flag, each
+group's ``lr`` (a device scalar, so LR schedulers keep working), the grads (``.grad`` is pointed back
+at them after ``zero_grad(set_to_none=True)``) and the scaler's state.  Any other hyperparameter, the
+clipping setting and the optimizer are fixed at capture: a change raises :class:`CudaGraphError`.
 """
 from __future__ import annotations
 
@@ -99,7 +83,6 @@ class GraphedStep:
             self.stepped += 1
         return result
 
-    # -- capture and replay ---------------------------------------------------------
     def _capture(self, optimizer: torch.optim.Optimizer, model: Any) -> None:
         plugin, key = self.plugin, id(optimizer)
         device = next(p.device for g in optimizer.param_groups for p in g["params"])

@@ -1,19 +1,10 @@
-"""``16-master`` and ``bf16-master``: half parameters, fp32 master weights in the optimizer step.
+"""``16-master`` and ``bf16-master``: half parameters, fp32 master weights in the optimizer step (apex's O2).
 
-apex's O2 done right.  The module holds fp16/bf16 weights (half the memory and
-bandwidth of fp32); normalization layers keep fp32 weights and compute in fp32; the
-optimizer updates fp32 masters that start from the fp32 init (not from its half copy):
-
-* with one of mptrain's fused optimizers the whole step is one kernel: it reads the
-  half grad and the master, writes master, moments and the half param, honouring the
-  loss scale, the clipping coefficient and ``found_inf`` on the device;
-* with any other ``torch.optim.Optimizer`` the param groups are swapped to fp32
-  masters (LR schedulers keep working: the group dicts are the same); grads are copied
-  up and params down with multi-tensor ops.
-
-``module.state_dict()`` reports the masters' fp32 values (so checkpoints, also
-weights-only ones, hold fp32 weights) and ``module.load_state_dict()`` writes loaded
-fp32 values into the masters bitwise.
+Norm layers keep fp32 weights; the masters start from the fp32 init.  mptrain's fused optimizers do the
+whole step in one kernel (half grad + master in; master, moments and half param out; loss scale, clipping
+and ``found_inf`` honoured on the device); any other optimizer gets its param groups swapped to fp32
+masters, with grads copied up and params down by multi-tensor ops.  ``module.state_dict()`` reports
+the masters' fp32 values and ``load_state_dict()`` writes fp32 values into the masters bitwise.
 """
 from __future__ import annotations
 
@@ -49,15 +40,12 @@ class MasterPrecision(MptrainPrecision):
         self._converted: weakref.WeakSet = weakref.WeakSet()  # modules already converted
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_converted"] = None  # a WeakSet does not pickle (ddp_spawn pickles the plugin)
-        return state
+        return {**self.__dict__, "_converted": None}  # a WeakSet does not pickle (ddp_spawn pickles the plugin)
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._converted = weakref.WeakSet()
 
-    # -- module ------------------------------------------------------------------
     def _convert(self, module: nn.Module) -> nn.Module:
         if module in self._converted:
             return module  # validate/test after fit set the module up again: hooks once
@@ -122,7 +110,6 @@ class MasterPrecision(MptrainPrecision):
     def _release_fp32_init(self) -> None:
         self._fp32_init.clear()
 
-    # -- optimizer ---------------------------------------------------------------
     def _init_for(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 value a new master starts from: the fp32 init or loaded weights, else a previous
         optimizer's master (a second ``fit``), else the half value itself."""
@@ -141,21 +128,11 @@ class MasterPrecision(MptrainPrecision):
                         optimizer.master_param(p).copy_(self._init_for(p))
                         self._fused_of[id(p)] = optimizer
             return
-        halfs, masters = [], []
-        for group in optimizer.param_groups:
-            swapped = []
-            for p in group["params"]:
-                if p.dtype not in HALF:
-                    swapped.append(p)
-                    continue
-                master = nn.Parameter(self._init_for(p), requires_grad=p.requires_grad)
-                if p in optimizer.state:  # an optimizer that already holds state (rare)
-                    optimizer.state[master] = optimizer.state.pop(p)
-                halfs.append(p)
-                masters.append(master)
-                self._master_of[id(p)] = master
-                swapped.append(master)
-            group["params"] = swapped
+        halfs = [p for g in optimizer.param_groups for p in g["params"] if p.dtype in HALF]
+        masters = [nn.Parameter(self._init_for(p), requires_grad=p.requires_grad) for p in halfs]
+        master_of = {id(p): m for p, m in zip(halfs, masters)}
+        self._master_of.update(master_of)
+        _swap_params(optimizer, master_of)
         self._pairs[id(optimizer)] = (halfs, masters)
 
     def main_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -206,9 +183,11 @@ class MasterPrecision(MptrainPrecision):
             return p.grad
         return p.grad.float() / self._scale(p.grad.device)
 
-    def _scale(self, device: torch.device) -> torch.Tensor:
-        s = self.loss_scaler
-        return s.scale_tensor.to(device) if s is not None else torch.ones((), device=device)
+    def _scale(self, device: torch.device, optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
+        """The loss scale on ``device``; 1 without a scaler or once Fabric unscaled ``optimizer``'s half grads."""
+        if self.loss_scaler is None or id(optimizer) in self._fused_unscaled:
+            return torch.ones((), device=device)
+        return self.loss_scaler.scale_tensor.to(device)
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
         optimizer = _unwrap_optimizer(optimizer)
@@ -216,10 +195,7 @@ class MasterPrecision(MptrainPrecision):
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm or GradClipAlgorithmType.NORM)
         found = self._prepare(optimizer)
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            grads = super().main_grads(optimizer)
-            scale = self._scale(found.device)
-            G.clip_scaled_by_value_(grads, clip_val, scale if id(optimizer) not in self._fused_unscaled else
-                                    torch.ones_like(scale))
+            G.clip_scaled_by_value_(super().main_grads(optimizer), clip_val, self._scale(found.device, optimizer))
         else:
             self._fused_clip[id(optimizer)] = float(clip_val)  # folded into grad_scale at the step
 
@@ -239,9 +215,7 @@ class MasterPrecision(MptrainPrecision):
         if self.phase != "low" or not G.is_mptrain_fused(optimizer):
             return super()._optimizer_step(optimizer, found_inf, **kwargs)
         key = id(optimizer)
-        scale = self._scale(found_inf.device)
-        if key in self._fused_unscaled:
-            scale = torch.ones_like(scale)
+        scale = self._scale(found_inf.device, optimizer)
         max_norm = self._fused_clip.pop(key, None)
         if max_norm is not None:
             coef = torch.clamp(max_norm / (self._fused_norm[key] + 1e-6), max=1.0)
@@ -259,23 +233,14 @@ class MasterPrecision(MptrainPrecision):
         self._fused_unscaled.discard(id(optimizer))
         super()._end_step(optimizer)
 
-    # -- late switch to fp32 ----------------------------------------------------------
     def _to_fp32(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if G.is_mptrain_fused(optimizer):
             optimizer.disable_master_weights()  # masters become the params, fp32 moments stay
         elif id(optimizer) in self._pairs:
             halfs, masters = self._pairs.pop(id(optimizer))
-            back = {id(m): p for p, m in zip(halfs, masters)}
-            for group in optimizer.param_groups:
-                new = []
-                for q in group["params"]:
-                    p = back.get(id(q))
-                    if p is not None:
-                        p.data, p.grad = q.data, None
-                        if q in optimizer.state:
-                            optimizer.state[p] = optimizer.state.pop(q)
-                    new.append(p if p is not None else q)
-                group["params"] = new
+            for p, m in zip(halfs, masters):
+                p.data, p.grad = m.data, None
+            _swap_params(optimizer, {id(m): p for p, m in zip(halfs, masters)})
         super()._to_fp32(model, optimizer)
         self._master_of.clear()
         self._fused_of.clear()
@@ -286,3 +251,12 @@ class MasterPrecision(MptrainPrecision):
                 m = self.master_for(p)
                 p.data = m.detach().clone() if m is not None else p.data.float()
         super().promote_module(module)
+
+
+def _swap_params(optimizer: torch.optim.Optimizer, replace: dict[int, torch.Tensor]) -> None:
+    """Params whose id is in ``replace`` give way to their replacement in the groups; their state moves along."""
+    for group in optimizer.param_groups:
+        for q in group["params"]:
+            if id(q) in replace and q in optimizer.state:  # an optimizer that already holds state
+                optimizer.state[replace[id(q)]] = optimizer.state.pop(q)
+        group["params"] = [replace.get(id(q), q) for q in group["params"]]

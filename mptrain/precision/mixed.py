@@ -1,8 +1,5 @@
-"""``16-mixed`` and ``bf16-mixed``: fp32 parameters, autocast compute (as in Lightning).
-
-fp16 gets a :class:`DynamicLossScaler` by default (on the device, with hysteresis, in
-place of torch's GradScaler); bf16 has fp32's range and needs none (opt-in).
-"""
+"""``16-mixed`` and ``bf16-mixed``: fp32 parameters, autocast compute (as in Lightning); fp16 gets a
+:class:`DynamicLossScaler` by default, bf16 only when asked."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,11 +14,7 @@ class MixedPrecision(MptrainPrecision):
 
     MODES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
     SCALER_BY_DEFAULT = ("16-mixed",)
+    FP32_PARAMS = True
 
     def __init__(self, precision: str = "bf16-mixed", **kwargs: Any):
         super().__init__(precision, **kwargs)
-        self.autocast_dtype = self.compute_dtype
-
-    @staticmethod
-    def _param_dtype(dtype: torch.dtype) -> torch.dtype:
-        return torch.float32

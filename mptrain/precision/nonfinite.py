@@ -1,11 +1,7 @@
-"""The non-finite guard of every mode: count skipped steps on the device, stop a run that cannot progress.
-
-With or without a loss scaler, a step whose loss or gradients hold an inf/NaN is skipped
-(the weights stay untouched).  ``max_consecutive_skips`` skips in a row end the run with
-:class:`NonFiniteError`.  The counters live on the device; they are read on the CPU (free) or
-where the step already synced.  On CUDA, every ``check_every`` steps the counter is copied into
-pinned host memory behind an event, and read once a later step finds the event complete: the
-run never waits for the GPU (zero host syncs per step), and stops at most a few steps late.
+"""The non-finite guard of every mode: a step with an inf/NaN loss or gradient is skipped, and
+``max_consecutive_skips`` in a row raise :class:`NonFiniteError`.  The device counters are read on the CPU,
+where the step synced anyway, or (CUDA) from a pinned copy made every ``check_every`` steps once it has
+landed: the run never waits for the GPU and stops at most a few steps late.
 """
 from __future__ import annotations
 
@@ -42,11 +38,8 @@ class NonFiniteGuard:
         self.steps += 1
 
     def check(self, describe: Callable[[int], str], synced: bool = False) -> None:
-        """Raise :class:`NonFiniteError` once ``max_consecutive_skips`` is reached.
-
-        ``describe(skips)`` builds the message (step, scale, first non-finite parameter);
-        it runs only when raising.  ``synced``: the step already read the device.
-        """
+        """Raise :class:`NonFiniteError` (message from ``describe(skips)``) once ``max_consecutive_skips`` is reached.
+        ``synced``: the step already read the device."""
         free = self.consecutive.device.type == "cpu" if self.free_reads is None else self.free_reads
         if synced or free:
             self._raise_at(int(self.consecutive.item()), describe)
@@ -76,8 +69,7 @@ class NonFiniteGuard:
     def __setstate__(self, state: dict) -> None:
         # Unpickled in a spawned process (ddp_spawn): torch shares pickled CPU tensors through shared
         # memory, which would make every rank count into the same counters. Each gets its own.
-        self.__dict__.update(state)
-        self._snapshot = None
+        self.__dict__.update(state)  # without its snapshot (see __getstate__)
         self.consecutive, self.total = self.consecutive.clone(), self.total.clone()
 
     def state_dict(self) -> dict:

@@ -1,23 +1,12 @@
 """The shared core of every mode: one Lightning precision plugin for ``lightning.Trainer`` and ``lightning.Fabric``.
 
-``lightning.pytorch``'s ``Precision`` subclasses ``lightning.fabric``'s, so one object
-serves both; the two call it differently and it adapts:
-
-* ``lightning.Trainer`` calls ``connect(model, optimizers, schedulers)`` at setup and
-  ``optimizer_step(optimizer, model=..., closure=...)`` once per accumulation window
-  (after the window's backward calls; the closure runs the last micro-batch);
-* ``lightning.Fabric`` never calls ``connect``; it calls ``backward(loss, module)`` and
-  ``optimizer_step(optimizer)`` without a closure, and ``unscale_gradients`` +
-  ``main_params`` from ``fabric.clip_gradients``. Optimizers are prepared on first use.
-
-The optimizer step is where precision matters: grads are copied up (``*-master``),
-unscaled and checked for inf/NaN on the device (the loss too), all ranks agree on the
-flag, clipping sees unscaled grads, and the step is skipped on the device.
-
-Host syncs per step: none with mptrain's fused optimizers or torch's ``fused=True`` ones
-(they honour ``found_inf`` inside the kernel); any other optimizer costs one read of the
-flag before ``step()``, as with torch's GradScaler.  On a GPU the skip counter is copied to
-pinned memory every ``guard.check_every`` steps and read once that copy has landed (never waited for).
+``lightning.Trainer`` calls ``connect`` at setup and ``optimizer_step(optimizer, model=..., closure=...)``
+once per accumulation window; ``lightning.Fabric`` never connects and calls ``backward(loss, module)``,
+``optimizer_step(optimizer)`` without a closure and ``unscale_gradients`` + ``main_params`` from
+``clip_gradients`` (optimizers are prepared on first use).  In the step, grads are copied up (``*-master``),
+unscaled and checked for inf/NaN on the device (the loss too), the flag is agreed across ranks, clipping
+sees unscaled grads and the skip happens on the device: no host sync with optimizers that honour
+``found_inf`` in the kernel, one read of the flag with any other (as with torch's GradScaler).
 """
 from __future__ import annotations
 
@@ -32,8 +21,8 @@ from lightning_utilities import apply_to_collection
 from torch import nn
 
 from mptrain.precision import grads as G
-from mptrain.precision.fallback import AutoFallback, Fp32Fallback
-from mptrain.precision.loss_scaler import DynamicLossScaler
+from mptrain.precision.fallback import AutoFallback, Fp32Fallback, run_module_in_fp32
+from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
 from mptrain.precision.nonfinite import NonFiniteGuard
 
 log = logging.getLogger("mptrain")
@@ -58,6 +47,7 @@ class MptrainPrecision(_LightningPrecision):
     MODES: dict[str, torch.dtype] = {}
     SCALER_BY_DEFAULT: tuple[str, ...] = ()
     SCALER_ALLOWED = True
+    FP32_PARAMS = False  # the module keeps fp32 parameters whatever the compute dtype
     has_master_weights = False
 
     def __init__(self, precision: str, *, loss_scaler: Any = None, fp32_fallback: Any = "default",
@@ -68,10 +58,9 @@ class MptrainPrecision(_LightningPrecision):
         if fused not in FUSED_CHOICES:
             raise ValueError(f"fused={fused!r} is not supported. Valid values: 'auto', True, False")
         self.precision = self.initial_precision = precision
-        dtype = self.MODES[precision]
-        self.compute_dtype = dtype
-        self.param_dtype = self._param_dtype(dtype)
-        self.autocast_dtype: Optional[torch.dtype] = None
+        self.compute_dtype = dtype = self.MODES[precision]
+        self.param_dtype = torch.float32 if self.FP32_PARAMS else dtype
+        self.autocast_dtype: Optional[torch.dtype] = dtype if precision.endswith("-mixed") else None
         self.fused = fused
         self.loss_scaler = self._build_scaler(loss_scaler)
         fallback = Fp32Fallback(fp32_fallback)  # checks the list in every mode
@@ -82,17 +71,12 @@ class MptrainPrecision(_LightningPrecision):
         self.phase = "fp32" if dtype == torch.float32 else "low"
         self.auto: Optional[AutoFallback] = None
         self._module: Optional[nn.Module] = None
-        self._optimizers: list[torch.optim.Optimizer] = []
-        self._ready: set[int] = set()  # ids of optimizers prepared (masters swapped in)
+        self._optimizers: list[torch.optim.Optimizer] = []  # prepared (masters swapped in)
         self._lightning = False  # True once lightning.Trainer connected us (Fabric never does)
         self._pending: dict[int, torch.Tensor] = {}  # optimizer id -> found_inf of the step in progress
         self._loss_bad: Optional[torch.Tensor] = None  # a non-finite loss in the current window
         self._hooks: list = []
         self._promoted_names: list[str] = []
-
-    @staticmethod
-    def _param_dtype(dtype: torch.dtype) -> torch.dtype:
-        return dtype
 
     def _build_scaler(self, spec: Any) -> Optional[DynamicLossScaler]:
         if spec is False or spec == "off":
@@ -128,20 +112,20 @@ class MptrainPrecision(_LightningPrecision):
     def _convert(self, module: nn.Module) -> nn.Module:
         return module
 
+    def _device(self) -> torch.device:
+        p = next(self._module.parameters(), None) if self._module is not None else None
+        return p.device if p is not None else torch.device("cpu")
+
     def convert_input(self, data: Any) -> Any:
         if self.param_dtype not in HALF:
             return data
         return apply_to_collection(data, torch.Tensor, _to_dtype, self.param_dtype)
 
-    def _device_type(self) -> str:
-        p = next(self._module.parameters(), None) if self._module is not None else None
-        return p.device.type if p is not None else "cpu"
-
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Autocast (``*-mixed``) and the fp32 fallback of listed ops, around every forward."""
         stack = contextlib.ExitStack()
         if self.autocast_dtype is not None:
-            stack.enter_context(torch.autocast(self._device_type(), dtype=self.autocast_dtype))
+            stack.enter_context(torch.autocast(self._device().type, dtype=self.autocast_dtype))
         if self.fallback is not None:
             stack.enter_context(self.fallback.context())
         return stack
@@ -181,8 +165,6 @@ class MptrainPrecision(_LightningPrecision):
 
     def check_device(self, device: torch.device) -> None:
         """Before any training: bf16 on a GPU without it, ``fused=True`` without a built extension."""
-        from mptrain.precision.factory import check_device_supports
-
         check_device_supports(self.initial_precision, device)
         if self.fused is True and device.type == "cuda":
             from mptrain import ops
@@ -193,20 +175,18 @@ class MptrainPrecision(_LightningPrecision):
         """Masters were built: fp32 copies kept for params no optimizer holds would only cost memory."""
 
     def _forget_optimizers(self) -> None:
-        self._ready.clear()
         self._optimizers = []
 
     def _ensure_ready(self, optimizer: torch.optim.Optimizer) -> None:
-        if id(optimizer) in self._ready:
+        if any(o is optimizer for o in self._optimizers):
             return
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(f"{self!r} does not support torch.optim.LBFGS: it re-evaluates the closure inside "
                              "step(), where the loss scale and the non-finite skip cannot apply. Use another "
                              "optimizer or Lightning's own precision='32-true'")
-        if not self._lightning and not self._ready:  # Fabric: the device is known at the first optimizer
+        if not self._lightning and not self._optimizers:  # Fabric: the device is known at the first optimizer
             self.check_device(self._device())
         self._setup_optimizer(optimizer)
-        self._ready.add(id(optimizer))
         self._optimizers.append(optimizer)
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -220,13 +200,12 @@ class MptrainPrecision(_LightningPrecision):
         if closure is None:  # Fabric
             return self._step(optimizer, **kwargs)
         closure_result = closure()
-        skip = closure_result is None and getattr(model, "automatic_optimization", False)
-        if not skip:
-            self._prepare(optimizer)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
-        if skip:  # training_step returned None: Lightning steps nothing
+        if closure_result is None and getattr(model, "automatic_optimization", False):
+            self._after_closure(model, optimizer)  # training_step returned None: Lightning steps nothing
             self._end_step(optimizer)
             return closure_result
+        self._prepare(optimizer)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
         self._step(optimizer, **kwargs)
         return closure_result
 
@@ -254,10 +233,6 @@ class MptrainPrecision(_LightningPrecision):
         self._pending[id(optimizer)] = found
         return found
 
-    def _device(self) -> torch.device:
-        p = next(self._module.parameters(), None) if self._module is not None else None
-        return p.device if p is not None else torch.device("cpu")
-
     def _step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         found = self._prepare(optimizer)
         synced = not G.accepts_device_found_inf(optimizer)
@@ -279,17 +254,11 @@ class MptrainPrecision(_LightningPrecision):
         self._loss_bad = None
 
     def unscaled_grads(self) -> dict[str, torch.Tensor]:
-        """The module's unscaled grads by parameter name (fp32 masters' where they exist).
-
-        Valid from ``on_before_optimizer_step`` until the step ends."""
+        """Unscaled grads by parameter name (the masters'), from ``on_before_optimizer_step`` to the step's end."""
         if self._module is None:
             return {}
-        out = {}
-        for name, p in self._module.named_parameters():
-            g = self._unscaled_grad(p)
-            if g is not None:
-                out[name] = g
-        return out
+        grads = {name: self._unscaled_grad(p) for name, p in self._module.named_parameters()}
+        return {name: g for name, g in grads.items() if g is not None}
 
     def _unscaled_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         return p.grad
@@ -315,7 +284,9 @@ class MptrainPrecision(_LightningPrecision):
         optimizer = _unwrap_optimizer(optimizer)
         self._ensure_ready(optimizer)
         self._prepare(optimizer)
-        G.zero_nonfinite_(p.grad for p in self.main_params(optimizer) if p.grad is not None)
+        for p in self.main_params(optimizer):
+            if p.grad is not None:  # inf/NaN -> 0 in a step that is skipped anyway
+                torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
 
     # -- non-finite error -------------------------------------------------------------
     def _step_number(self) -> int:
@@ -341,51 +312,36 @@ class MptrainPrecision(_LightningPrecision):
 
     # -- automatic fp32 fallback -------------------------------------------------------
     def enable_auto_fallback(self, module: nn.Module) -> None:
-        """Watch leaf modules' outputs for inf/NaN; an offender is promoted to fp32 (see ``poll_auto_fallback``)."""
+        """Watch leaf modules' outputs for inf/NaN; an offender is promoted to fp32 (see ``_poll_auto_fallback``)."""
         self._module = self._module or module
         if self.compute_dtype in HALF and self.phase == "low" and self.auto is None:
             self.auto = AutoFallback(module)
-            for name in self._promoted_names:
-                self._promote_by_name(name)
+            self._promote_saved()
 
     def _poll_auto_fallback(self, synced: bool) -> None:
         if self.auto is None:
             return
-        free = self._device_type() == "cpu" if self.guard.free_reads is None else self.guard.free_reads
-        if synced or free or self.guard.steps % self.guard.check_every == 0:
-            for name in self.poll_auto_fallback():
-                log.warning("auto_fp32_fallback: module %r produced inf/NaN; it runs in fp32 from step %d on",
-                            name, self.guard.steps)
-
-    def poll_auto_fallback(self) -> list[str]:
-        """Promote the earliest module whose output overflowed since the last poll (one host read)."""
-        if self.auto is None:
-            return []
-        names = []
-        for name, module in self.auto.poll():
+        free = self._device().type == "cpu" if self.guard.free_reads is None else self.guard.free_reads
+        if not (synced or free or self.guard.steps % self.guard.check_every == 0):
+            return
+        for name, module in self.auto.poll():  # the earliest module that overflowed since the last poll
             self.promote_module(module)
-            names.append(name)
-        return names
+            log.warning("auto_fp32_fallback: module %r produced inf/NaN; it runs in fp32 from step %d on",
+                        name, self.guard.steps)
 
-    def _promote_by_name(self, name: str) -> None:
+    def _promote_saved(self) -> None:
+        """Modules promoted before a resume or a new fit are promoted again."""
         modules = dict(self._module.named_modules())
-        if name in modules and name not in self.auto.promoted:
-            self.auto.promoted.add(name)
-            self.promote_module(modules[name])
+        for name in self._promoted_names:
+            if name in modules and name not in self.auto.promoted:
+                self.auto.promoted.add(name)
+                self.promote_module(modules[name])
 
     def promote_module(self, module: nn.Module) -> None:
         """Run ``module`` in fp32 for the rest of the run (params and compute; its output keeps its dtype)."""
-        from mptrain.precision.fallback import run_module_in_fp32
-
         module._mpt_promoted = True
         if self.autocast_dtype is not None:
-            orig, dev = module.forward, self._device_type()
-
-            def forward(*args, **kwargs):
-                with torch.autocast(dev, enabled=False):
-                    return orig(*args, **kwargs)
-
-            module.forward = forward
+            module.forward = torch.autocast(self._device().type, enabled=False)(module.forward)
         self._hooks += run_module_in_fp32(module)
 
     # -- late switch to fp32 ------------------------------------------------------------
@@ -412,11 +368,8 @@ class MptrainPrecision(_LightningPrecision):
         log.info("precision switched from %r to '32-true'", self.initial_precision)
 
     def _to_fp32(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Optimizer state follows its params to fp32 (moments, momentum buffers)."""
         for st in optimizer.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" and v.dim() > 0:
-                    st[k] = v.float()
+            float_state_(st)
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -441,8 +394,7 @@ class MptrainPrecision(_LightningPrecision):
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self._promoted_names = list(state_dict.get("promoted", []))
         if self.auto is not None and self._module is not None:
-            for name in self._promoted_names:
-                self._promote_by_name(name)
+            self._promote_saved()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint is never written with non-finite weights (they would poison every resume)."""
@@ -453,8 +405,6 @@ class MptrainPrecision(_LightningPrecision):
         finite = torch.stack([torch.isfinite(v).all().to(self._device()) for v in floats.values()])
         if bool(finite.all()):  # one host read per checkpoint
             return
-        from mptrain.precision.loss_scaler import NonFiniteError
-
         name = list(floats)[int((~finite).nonzero()[0])]
         raise NonFiniteError(f"refusing to save a checkpoint: weight {name!r} holds inf/NaN at step "
                              f"{self._step_number()} (precision={self.precision!r}); the previous "
@@ -465,10 +415,28 @@ class MptrainPrecision(_LightningPrecision):
         self._loss_bad = None
 
 
+def check_device_supports(name: str, device: torch.device) -> None:
+    """bf16 on a GPU without bf16 (pre-Ampere) must fail before training, not produce garbage."""
+    if torch.device(device).type != "cuda" or not name.startswith("bf16"):
+        return
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        cap = torch.cuda.get_device_capability(device)
+        raise RuntimeError(f"precision={name!r} needs a GPU with bf16 support (compute capability >= 8.0); "
+                           f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. "
+                           f"Use '16-master' or '16-mixed' instead.")
+
+
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside Fabric's or Lightning's wrapper."""
     inner = getattr(optimizer, "_optimizer", None)  # Fabric's and Lightning's wrappers both keep it here
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def float_state_(state: dict) -> None:
+    """A param's optimizer state follows it to fp32 (moments, momentum buffers; not the step count)."""
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" and v.dim() > 0:
+            state[k] = v.float()
 
 
 def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,36 +1,28 @@
-"""Sharded training (FSDP): the sharded fp32 parameters are the masters.
+"""Sharded training (FSDP): the sharded fp32 parameters are the masters (no second fp32 copy).
 
-Under ``strategy="fsdp"`` (Lightning's ``FSDPStrategy``, torch's FullyShardedDataParallel)
-each rank holds a shard of every parameter.  Keeping those shards in fp32 makes them the
-master weights: no second fp32 copy is made.  FSDP's own mixed precision does the compute
-cast — it all-gathers the shards as half parameters for forward and backward, and
-reduce-scatters the gradients in fp32 into the fp32 shards' grads — and any
-``torch.optim.Optimizer`` (or mptrain's fused ones) steps the fp32 shards.
-
-What mptrain adds on top is the same as in the unsharded modes: the dynamic loss scaler
-(fp16 on by default, bf16 opt-in), the unscale + inf/NaN check of the local grad shards
-with ``found_inf`` all-reduced (MAX) across ranks so every rank skips the same step, the
-non-finite guard, and the fp32 fallback of listed ops.  Norm layers keep fp32 affine
-parameters through FSDP's ``_module_classes_to_ignore``: torch applies it only with an
-``auto_wrap_policy`` (each norm becomes its own fp32 FSDP unit); without one, the norms'
-weights are all-gathered in half and their math still runs in fp32 (the fallback list).
-
-What cannot combine with sharding is refused at setup: ``*-true`` half modes (Lightning's
-own ``FSDPPrecision`` runs those), the late switch to fp32 (``Fp32Finetune``: FSDP fixes
-its mixed precision when it wraps) and the automatic fp32 promotion of modules.
+FSDP's own mixed precision all-gathers half parameters for forward/backward and reduce-scatters fp32
+grads into the fp32 shards, which any optimizer steps.  mptrain adds what the unsharded modes have:
+the dynamic loss scaler, the unscale + inf/NaN check of the local grad shards with ``found_inf``
+all-reduced (MAX) so every rank skips the same step, the non-finite guard and the fp32 op fallback.
+Norm layers keep fp32 parameters through FSDP's ``_module_classes_to_ignore``, which torch honours
+only with an ``auto_wrap_policy``.  Refused at setup: ``*-true`` half modes (Lightning's
+``FSDPPrecision`` runs those), the late switch to fp32 and the automatic fp32 promotion.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as FabricFSDPPrecision
+from lightning.fabric.utilities import rank_zero_warn
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision as FSDPMixedPrecision
 
+from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module
+from mptrain.precision.loss_scaler import NonFiniteError
 from mptrain.precision.plugin import HALF, MptrainPrecision, _unwrap_optimizer
 
 #: Callbacks whose work FSDP cannot do: they change parameter dtypes after wrapping.
@@ -44,23 +36,19 @@ _REFUSED_CALLBACKS = {
 
 
 class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
-    """mptrain's precision engine for ``strategy="fsdp"``: Lightning's ``FSDPPrecision`` (Trainer and Fabric).
-
-    ``lightning.Trainer(strategy="fsdp", plugins=[ShardedPrecision("bf16-master")])``, the same in
-    ``lightning.Fabric(...)``; ``mptrain.Trainer(strategy="fsdp", precision=...)`` picks it by itself.
+    """mptrain's precision engine for ``strategy="fsdp"``, a Lightning ``FSDPPrecision`` (Trainer and Fabric).
 
     Args:
-        precision: ``"bf16-master"`` / ``"16-master"`` (half compute params all-gathered from the fp32
-            shards, fp32 gradient reduction), ``"bf16-mixed"`` / ``"16-mixed"`` (the same, plus autocast,
-            as Lightning's FSDP mixed modes but reducing in fp32) or ``"32-true"``.
-        norms_fp32: keep normalization layers' parameters in fp32 (needs the strategy's
-            ``auto_wrap_policy``; see the module docstring). Default True.
+        precision: ``"bf16-master"`` / ``"16-master"`` (half params all-gathered from the fp32 shards, fp32
+            gradient reduction), ``"bf16-mixed"`` / ``"16-mixed"`` (the same plus autocast) or ``"32-true"``.
+        norms_fp32: keep normalization layers' parameters in fp32 (needs the strategy's ``auto_wrap_policy``).
         loss_scaler, fp32_fallback, fused, max_consecutive_skips: as :class:`MptrainPrecision`.
     """
 
     MODES = {"32-true": torch.float32, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
              "16-master": torch.float16, "bf16-master": torch.bfloat16}
     SCALER_BY_DEFAULT = ("16-mixed", "16-master")
+    FP32_PARAMS = True  # the sharded params stay fp32; FSDP casts what it all-gathers
 
     def __init__(self, precision: str = "bf16-master", *, norms_fp32: bool = True, **kwargs: Any):
         if precision in ("16-true", "bf16-true"):
@@ -73,8 +61,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         self.norms_fp32 = norms_fp32
         self.scaler = None  # FSDPPrecision's ShardedGradScaler: mptrain's DynamicLossScaler replaces it
         self._desired_input_dtype = torch.float32  # modules are created (and sharded) in fp32
-        if precision.endswith("-mixed"):
-            self.autocast_dtype = self.compute_dtype
         self._norm_classes: tuple[type, ...] = ()
         self._root: Optional[nn.Module] = None
 
@@ -82,11 +68,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
     def has_master_weights(self) -> bool:  # the fp32 shards are the masters
         return self.precision.endswith("-master")
 
-    @staticmethod
-    def _param_dtype(dtype: torch.dtype) -> torch.dtype:
-        return torch.float32  # the sharded params stay fp32; FSDP casts what it all-gathers
-
-    # -- module -----------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Before wrapping: parameters stay fp32 (FSDP shards them); the norm classes are noted."""
         self._module = module
@@ -96,20 +77,15 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         return module
 
     @property
-    def mixed_precision_config(self) -> Optional["torch.distributed.fsdp.MixedPrecision"]:
+    def mixed_precision_config(self) -> Optional[FSDPMixedPrecision]:
         """What FSDP casts: half all-gathered params and buffers, fp32 reduction; None in ``32-true``."""
-        from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
-
         if self.compute_dtype not in HALF:
             return None
         return FSDPMixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
                                   buffer_dtype=self.compute_dtype, _module_classes_to_ignore=self._norm_classes)
 
-    # -- setup --------------------------------------------------------------------------
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple:
         """Setup: the model must be FSDP-wrapped with this plugin's mixed precision."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         if not isinstance(model, FullyShardedDataParallel):
             raise ValueError(f"{self!r} runs under strategy='fsdp' (Lightning's FSDPStrategy), but the model is a "
                              f"{type(model).__name__}. Use strategy='fsdp', or mptrain.MasterPrecision / "
@@ -140,9 +116,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
 
     def _warn_if_norms_half(self, model: nn.Module) -> None:
         """torch honours ``_module_classes_to_ignore`` only with an ``auto_wrap_policy``: say so once."""
-        from lightning.fabric.utilities import rank_zero_warn
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         if not self._norm_classes:
             return
         units = [m.module for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
@@ -164,7 +137,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
     def switch_to_fp32(self, model: nn.Module, optimizers: list) -> None:
         raise ValueError(f"the switch to fp32 cannot run with {self!r}: {_REFUSED_CALLBACKS['Fp32Finetune']}")
 
-    # -- clipping ----------------------------------------------------------------------
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: Any = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         """Clip the unscaled fp32 grad shards; the norm is the full model's (FSDP reduces it across ranks)."""
@@ -177,22 +149,17 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         self._prepare(optimizer)
         self._root.clip_grad_norm_(clip_val)
 
-    # -- checkpoints -------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse non-finite weights on every rank together (a full state dict lives on rank 0 only,
         a sharded one is split across ranks): one all-reduce per checkpoint."""
         local = [_local(v) for v in checkpoint.get("state_dict", {}).values()]
         floats = [t for t in local if t is not None and t.is_floating_point() and t.numel()]
-        device = self._device()
-        finite = torch.ones(1, device=device)
+        bad = torch.zeros(1, device=self._device())
         if floats:
-            finite = torch.stack([torch.isfinite(t).all() for t in floats]).all().float().reshape(1).to(device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if bool(finite.item()):
+            bad = (~torch.stack([torch.isfinite(t).all() for t in floats]).all()).float().reshape(1).to(bad.device)
+        G.all_reduce_max_(bad)
+        if not bool(bad.item()):
             return
-        from mptrain.precision.loss_scaler import NonFiniteError
-
         raise NonFiniteError(f"refusing to save a checkpoint: a weight holds inf/NaN at step {self._step_number()} "
                              f"(precision={self.precision!r}); the previous checkpoint is the last good one")
 

@@ -1,17 +1,15 @@
-"""``32-true``, ``16-true``, ``bf16-true``: the whole module in one dtype (as in Lightning).
-
-Half modes keep no fp32 copy and use no loss scaler; the listed fp32-fallback ops still
-compute in fp32, and every mode has the non-finite guard (a NaN step is skipped).
-"""
+"""``32-true``, ``16-true``, ``bf16-true``: the whole module in one dtype, no loss scaler (as in Lightning);
+the fp32-fallback ops and the non-finite guard still apply."""
 from __future__ import annotations
 
 import contextlib
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from torch import nn
 
-from mptrain.precision.plugin import HALF, MptrainPrecision
+from mptrain.precision.plugin import HALF, MptrainPrecision, float_state_
 
 
 class TruePrecision(MptrainPrecision):
@@ -30,7 +28,7 @@ class TruePrecision(MptrainPrecision):
         """As Lightning's HalfPrecision: tensors created in the forward default to the half dtype."""
         stack = super().forward_context()
         if self.param_dtype in HALF:
-            stack.enter_context(_default_dtype(self.param_dtype))
+            stack.enter_context(_DtypeContextManager(self.param_dtype))
         return stack
 
     def promote_module(self, module: nn.Module) -> None:
@@ -39,17 +37,5 @@ class TruePrecision(MptrainPrecision):
         for opt in self._optimizers:
             for p, st in opt.state.items():
                 if id(p) in ids:
-                    for k, v in st.items():
-                        if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" and v.dim() > 0:
-                            st[k] = v.float()
+                    float_state_(st)
         super().promote_module(module)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
