@@ -131,21 +131,15 @@ torch.library.register_autograd(f"{NAMESPACE}::layer_norm", _norm_backward, setu
 # ---------------------------------------------------------------- scaled masked softmax
 
 
-def _check_softmax(x, mask, causal):
-    R.softmax_mask(x, mask, False)
-    if causal and x.dim() < 2:
-        raise ValueError(f"causal=True needs an input with at least 2 dims (..., queries, keys), got {list(x.shape)}")
-
-
 @_impl("scaled_masked_softmax")
 def _softmax_cpu(x, mask, scale, causal):
-    _check_softmax(x, mask, causal)
+    R.check_softmax_mask(x, mask, causal)
     return R.scaled_masked_softmax(x, mask, scale, causal)
 
 
 @_fake("scaled_masked_softmax")
 def _softmax_fake(x, mask, scale, causal):
-    _check_softmax(x, mask, causal)
+    R.check_softmax_mask(x, mask, causal)
     return _new(x, *x.shape)
 
 
