@@ -1,13 +1,9 @@
 """Multi-tensor ops: one kernel launch for a whole list of tensors (csrc/multi_tensor_*.cu).
 
-Each function takes lists (one tensor per parameter) and a ``fused`` switch, decided
-by :mod:`mptrain.ops.dispatch`: ``"auto"`` runs the op ``torch.ops.mptrain.multi_tensor_*``
-(the CUDA kernel for CUDA tensors in float32/float16/bfloat16 when the extension builds,
-the reference on the CPU; the reference in :mod:`mptrain.ops.reference`, with one
-warning per process, when the build fails), ``True`` insists on the kernel, ``False``
-always uses the reference. Scalars that change every step (``lr``, ``grad_scale``) may be 1-element
-float32 tensors on the device; ``found_inf`` always is. Nothing here syncs with
-the host on the kernel path, so every op can be captured in a CUDA graph.
+Each function takes lists (one tensor per parameter) and a ``fused`` switch (see
+:mod:`mptrain.ops.dispatch`). Scalars that change every step (``lr``, ``grad_scale``) may be
+1-element float32 tensors on the device; ``found_inf`` always is. Nothing here syncs with the
+host on the kernel path, so every op can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -17,17 +13,14 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import reference
-
-from .dispatch import FUSED_CHOICES, KERNEL_DTYPES, use_op  # noqa: F401  (re-exported)
+from .dispatch import KERNEL_DTYPES, use_op
 from .library import OPS
 
 Scalar = Union[float, torch.Tensor]
 
 
 def _use_op(op: str, tensors: Sequence[torch.Tensor], fused) -> bool:
-    """Whether to run ``torch.ops.mptrain.<op>`` on these tensors (else the reference directly)."""
-    if len(tensors) == 0:
-        return False
+    """Whether to run ``torch.ops.mptrain.<op>`` on these (non-empty) tensors, else the reference."""
     # Lists reach here split by dtype (src first, dst last): checking both ends covers
     # every dtype in the call; the C++ side checks every tensor and names a stray one.
     last = tensors[-1]
@@ -171,17 +164,6 @@ def _l2norm(tensors, per_tensor, fused):
 # ---------------------------------------------------------------- optimizer steps
 
 
-def _step_args(op, params, steps, masters, lr, grad_scale, found_inf):
-    device = params[0].device
-    _check_found_inf(found_inf, device, op)
-    gs = _device_scalar(grad_scale, device, "grad_scale", op)
-    if masters is not None and len(masters) not in (0, len(params)):
-        raise ValueError(f"{op}: {len(masters)} masters for {len(params)} params; pass one per param or none")
-    if len(steps) != len(params):
-        raise ValueError(f"{op}: {len(steps)} step counts for {len(params)} params")
-    return device, gs, list(masters or [])
-
-
 def _lr_for_kernel(lr: Scalar, device: torch.device):
     """(float lr, lr tensor or None): an lr tensor on the params' device is read there (no host
     read: a compiled step keeps one graph); a CPU lr tensor for CUDA params is a float."""
@@ -190,6 +172,26 @@ def _lr_for_kernel(lr: Scalar, device: torch.device):
             return float(lr), None
         return 0.0, lr.to(device=device, dtype=torch.float32).reshape(())
     return float(lr), None
+
+
+def _step(op: str, reference_step, grads, params, buffers, steps, masters, lr, hyper, grad_scale, found_inf, fused):
+    """One optimizer step: ``torch.ops.mptrain.<op>_`` or ``reference_step``, both taking (grads, params,
+    *buffers, steps, masters, lr, *hyper, grad_scale, found_inf); the op takes lr as (float, tensor)."""
+    if not params:
+        return
+    device = params[0].device
+    _check_found_inf(found_inf, device, op)
+    gs = _device_scalar(grad_scale, device, "grad_scale", op)
+    if masters is not None and len(masters) not in (0, len(params)):
+        raise ValueError(f"{op}: {len(masters)} masters for {len(params)} params; pass one per param or none")
+    if len(steps) != len(params):
+        raise ValueError(f"{op}: {len(steps)} step counts for {len(params)} params")
+    masters = list(masters or [])
+    if not _use_op(op, list(params) + list(grads), fused):
+        reference_step(grads, params, *buffers, steps, masters, lr, *hyper, gs, found_inf)
+    else:
+        OPS[op + "_"](list(grads), list(params), *[list(b) for b in buffers], list(steps), masters,
+                      *_lr_for_kernel(lr, device), *hyper, gs, found_inf)
 
 
 def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None, *, lr: Scalar, beta1: float,
@@ -202,16 +204,8 @@ def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None,
     fp16/bf16 params) carry the weights, the params get their rounded copy. Grads are
     divided by ``grad_scale``; a non-zero ``found_inf`` leaves every tensor unchanged.
     """
-    if not params:
-        return
-    device, gs, masters = _step_args("multi_tensor_adam", params, steps, masters, lr, grad_scale, found_inf)
-    if not _use_op("multi_tensor_adam", list(params) + list(grads), fused):
-        reference.multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps,
-                                    weight_decay, decoupled, maximize, gs, found_inf)
-        return
-    lr_f, lr_t = _lr_for_kernel(lr, device)
-    OPS["multi_tensor_adam_"](list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), masters, lr_f,
-                          lr_t, beta1, beta2, eps, weight_decay, decoupled, maximize, gs, found_inf)
+    _step("multi_tensor_adam", reference.multi_tensor_adam, grads, params, (exp_avgs, exp_avg_sqs), steps, masters,
+          lr, (beta1, beta2, eps, weight_decay, decoupled, maximize), grad_scale, found_inf, fused)
 
 
 def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters=None, *, lr: Scalar, momentum: float,
@@ -220,19 +214,11 @@ def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters=None, *, lr
                      fused="auto") -> None:
     """One SGD step over lists of one dtype, in place (``momentum_buffers`` empty when
     momentum is 0). A step count of 0 marks new buffers: they start as the grad."""
-    if not params:
-        return
-    device, gs, masters = _step_args("multi_tensor_sgd", params, steps, masters, lr, grad_scale, found_inf)
     bufs = list(momentum_buffers) if momentum != 0 else []
-    if momentum != 0 and len(bufs) != len(params):
+    if params and momentum != 0 and len(bufs) != len(params):
         raise ValueError(f"multi_tensor_sgd: momentum={momentum} needs one buffer per param, got {len(bufs)}")
-    if not _use_op("multi_tensor_sgd", list(params) + list(grads), fused):
-        reference.multi_tensor_sgd(grads, params, bufs, steps, masters, lr, momentum, dampening, weight_decay,
-                                   nesterov, maximize, gs, found_inf)
-        return
-    lr_f, lr_t = _lr_for_kernel(lr, device)
-    OPS["multi_tensor_sgd_"](list(grads), list(params), bufs, list(steps), masters, lr_f, lr_t, momentum, dampening,
-                         weight_decay, nesterov, maximize, gs, found_inf)
+    _step("multi_tensor_sgd", reference.multi_tensor_sgd, grads, params, (bufs,), steps, masters, lr,
+          (momentum, dampening, weight_decay, nesterov, maximize), grad_scale, found_inf, fused)
 
 
 def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None, *, lr: Scalar, beta1: float,
@@ -240,13 +226,5 @@ def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None,
                       maximize: bool = False, grad_scale: Optional[Scalar] = None,
                       found_inf: Optional[torch.Tensor] = None, fused="auto") -> None:
     """One LAMB step over lists of one dtype, in place (see csrc/multi_tensor_lamb.cu for the rule)."""
-    if not params:
-        return
-    device, gs, masters = _step_args("multi_tensor_lamb", params, steps, masters, lr, grad_scale, found_inf)
-    if not _use_op("multi_tensor_lamb", list(params) + list(grads), fused):
-        reference.multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps,
-                                    weight_decay, bias_correction, maximize, gs, found_inf)
-        return
-    lr_f, lr_t = _lr_for_kernel(lr, device)
-    OPS["multi_tensor_lamb_"](list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), masters, lr_f,
-                          lr_t, beta1, beta2, eps, weight_decay, bias_correction, maximize, gs, found_inf)
+    _step("multi_tensor_lamb", reference.multi_tensor_lamb, grads, params, (exp_avgs, exp_avg_sqs), steps, masters,
+          lr, (beta1, beta2, eps, weight_decay, bias_correction, maximize), grad_scale, found_inf, fused)

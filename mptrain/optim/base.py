@@ -13,7 +13,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from mptrain.ops.multi_tensor import FUSED_CHOICES
+from mptrain.ops.dispatch import FUSED_CHOICES
 
 from .layout import dense_work_lists, write_back_params
 from .scaling import found_inf_per_device, scaling_inputs, unscale_grads_
