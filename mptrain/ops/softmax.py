@@ -1,8 +1,5 @@
-"""Scaled masked softmax: ``torch.ops.mptrain.scaled_masked_softmax`` or the reference,
-as :mod:`mptrain.ops.dispatch` decides.
-
-``y = softmax(masked_fill(scale * x, mask | causal, -inf), dim=-1)`` in fp32, output in
-``x``'s dtype; a fully masked row gives zeros. Backward reads only the saved output.
+"""Scaled masked softmax: ``torch.ops.mptrain.scaled_masked_softmax`` or the reference, as
+:mod:`mptrain.ops.dispatch` decides. Backward reads only the saved output.
 """
 from __future__ import annotations
 
