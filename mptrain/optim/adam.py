@@ -1,8 +1,6 @@
 """FusedAdam and FusedAdamW: torch.optim.Adam / AdamW's update in one multi-tensor kernel."""
 from __future__ import annotations
 
-import torch
-
 from mptrain.ops.multi_tensor import multi_tensor_adam
 
 from .base import FusedOptimizer
@@ -21,15 +19,7 @@ class FusedAdam(FusedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused="auto",
                  decoupled_weight_decay=None, master_weights=False):
-        name = type(self).__name__
-        if not (torch.is_tensor(lr) or 0.0 <= lr):
-            raise ValueError(f"{name}: invalid learning rate {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"{name}: invalid epsilon value {eps}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"{name}: invalid betas {betas}; each must lie in [0, 1)")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"{name}: invalid weight_decay value {weight_decay}")
+        self._check_args(lr, betas, eps=eps, weight_decay=weight_decay)
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,

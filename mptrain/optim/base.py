@@ -1,11 +1,6 @@
-"""What every fused optimizer shares: bucketing by device/dtype, fp32 master weights,
-the loss-scaling protocol (:mod:`.scaling`), layouts the kernels can walk
-(:mod:`.layout`), torch.optim's state formats (:mod:`.torch_format`), and pickling.
-
-Subclasses say which per-parameter buffers they keep (``_buffers``), which group
-options they cannot run (``_check_group``), what older formats' groups lack
-(``_format_defaults``) and how one bucket of same-dtype tensors is updated
-(``_update``); the kernels live in :mod:`mptrain.ops.multi_tensor`.
+"""What every fused optimizer shares: bucketing by device/dtype, fp32 master weights, loss scaling
+(:mod:`.scaling`), layouts (:mod:`.layout`), torch.optim's state formats (:mod:`.torch_format`), pickling.
+Subclasses define ``_buffers``, ``_check_group``, ``_format_defaults`` and ``_update``.
 """
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from mptrain.ops.dispatch import FUSED_CHOICES
+from mptrain.ops.dispatch import check_fused
 
 from .layout import dense_work_lists, write_back_params
 from .scaling import found_inf_per_device, scaling_inputs, unscale_grads_
@@ -38,13 +33,20 @@ class FusedOptimizer(torch.optim.Optimizer):
     _format_defaults: dict = {"capturable": False}
 
     def __init__(self, params, defaults: dict, *, master_weights: bool, capturable: bool, fused):
-        if fused is None:
-            fused = "auto"
-        if fused not in FUSED_CHOICES:
-            raise ValueError(f"{type(self).__name__}: fused={fused!r}; expected one of {FUSED_CHOICES}")
         self.master_weights = bool(master_weights)
-        self.fused = fused
+        self.fused = check_fused(type(self).__name__, "auto" if fused is None else fused)
         super().__init__(params, dict(defaults, capturable=bool(capturable)))
+
+    def _check_args(self, lr, betas=None, **non_negative) -> None:
+        """Raise for a negative ``lr`` or ``non_negative`` value, or ``betas`` outside [0, 1), naming it."""
+        name = type(self).__name__
+        if not (torch.is_tensor(lr) or 0.0 <= lr):
+            raise ValueError(f"{name}: invalid learning rate {lr}; it must be >= 0")
+        if betas is not None and not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"{name}: invalid betas {betas}; each must lie in [0, 1)")
+        for key, value in non_negative.items():
+            if not 0.0 <= value:
+                raise ValueError(f"{name}: invalid {key} value {value}; it must be >= 0")
 
     # ------------------------------------------------------------ per-subclass
 

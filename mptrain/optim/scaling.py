@@ -1,18 +1,6 @@
-"""Loss scaling inside the fused step: where ``grad_scale`` / ``found_inf`` come from,
-the inf check, and leaving the grads unscaled afterwards as torch's fused optimizers do.
-
-Two callers hand these over:
-
-* explicitly, ``step(grad_scale=..., found_inf=...)``: the step checks the grads for
-  inf/NaN itself and ORs the result into ``found_inf``;
-* as attributes ``optimizer.grad_scale`` / ``optimizer.found_inf``, set just before
-  ``step()`` by ``torch.amp.GradScaler`` (the ``_step_supports_amp_scaling`` protocol)
-  or by mptrain's precision engine: ``found_inf`` was already computed and is trusted.
-
-Either way a non-zero ``found_inf`` makes the step change nothing, and (unless the
-caller passes ``unscale_grads=False``) a step that is taken leaves every grad divided
-by ``grad_scale``, what ``torch._fused_adam_`` / ``_fused_sgd_`` do (a skipped
-step leaves the grads as they were, also as torch does).
+"""Loss scaling inside the fused step (the protocol is in :mod:`mptrain.optim`): where ``grad_scale``
+/ ``found_inf`` come from (step arguments, then checked here; or GradScaler's attributes, trusted),
+the inf check, and leaving taken steps' grads divided by ``grad_scale`` as torch's fused optimizers do.
 """
 from __future__ import annotations
 
