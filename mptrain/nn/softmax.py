@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from mptrain import ops
-from mptrain.nn.norm import _check_fused
+from mptrain.ops.dispatch import check_fused
 
 
 class FusedScaleMaskSoftmax(nn.Module):
@@ -21,7 +21,7 @@ class FusedScaleMaskSoftmax(nn.Module):
         super().__init__()
         self.scale = float(scale)
         self.causal = bool(causal)
-        self.fused = _check_fused("FusedScaleMaskSoftmax", fused)
+        self.fused = check_fused("FusedScaleMaskSoftmax", fused)
 
     def forward(self, scores, mask=None):
         return ops.scaled_masked_softmax(scores, mask, self.scale, self.causal, fused=self.fused)
