@@ -78,6 +78,14 @@ def _new(like, *shape, dtype=None):
     return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 
+# CPU kernels that are the reference's op forms as they are (the others check their inputs first, below).
+for _name, _kernel in (("layer_norm_backward", R.layer_norm_backward),
+                       ("scaled_masked_softmax_backward", R.scaled_masked_softmax_backward),
+                       ("lstm_cell", R.lstm_cell_forward), ("lstm_cell_backward", R.lstm_cell_backward),
+                       ("lstm_layer_backward", R.lstm_layer_backward), ("multi_tensor_scale_", R.multi_tensor_scale)):
+    _impl(_name)(_kernel)
+
+
 # ---------------------------------------------------------------- LayerNorm / RMSNorm
 
 
@@ -101,11 +109,6 @@ def _layer_norm_fake(x, normalized_shape, weight, bias, eps, rms):
     rows = x.numel() // hidden if hidden else 0
     stats_dtype = torch.promote_types(x.dtype, torch.float32)
     return _new(x, *x.shape), _new(x, (0 if rms else rows) + rows + 1, dtype=stats_dtype)
-
-
-@_impl("layer_norm_backward")
-def _layer_norm_backward_cpu(dy, x, stats, weight, bias, normalized_shape, rms):
-    return R.layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms)
 
 
 @_fake("layer_norm_backward")
@@ -143,11 +146,6 @@ def _softmax_fake(x, mask, scale, causal):
     return _new(x, *x.shape)
 
 
-@_impl("scaled_masked_softmax_backward")
-def _softmax_backward_cpu(dy, y, scale):
-    return R.scaled_masked_softmax_backward(dy, y, scale)
-
-
 @_fake("scaled_masked_softmax_backward")
 def _softmax_backward_fake(dy, y, scale):
     return _new(y, *y.shape)
@@ -169,11 +167,6 @@ torch.library.register_autograd(f"{NAMESPACE}::scaled_masked_softmax", _softmax_
 # ---------------------------------------------------------------- LSTM cell and layer
 
 
-@_impl("lstm_cell")
-def _lstm_cell_cpu(x, h, c, w_ih, w_hh, b_ih, b_hh):
-    return R.lstm_cell_forward(x, h, c, w_ih, w_hh, b_ih, b_hh)
-
-
 @_fake("lstm_cell")
 def _lstm_cell_fake(x, h, c, w_ih, w_hh, b_ih, b_hh):
     B, H = x.shape[0], w_hh.shape[1]
@@ -182,11 +175,6 @@ def _lstm_cell_fake(x, h, c, w_ih, w_hh, b_ih, b_hh):
 
 def _lstm_grads_fake(need, like, shapes):
     return tuple(_new(like, *s) if n else _new(like, 0) for n, s in zip(need, shapes))
-
-
-@_impl("lstm_cell_backward")
-def _lstm_cell_backward_cpu(dh, dc, x, h, c, w_ih, w_hh, ws, c_new, need):
-    return R.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c_new, need)
 
 
 @_fake("lstm_cell_backward")
@@ -241,11 +229,6 @@ def _lstm_layer_fake(x, h0, c0, w_ih, w_hh, b_ih, b_hh):
     return _new(x, T, B, H), _new(x, B, H), _new(x, T, B, H), _new(x, T, B, 4 * H)
 
 
-@_impl("lstm_layer_backward")
-def _lstm_layer_backward_cpu(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need):
-    return R.lstm_layer_backward(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need)
-
-
 @_fake("lstm_layer_backward")
 def _lstm_layer_backward_fake(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need):
     return _lstm_grads_fake(need, x, (x.shape, h0.shape, c0.shape, w_ih.shape, w_hh.shape, (w_ih.shape[0],)))
@@ -269,11 +252,6 @@ torch.library.register_autograd(f"{NAMESPACE}::lstm_layer", _lstm_layer_backward
                                 lib=_lib)
 
 # ---------------------------------------------------------------- multi-tensor ops (in place, no outputs)
-
-
-@_impl("multi_tensor_scale_")
-def _scale_cpu(src, dst, scale, found_inf):
-    R.multi_tensor_scale(src, dst, scale, found_inf)
 
 
 @_impl("multi_tensor_unscale_")

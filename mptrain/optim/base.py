@@ -10,9 +10,9 @@ import torch
 
 from mptrain.ops.dispatch import check_fused
 
-from .layout import dense_work_lists, write_back_params
+from .layout import dense_work_lists
 from .scaling import found_inf_per_device, scaling_inputs, unscale_grads_
-from .torch_format import fill_group_defaults, normalize_steps, restore_state_tensors
+from .torch_format import normalize_steps, restore_state_tensors
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -69,8 +69,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._prepare_group(self.param_groups[-1])
 
     def _validate_group(self, group: dict) -> None:
-        """Fill the keys an older format lacks; reject what the kernels cannot run."""
-        fill_group_defaults(group, self._format_defaults)
+        """Fill the keys an older format lacks (with torch's values); reject what the kernels cannot run."""
+        for key, value in self._format_defaults.items():
+            group.setdefault(key, value)
         self._check_group(group)
         if group["capturable"]:
             for p in group["params"]:
@@ -199,7 +200,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         masters = [st["master_param"] for st in states] if master else []
         gs = grad_scale.to(device, non_blocking=True) if torch.is_tensor(grad_scale) else grad_scale
         self._update(group, work, grads, state, masters, gs, found_inf)
-        write_back_params(write_back)
+        for p, w in write_back:  # the non-dense params' working copies
+            p.copy_(w)
 
     def _buckets(self) -> dict:
         """(group index, device, dtype, master) -> params with a grad, in parameter order.

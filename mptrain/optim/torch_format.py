@@ -17,12 +17,6 @@ import torch
 from .layout import state_in_layout
 
 
-def fill_group_defaults(group: dict, format_defaults: dict) -> None:
-    """Add the keys an older format lacks, with the values torch gives them."""
-    for key, value in format_defaults.items():
-        group.setdefault(key, value)
-
-
 def step_count(value, p: torch.Tensor) -> torch.Tensor:
     """A saved ``step`` (a number, or a tensor on any device/dtype) as the float32 0-dim
     device tensor the kernels advance."""
