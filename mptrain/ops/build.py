@@ -120,6 +120,7 @@ def get_extension(required: bool = False):
             _warned = True
             warnings.warn(f"mptrain: fused CUDA kernels unavailable, using the PyTorch reference instead. {_error}",
                           RuntimeWarning, stacklevel=2)
+    return _module
 
 
 # ---------------------------------------------------------------- where things are
