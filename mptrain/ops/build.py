@@ -256,10 +256,13 @@ def _loaded_cublas() -> Optional[Path]:
     """The libcublas.so.<major> this process has mapped (torch's CUDA library loads it), or None."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = [Path(line.split(maxsplit=5)[-1].strip()) for line in maps]
+            for line in maps:
+                path = Path(line.split(maxsplit=5)[-1].strip())
+                if re.fullmatch(r"libcublas\.so\.\d+(\.\d+)*", path.name):
+                    return path
     except OSError:
-        return None
-    return next((p for p in paths if re.fullmatch(r"libcublas\.so\.\d+(\.\d+)*", p.name)), None)
+        pass
+    return None
 
 
 def cublas_ldflags(cuda_home: Optional[Path]) -> list[str]:
