@@ -26,11 +26,8 @@ IMPLS = ("auto", "cudnn", "fused")
 
 
 class FusedLSTMCell(nn.LSTMCell):
-    """torch.nn.LSTMCell with the fused gate kernel on CUDA.
-
-    ``fused``: "auto" (kernel on CUDA when the extension loads, else the reference),
-    True (require the kernel), False (always the pure-PyTorch reference).
-    """
+    """torch.nn.LSTMCell with the fused gate kernel on CUDA; ``fused``: "auto" (the kernel on CUDA when
+    the extension loads, else the reference), True (require the kernel), False (always the reference)."""
 
     def __init__(self, input_size, hidden_size, bias=True, device=None, dtype=None, *, fused="auto"):
         super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
@@ -82,11 +79,8 @@ class FusedLSTMCell(nn.LSTMCell):
 
 
 class FusedLSTM(nn.LSTM):
-    """torch.nn.LSTM (unidirectional, no projections) with an explicit sequence policy.
-
-    Arguments are nn.LSTM's plus ``impl`` ("auto" | "cudnn" | "fused", see the module
-    docstring). Parameter names are nn.LSTM's (weight_ih_l0, weight_hh_l0, bias_ih_l0, ...).
-    """
+    """torch.nn.LSTM (unidirectional, no projections) with an explicit sequence policy: nn.LSTM's
+    arguments and parameter names plus ``impl`` ("auto" | "cudnn" | "fused", see the module docstring)."""
 
     def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False, dropout=0.0,
                  bidirectional=False, proj_size=0, device=None, dtype=None, *, impl="auto"):

@@ -12,11 +12,8 @@ from mptrain.ops.dispatch import check_fused
 
 
 class FusedLayerNorm(nn.LayerNorm):
-    """torch.nn.LayerNorm with the fused LayerNorm kernel on CUDA.
-
-    ``fused``: "auto" (kernel on CUDA when the extension loads, else the reference),
-    True (require the kernel), False (always the pure-PyTorch reference).
-    """
+    """torch.nn.LayerNorm with the fused LayerNorm kernel on CUDA; ``fused``: "auto" (the kernel on CUDA
+    when the extension loads, else the reference), True (require the kernel), False (always the reference)."""
 
     fused = "auto"  # class default, so a module whose class was swapped in place has it
     # Half input with fp32 weight (the *-master case) is native: fp32 statistics inside, input

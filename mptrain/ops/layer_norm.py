@@ -58,10 +58,8 @@ def _shape(normalized_shape):
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="auto"):
-    """``F.layer_norm`` with fp32 statistics; fused CUDA kernel for CUDA tensors.
-
-    ``weight``/``bias`` may be fp32 under fp16/bf16 ``x``; the output has ``x``'s dtype.
-    """
+    """``F.layer_norm`` with fp32 statistics, the fused kernel for CUDA tensors; ``weight``/``bias`` may
+    be fp32 under fp16/bf16 ``x``; the output has ``x``'s dtype."""
     x, weight, bias = _cuda_autocast_upcast("aten::layer_norm", x, weight, bias)
     if not use_op("layer_norm", x, fused):
         return reference.layer_norm(x, normalized_shape, weight, bias, eps)
@@ -70,10 +68,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, fused="auto"):
-    """``F.rms_norm`` with fp32 statistics; fused CUDA kernel for CUDA tensors.
-
-    ``eps=None`` is torch's default (fp32 machine epsilon for fp32/fp16/bf16 input).
-    """
+    """``F.rms_norm`` with fp32 statistics, the fused kernel for CUDA tensors; ``eps=None`` is torch's
+    default (fp32 machine epsilon for fp32/fp16/bf16 input)."""
     x, weight, _ = _cuda_autocast_upcast("aten::rms_norm", x, weight, None)
     if not use_op("rms_norm", x, fused):
         return reference.rms_norm(x, normalized_shape, weight, eps)

@@ -34,19 +34,14 @@ def _run(op, tensors, fused, reference_op):
 
 
 def lstm_cell(x, h, c, w_ih, w_hh, b_ih=None, b_hh=None, *, fused="auto"):
-    """One LSTM step, torch.nn.LSTMCell's math and gate order (i, f, g, o).
-
-    x (B, I), h and c (B, H), w_ih (4H, I), w_hh (4H, H), b_ih / b_hh (4H) or None.
-    Returns (h', c'). CUDA tensors use the fused kernel when the extension is loaded.
-    """
+    """One LSTM step, torch.nn.LSTMCell's math and gate order (i, f, g, o): (h', c') from x (B, I),
+    h and c (B, H), w_ih (4H, I), w_hh (4H, H), b_ih / b_hh (4H) or None."""
     return _run("lstm_cell", (x, h, c, w_ih, w_hh, b_ih, b_hh), fused, reference.lstm_cell)
 
 
 def lstm_layer(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None, *, fused="auto"):
-    """One unidirectional LSTM layer over a time-major sequence x (T, B, I).
-
-    Returns (out (T, B, H), h_n (B, H), c_n (B, H)), h_n being a view of out[-1].
-    """
+    """One unidirectional LSTM layer over a time-major sequence x (T, B, I): (out (T, B, H), h_n (B, H),
+    c_n (B, H)), h_n being a view of out[-1]."""
     if x.dim() != 3 or x.shape[0] == 0:
         raise ValueError(f"lstm_layer: x must be (T, batch, input_size) with T >= 1, got shape {tuple(x.shape)}")
     out, c_n = _run("lstm_layer", (x, h0, c0, w_ih, w_hh, b_ih, b_hh), fused, reference.lstm_layer)

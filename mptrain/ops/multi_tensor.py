@@ -198,12 +198,10 @@ def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None,
                       beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
                       grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
                       fused="auto") -> None:
-    """One Adam (``decoupled=False``) or AdamW step over lists of one dtype, in place.
-
-    ``steps`` are float32 1-element counts (advanced here); ``masters`` (fp32, for
-    fp16/bf16 params) carry the weights, the params get their rounded copy. Grads are
-    divided by ``grad_scale``; a non-zero ``found_inf`` leaves every tensor unchanged.
-    """
+    """One Adam (``decoupled=False``) or AdamW step over lists of one dtype, in place. ``steps`` are
+    float32 1-element counts (advanced here); ``masters`` (fp32, for fp16/bf16 params) carry the weights,
+    the params get their rounded copy. Grads are divided by ``grad_scale``; a non-zero ``found_inf``
+    leaves every tensor unchanged (the same holds for the SGD and LAMB steps)."""
     _step("multi_tensor_adam", reference.multi_tensor_adam, grads, params, (exp_avgs, exp_avg_sqs), steps, masters,
           lr, (beta1, beta2, eps, weight_decay, decoupled, maximize), grad_scale, found_inf, fused)
 

@@ -7,12 +7,9 @@ from .base import FusedOptimizer
 
 
 class FusedAdam(FusedOptimizer):
-    """Drop-in for ``torch.optim.Adam`` (same arguments and state keys) plus
-    ``master_weights`` and ``fused``; see :mod:`mptrain.optim` for step().
-
-    ``amsgrad=True`` is not implemented by the fused kernel and raises.
-    ``decoupled_weight_decay=True`` makes it AdamW, as in torch.
-    """
+    """Drop-in for ``torch.optim.Adam`` (same arguments and state keys) plus ``master_weights`` and
+    ``fused``; see :mod:`mptrain.optim` for step(). ``amsgrad=True`` is not implemented by the fused
+    kernel and raises; ``decoupled_weight_decay=True`` makes it AdamW, as in torch."""
 
     _decoupled_default = False
 

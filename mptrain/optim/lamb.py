@@ -7,13 +7,10 @@ from .base import FusedOptimizer
 
 
 class FusedLAMB(FusedOptimizer):
-    """LAMB with torch-style arguments; see :mod:`mptrain.optim` for step().
-
-    Per tensor: ``m, v`` as in Adam; ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w``;
-    ``w -= lr * (||w|| / ||u||) * u`` (ratio 1 when either norm is 0). State keys
-    ``exp_avg``, ``exp_avg_sq``, ``step`` (and ``master_param``). No gradient clipping
-    inside: clip before the step (``mptrain.ops.multi_tensor_l2norm``).
-    """
+    """LAMB with torch-style arguments; see :mod:`mptrain.optim` for step(). Per tensor: ``m, v`` as in
+    Adam; ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w``; ``w -= lr * (||w|| / ||u||) * u`` (ratio
+    1 when either norm is 0). State keys ``exp_avg``, ``exp_avg_sq``, ``step`` (and ``master_param``).
+    No gradient clipping inside: clip before the step (``mptrain.ops.multi_tensor_l2norm``)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True, *,
                  maximize=False, capturable=False, fused="auto", master_weights=False):

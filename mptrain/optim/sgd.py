@@ -7,13 +7,10 @@ from .base import FusedOptimizer
 
 
 class FusedSGD(FusedOptimizer):
-    """Drop-in for ``torch.optim.SGD`` (same arguments, state key ``momentum_buffer``)
-    plus ``master_weights`` and ``fused``; see :mod:`mptrain.optim` for step().
-
-    The state also holds a ``step`` count: a count of 0 tells the kernel that the
-    momentum buffer is new (torch starts it as a copy of the grad), on the device, so
-    a skipped first step keeps the next one a first step.
-    """
+    """Drop-in for ``torch.optim.SGD`` (same arguments, state key ``momentum_buffer``) plus
+    ``master_weights`` and ``fused``; see :mod:`mptrain.optim` for step(). The state also holds a
+    ``step`` count: 0 tells the kernel, on the device, that the momentum buffer is new (torch starts it
+    as the grad), so a skipped first step keeps the next one a first step."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused="auto", capturable=False,

@@ -1,12 +1,8 @@
 """torch.optim's state formats, old and new, in and out of the fused optimizers.
 
-torch.optim has changed its format over the years: ``step`` was a Python number before
-it became a tensor (float32 on the device for fused/capturable optimizers, on the CPU
-otherwise), and param groups gained ``maximize``, ``foreach``, ``capturable``,
-``differentiable``, ``fused`` and ``decoupled_weight_decay``. A state_dict saved by any
-of them (or by ``torch.optim.Adam/AdamW/SGD`` themselves) loads here; missing group keys
-get the defaults torch fills in, options the fused kernels cannot run raise, and state
-tensors come back in the dtype and memory layout the kernels need.
+``step`` was once a Python number, now a tensor; param groups gained ``maximize``, ``foreach``,
+``capturable``, ``differentiable``, ``fused`` and ``decoupled_weight_decay``. A state_dict of any of
+them (or of ``torch.optim.Adam/AdamW/SGD``) loads here, its tensors in the kernels' dtypes and layout.
 """
 from __future__ import annotations
 
