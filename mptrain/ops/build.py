@@ -72,14 +72,9 @@ class ExtensionStatus(str):
         return self
 
     def describe(self) -> str:
-        s = str.__str__(self)
-        if self.seconds is not None:
-            s += f" in {self.seconds:.1f} s"
-        if self.build_dir:
-            s += f" ({self.build_dir})"
-        if self.reason:
-            s += f": {self.reason}"
-        return s
+        seconds = "" if self.seconds is None else f" in {self.seconds:.1f} s"
+        where = f" ({self.build_dir})" if self.build_dir else ""
+        return str.__str__(self) + seconds + where + (f": {self.reason}" if self.reason else "")
 
 
 _lock = threading.Lock()
@@ -123,9 +118,7 @@ def get_extension(required: bool = False):
     return _module
 
 
-# ---------------------------------------------------------------- where things are
-
-
+# Where things are
 def csrc_dir() -> Path:
     """``$MPTRAIN_CSRC`` or the repository's ``csrc/`` next to the ``mptrain`` package."""
     env = os.environ.get("MPTRAIN_CSRC")
@@ -279,10 +272,6 @@ def cublas_ldflags(cuda_home: Optional[Path]) -> list[str]:
     return []
 
 
-def build_root() -> Path:
-    return Path(os.environ.get("MPTRAIN_BUILD_DIR") or Path.home() / ".cache" / "mptrain")
-
-
 def build_hash(csrc: Path, flags: list[str], cuda_home: Optional[Path]) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in csrc.iterdir() if p.suffix in _SOURCE_SUFFIXES):
@@ -291,9 +280,6 @@ def build_hash(csrc: Path, flags: list[str], cuda_home: Optional[Path]) -> str:
     for item in (torch.__version__, torch.version.cuda, sys.version, str(cuda_home), *flags):
         h.update(str(item).encode())
     return h.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------- the lock
 
 
 @contextlib.contextmanager
@@ -345,14 +331,12 @@ def _read_pid(path: Path) -> str:
         return "?"
 
 
-# ---------------------------------------------------------------- build
-
-
 def build_dir_for(csrc: Path, root: Optional[Path] = None, cuda_home: Optional[Path] = None) -> Path:
     """Where build() compiles ``csrc``: ``<root>/ext-<hash of sources, flags, versions>``."""
     cflags, cuda_flags = _all_flags(cuda_home)
     flags = cflags + cuda_flags + cublas_ldflags(cuda_home)
-    return Path(root or build_root()) / f"ext-{build_hash(csrc, flags, cuda_home)}"
+    root = root or os.environ.get("MPTRAIN_BUILD_DIR") or Path.home() / ".cache" / "mptrain"
+    return Path(root) / f"ext-{build_hash(csrc, flags, cuda_home)}"
 
 
 def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: bool = False):
@@ -406,8 +390,7 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
     return module, str(build_dir)
 
 
-# ---------------------------------------------------------------- warm start
-# cpp_extension.load costs seconds even when nothing changed. The build directory's name pins the
+# Warm start: cpp_extension.load costs seconds even when nothing changed. The build directory's name pins the
 # sources, flags and versions, so once a build there has loaded, the next process imports its .so
 # directly. The stamp holds the .so's size and mtime: a .so rewritten since (a killed relink) takes
 # the full path, which rebuilds what is missing.
@@ -494,9 +477,6 @@ def _load_error(e: ImportError, build_dir: Path) -> ExtensionBuildError:
     return ExtensionBuildError(f"the extension was built but could not be loaded: {msg}",
                                failing_file=str(build_dir / f"{EXT_NAME}.so"), log_path=str(build_dir / "build.log"),
                                fix=fix)
-
-
-# ---------------------------------------------------------------- command line
 
 
 def main(argv: Optional[list[str]] = None) -> int:

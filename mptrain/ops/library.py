@@ -86,9 +86,7 @@ for _name, _kernel in (("layer_norm_backward", R.layer_norm_backward),
     _impl(_name)(_kernel)
 
 
-# ---------------------------------------------------------------- LayerNorm / RMSNorm
-
-
+# LayerNorm / RMSNorm
 def _check_norm(x, normalized_shape, weight, bias):
     R.normalized_dims(x, normalized_shape)
     for name, p in (("weight", weight), ("bias", bias)):
@@ -131,9 +129,8 @@ def _norm_backward(ctx, dy, _dstats):
 
 torch.library.register_autograd(f"{NAMESPACE}::layer_norm", _norm_backward, setup_context=_norm_setup, lib=_lib)
 
-# ---------------------------------------------------------------- scaled masked softmax
 
-
+# Scaled masked softmax
 @_impl("scaled_masked_softmax")
 def _softmax_cpu(x, mask, scale, causal):
     R.check_softmax_mask(x, mask, causal)
@@ -164,9 +161,8 @@ def _softmax_backward(ctx, dy):
 torch.library.register_autograd(f"{NAMESPACE}::scaled_masked_softmax", _softmax_backward,
                                 setup_context=_softmax_setup, lib=_lib)
 
-# ---------------------------------------------------------------- LSTM cell and layer
 
-
+# LSTM cell and layer
 @_fake("lstm_cell")
 def _lstm_cell_fake(x, h, c, w_ih, w_hh, b_ih, b_hh):
     B, H = x.shape[0], w_hh.shape[1]
@@ -251,9 +247,8 @@ def _lstm_layer_backward(ctx, d_out, dc_n, _dc_all, _dws):
 torch.library.register_autograd(f"{NAMESPACE}::lstm_layer", _lstm_layer_backward, setup_context=_lstm_layer_setup,
                                 lib=_lib)
 
-# ---------------------------------------------------------------- multi-tensor ops (in place, no outputs)
 
-
+# Multi-tensor ops (in place, no outputs)
 @_impl("multi_tensor_unscale_")
 def _unscale_cpu(tensors, inv_scale, found_inf):
     R.multi_tensor_scale(tensors, tensors, inv_scale, found_inf)
@@ -304,9 +299,7 @@ for _name in ("multi_tensor_scale_", "multi_tensor_unscale_", "multi_tensor_chec
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _no_outputs, lib=_lib)
 
 
-# ---------------------------------------------------------------- the backward ops: not differentiable again
-
-
+# The backward ops: not differentiable again
 def _twice(name):
     def backward(ctx, *grads):
         raise RuntimeError(f"mptrain::{name} has no derivative: the fused ops are differentiable once; use fused=False "

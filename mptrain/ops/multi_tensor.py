@@ -57,8 +57,9 @@ def _groups(*lists: Sequence[torch.Tensor]) -> dict:
     # Fast path for the usual case, one CUDA device and one dtype per list: sets of
     # dtypes and device indices cost a fraction of building a key per tensor, which
     # matters for 400-tensor lists stepped every iteration (the host must stay ahead).
+    distinct = {id(lst): lst for lst in lists}.values()  # an in-place op passes one list as src and dst
     if first.is_cuda and len({t.get_device() for t in lists[0]}) == 1 and all(
-            len({t.dtype for t in lst}) == 1 for lst in _distinct(lists)):
+            len({t.dtype for t in lst}) == 1 for lst in distinct):
         return {(first.device,) + tuple(lst[0].dtype for lst in lists): range(len(lists[0]))}
     out: dict = defaultdict(list)
     for i in range(len(lists[0])):
@@ -66,20 +67,8 @@ def _groups(*lists: Sequence[torch.Tensor]) -> dict:
     return out
 
 
-def _distinct(lists):
-    """The lists without repeats (an in-place op passes the same list as source and destination)."""
-    out = []
-    for lst in lists:
-        if not any(lst is o for o in out):
-            out.append(lst)
-    return out
-
-
 def _pick(lst: list, idx) -> list:
     return lst if len(idx) == len(lst) else [lst[i] for i in idx]
-
-
-# ---------------------------------------------------------------- scale / copy / norm
 
 
 def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: Optional[Scalar],
@@ -159,9 +148,6 @@ def _l2norm(tensors, per_tensor, fused):
     if not _use_op("multi_tensor_l2norm", tensors, fused):
         return reference.multi_tensor_l2norm(tensors, per_tensor)
     return OPS["multi_tensor_l2norm"](tensors, per_tensor)
-
-
-# ---------------------------------------------------------------- optimizer steps
 
 
 def _lr_for_kernel(lr: Scalar, device: torch.device):

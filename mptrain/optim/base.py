@@ -48,8 +48,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if not 0.0 <= value:
                 raise ValueError(f"{name}: invalid {key} value {value}; it must be >= 0")
 
-    # ------------------------------------------------------------ per-subclass
-
+    # Defined by subclasses:
     def _buffers(self, group: dict) -> tuple[str, ...]:
         """Names of the per-parameter state tensors shaped like the param."""
         raise NotImplementedError
@@ -62,8 +61,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Update one bucket (one device, one param dtype); ``state[name]`` are lists."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------ param groups
-
+    # Param groups:
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         self._prepare_group(self.param_groups[-1])
@@ -93,8 +91,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             # captured graph or a compiled step reads each new value without a recapture.
             group["lr"] = torch.full((), float(lr), dtype=torch.float32, device=device)
 
-    # ------------------------------------------------------------ pickling
-
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in self._instance_attrs})
@@ -110,8 +106,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._prepare_group(group)
         normalize_steps(self)
 
-    # ------------------------------------------------------------ master weights
-
+    # Master weights:
     def uses_master(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is updated through an fp32 master copy kept in the state."""
         return self.master_weights and p.dtype in HALF_DTYPES
@@ -168,8 +163,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         return st
 
-    # ------------------------------------------------------------ step
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *,
              grad_scale: Optional[Union[torch.Tensor, float]] = None, found_inf: Optional[torch.Tensor] = None,
@@ -216,8 +209,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 key = (index, p.device, p.dtype, self.uses_master(p))
                 out.setdefault(key, []).append(p)
         return out
-
-    # ------------------------------------------------------------ state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, for every torch.optim format (see :mod:`.torch_format`): groups
