@@ -90,12 +90,9 @@ def extension_status() -> ExtensionStatus:
 
 
 def get_extension(required: bool = False):
-    """The loaded extension module, building it on first use (at most once per process).
-
-    A failed build returns ``None`` with ``required=False`` (``fused="auto"``: the caller falls back to
-    the reference; the first fallback in the process warns with the reason) and raises
-    :class:`ExtensionBuildError` with ``required=True`` (``fused=True``).
-    """
+    """The loaded extension module, building it on first use (at most once per process). A failed build returns ``None``
+    with ``required=False`` (``fused="auto"``: the caller falls back to the reference; the first fallback in the process
+    warns with the reason) and raises :class:`ExtensionBuildError` with ``required=True`` (``fused=True``)."""
     global _module, _status, _error, _warned
     with _lock:
         if _module is None and _error is None:

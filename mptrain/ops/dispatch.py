@@ -41,9 +41,8 @@ _load._dynamo_marked_constant = True
 
 
 def use_op(op: str, x: torch.Tensor, fused, dtype=None) -> bool:
-    """True: call ``torch.ops.mptrain.<op>``; False: call the reference directly.
-
-    ``dtype``: the dtype the op will run in when not ``x``'s (autocast casts first)."""
+    """True: call ``torch.ops.mptrain.<op>``; False: call the reference directly. ``dtype``: the dtype the op will run
+    in when not ``x``'s (autocast casts first)."""
     if fused is False:
         return False
     if not x.is_cuda:

@@ -16,10 +16,9 @@ from .library import OPS
 
 
 def _run(op, tensors, fused, reference_op):
-    """The first two outputs of ``torch.ops.mptrain.<op>``, or ``reference_op``'s two, on ``tensors``.
-
-    torch puts lstm_cell on CUDA autocast's lower-precision list; the kernels take one dtype, so under
-    autocast every floating input is cast to the autocast dtype and the op runs with autocast off."""
+    """The first two outputs of ``torch.ops.mptrain.<op>``, or ``reference_op``'s two, on ``tensors``. torch puts
+    lstm_cell on CUDA autocast's lower-precision list; the kernels take one dtype, so under autocast every floating
+    input is cast to the autocast dtype and the op runs with autocast off."""
     x = tensors[0]
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")

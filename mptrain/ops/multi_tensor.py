@@ -101,9 +101,8 @@ def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
 
 def multi_tensor_unscale_(grads: Sequence[torch.Tensor], inv_scale: Scalar, found_inf: torch.Tensor, *,
                           fused="auto") -> None:
-    """In place ``g *= inv_scale`` for every grad (fp32, fp16 **and bf16**), and
-    ``found_inf = 1`` if any grad held an inf or NaN: torch's
-    ``_amp_foreach_non_finite_check_and_unscale_`` with bf16 support."""
+    """In place ``g *= inv_scale`` for every grad (fp32, fp16 **and bf16**), and ``found_inf = 1`` if any grad held an
+    inf or NaN: torch's ``_amp_foreach_non_finite_check_and_unscale_`` with bf16 support."""
     multi_tensor_scale_(grads, grads, inv_scale, found_inf, fused=fused)
 
 
@@ -119,10 +118,9 @@ def multi_tensor_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor],
 
 
 def multi_tensor_l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False, *, fused="auto"):
-    """The L2 norm of all tensors together, a 0-dim float32 tensor on their device;
-    with ``per_tensor=True`` also each tensor's norm (float32 [n]): ``(total, norms)``.
-    Deterministic (no atomics). Squares are summed in fp32 within chunks of a few
-    thousand elements and in float64 across them."""
+    """The L2 norm of all tensors together, a 0-dim float32 tensor on their device; with ``per_tensor=True`` also each
+    tensor's norm (float32 [n]): ``(total, norms)``. Deterministic (no atomics). Squares are summed in fp32 within
+    chunks of a few thousand elements and in float64 across them."""
     tensors = list(tensors)
     if not tensors:
         raise ValueError("multi_tensor_l2norm: got an empty list; pass at least one tensor")

@@ -244,11 +244,8 @@ def layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms):
 
 
 def softmax_mask(x, mask=None, causal=False):
-    """The effective boolean mask (True = masked out), broadcastable to ``x``, or None.
-
-    ``causal`` masks key k > query q, top-left aligned as in
-    ``scaled_dot_product_attention(is_causal=True)``; q indexes ``x``'s second-to-last dim.
-    """
+    """The effective boolean mask (True = masked out), broadcastable to ``x``, or None. ``causal`` masks key k > query
+    q, top-left aligned as in ``scaled_dot_product_attention(is_causal=True)``; q indexes ``x``'s second-to-last dim."""
     check_softmax_mask(x, mask, causal)
     if causal:
         tri = torch.ones(x.shape[-2], x.shape[-1], dtype=torch.bool, device=x.device).triu(1)
@@ -315,9 +312,8 @@ def lstm_cell_pointwise_forward(igates, hgates, c, b_ih=None, b_hh=None):
 
 
 def lstm_cell_pointwise_backward(dh, dh2, dc, c_prev, c_new, ws):
-    """The backward kernel: (d pre-activation gates, dc) from dh' (+ dh2), dc' and the
-    saved workspace / c / c' (tanh(c') recomputed from the stored c', as the kernel does).
-    Any of ``dh``, ``dh2``, ``dc`` may be None (zero)."""
+    """The backward kernel: (d pre-activation gates, dc) from dh' (+ dh2), dc' and the saved workspace / c / c'
+    (tanh(c') recomputed from the stored c', as the kernel does). Any of ``dh``, ``dh2``, ``dc`` may be None (zero)."""
     dtype = ws.dtype
     i, f, gg, o = _upcast(ws).chunk(4, dim=-1)
     zero = _upcast(torch.zeros_like(c_prev))
@@ -344,10 +340,8 @@ def lstm_cell(x, h, c, w_ih, w_hh, b_ih=None, b_hh=None):
 
 
 def lstm_layer(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None):
-    """One unidirectional LSTM layer over a time-major sequence x (T, B, I).
-
-    Returns (out (T, B, H), c_n (B, H)); h_n is out[-1]. The input projections of all
-    steps are one GEMM, as in the fused path."""
+    """One unidirectional LSTM layer over a time-major sequence x (T, B, I). Returns (out (T, B, H), c_n (B, H)); h_n is
+    out[-1]. The input projections of all steps are one GEMM, as in the fused path."""
     xg = torch.nn.functional.linear(x, w_ih)
     h, c, outs = h0, c0, []
     for t in range(x.shape[0]):

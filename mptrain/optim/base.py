@@ -112,10 +112,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self.master_weights and p.dtype in HALF_DTYPES
 
     def master_param(self, p: torch.Tensor) -> torch.Tensor:
-        """The fp32 weights that ``p`` is updated from: the master (state['master_param'],
-        created from ``p`` if missing) when ``p`` is half and master_weights=True, else
-        ``p`` itself. The precision engine copies exact fp32 weights into it after
-        halving a model, and reads it for fp32 checkpoints."""
+        """The fp32 weights that ``p`` is updated from: the master (state['master_param'], created from ``p`` if
+        missing) when ``p`` is half and master_weights=True, else ``p`` itself. The precision engine copies exact fp32
+        weights into it after halving a model, and reads it for fp32 checkpoints."""
         if not self.uses_master(p):
             return p
         st = self.state[p]
@@ -125,9 +124,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def enable_master_weights(self) -> None:
-        """Switch to fp32 master weights (the ``*-master`` precisions call this): every
-        fp16/bf16 param gets its master now, from its current value, and existing moments
-        become fp32."""
+        """Switch to fp32 master weights (the ``*-master`` precisions call this): every fp16/bf16 param gets its master
+        now, from its current value, and existing moments become fp32."""
         self.master_weights = True
         for group in self.param_groups:
             for p in group["params"]:

@@ -34,9 +34,8 @@ def scaling_inputs(optimizer, grad_scale: Scale, found_inf: Optional[torch.Tenso
 
 
 def found_inf_per_device(buckets: dict, found_inf: Optional[torch.Tensor], check: bool, fused) -> dict:
-    """found_inf for every device of ``buckets`` (keys ``(group index, device, dtype, master)``),
-    all agreeing; when ``check`` the grads are checked here and the result is written
-    into the caller's ``found_inf`` in place."""
+    """found_inf for every device of ``buckets`` (keys ``(group index, device, dtype, master)``), all agreeing; when
+    ``check`` the grads are checked here and the result is written into the caller's ``found_inf`` in place."""
     devices = []
     for key in buckets:
         if key[1] not in devices:
@@ -63,10 +62,9 @@ def found_inf_per_device(buckets: dict, found_inf: Optional[torch.Tensor], check
 
 
 def unscale_grads_(buckets: dict, grad_scale: Scale, per_device_inf: dict, fused) -> None:
-    """``grad *= 1 / grad_scale`` for every stepped grad, on the device (no host sync), in
-    one multi-tensor launch per dtype (torch's ``_foreach_div_`` by a tensor falls back
-    to one launch per grad for half grads); by 1 where the step was skipped, so skipped
-    grads keep their values. Products are exact for power-of-two scales (GradScaler's)."""
+    """``grad *= 1 / grad_scale`` for every stepped grad, on the device (no host sync), in one multi-tensor launch per
+    dtype (torch's ``_foreach_div_`` by a tensor falls back to one launch per grad for half grads); by 1 where the step
+    was skipped, so skipped grads keep their values. Products are exact for power-of-two scales (GradScaler's)."""
     by_device = defaultdict(list)
     for key, params in buckets.items():
         by_device[key[1]].extend(params)

@@ -34,10 +34,9 @@ def normalize_steps(optimizer) -> None:
 
 
 def restore_state_tensors(optimizer, saved_state: dict, saved_groups: list) -> None:
-    """After torch's loader: put each state tensor back in the dtype the kernels use
-    (torch casts to the param's dtype, which would turn fp32 masters and moments of half
-    params into half) and in the param's working layout; a state without a step count
-    (torch.optim.SGD's) gets count 1, since its buffers exist."""
+    """After torch's loader: put each state tensor back in the dtype the kernels use (torch casts to the param's dtype,
+    which would turn fp32 masters and moments of half params into half) and in the param's working layout; a state
+    without a step count (torch.optim.SGD's) gets count 1, since its buffers exist."""
     ids = [pid for g in saved_groups for pid in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for pid, p in zip(ids, params):
