@@ -42,14 +42,12 @@ class FusedLSTMCell(nn.LSTMCell):
         return new.train(cell.training)
 
     def forward(self, input, hx=None):
-        # A step loop calls this once per step and a step is host-bound: the common case
-        # (batched, hx given) goes straight to the op, which checks every tensor itself.
+        # A step is host-bound: the common case (batched, hx given) goes straight to the op, which checks
+        # every tensor itself, with the parameters read from _parameters (self.weight_ih would cost a
+        # Module.__getattr__ call each); parametrized or replaced weights take the attributes.
         if hx is not None and input.dim() == 2:
             h, c = hx
             if h.dim() == 2 and c.dim() == 2:
-                # Parameters straight from _parameters: each self.weight_ih goes through
-                # Module.__getattr__ (a Python call; four per step). Weights that are not plain
-                # registered parameters (parametrized, replaced by tensors) take the attributes.
                 p = self._parameters
                 try:
                     w_ih, w_hh, b_ih, b_hh = p["weight_ih"], p["weight_hh"], p["bias_ih"], p["bias_hh"]

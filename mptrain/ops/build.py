@@ -51,9 +51,7 @@ class ExtensionBuildError(RuntimeError):
                  fix: Optional[str] = None):
         details = (("failing file", failing_file), ("compiler output", log_path), ("likely fix", fix))
         super().__init__("\n  ".join([message] + [f"{label}: {value}" for label, value in details if value]))
-        self.failing_file = failing_file
-        self.log_path = log_path
-        self.fix = fix
+        self.failing_file, self.log_path, self.fix = failing_file, log_path, fix
 
 
 class ExtensionStatus(str):

@@ -192,8 +192,7 @@ def _lstm_input_grads(ctx, need, grads):
 
 
 def _lstm_cell_setup(ctx, inputs, output):
-    x, h, c, w_ih, w_hh, _b_ih, _b_hh = inputs
-    ctx.save_for_backward(x, h, c, w_ih, w_hh, output[2], output[1])
+    ctx.save_for_backward(*inputs[:5], output[2], output[1])  # x, h, c, w_ih, w_hh, workspace, c'
     ctx.mark_non_differentiable(output[2])
 
 
@@ -231,9 +230,8 @@ def _lstm_layer_backward_fake(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh
 
 
 def _lstm_layer_setup(ctx, inputs, output):
-    x, h0, c0, w_ih, w_hh, _b_ih, _b_hh = inputs
     out, _c_n, c_all, ws = output
-    ctx.save_for_backward(x, h0, c0, w_ih, w_hh, out, c_all, ws)
+    ctx.save_for_backward(*inputs[:5], out, c_all, ws)  # x, h0, c0, w_ih, w_hh, ...
     ctx.mark_non_differentiable(c_all, ws)
 
 

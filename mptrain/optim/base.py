@@ -20,14 +20,12 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class; see :mod:`mptrain.optim` for the step() protocol."""
 
-    # torch.amp.GradScaler hands such optimizers `grad_scale` / `found_inf` as
-    # attributes instead of unscaling the grads itself.
+    # torch.amp.GradScaler hands such optimizers `grad_scale` / `found_inf` instead of unscaling the grads.
     _step_supports_amp_scaling = True
     # mptrain.precision hands its whole master-weight step to these (precision/master.py).
     _mptrain_fused = True
-    # Instance attributes beyond torch.optim.Optimizer's, with the value an object pickled
-    # without them gets. torch's __getstate__ keeps only defaults, state and param_groups:
-    # these must be added for deepcopy and pickle to give back the same optimizer.
+    # Instance attributes torch's __getstate__ leaves out (deepcopy and pickle need them), with the value
+    # an object pickled without them gets.
     _instance_attrs = {"master_weights": False, "fused": "auto"}
     # Group keys that older torch formats lack, with the value torch fills in.
     _format_defaults: dict = {"capturable": False}

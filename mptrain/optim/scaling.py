@@ -36,10 +36,7 @@ def scaling_inputs(optimizer, grad_scale: Scale, found_inf: Optional[torch.Tenso
 def found_inf_per_device(buckets: dict, found_inf: Optional[torch.Tensor], check: bool, fused) -> dict:
     """found_inf for every device of ``buckets`` (keys ``(group index, device, dtype, master)``), all agreeing; when
     ``check`` the grads are checked here and the result is written into the caller's ``found_inf`` in place."""
-    devices = []
-    for key in buckets:
-        if key[1] not in devices:
-            devices.append(key[1])
+    devices = list(dict.fromkeys(key[1] for key in buckets))
     if not check:
         if found_inf is None:
             return {}
@@ -49,8 +46,7 @@ def found_inf_per_device(buckets: dict, found_inf: Optional[torch.Tensor], check
     grads = defaultdict(list)
     for key, params in buckets.items():
         # The check walks each grad flat: a non-dense one (an expanded grad) is read through a copy.
-        grads[key[1]].extend(p.grad if is_dense(p.grad) else p.grad.contiguous()
-                             for p in params)
+        grads[key[1]].extend(p.grad if is_dense(p.grad) else p.grad.contiguous() for p in params)
     for d in devices:
         multi_tensor_check_finite_(grads[d], local[d], fused=fused)
     if any(local[d] is not home for d in devices):  # params on several devices, or found_inf elsewhere
