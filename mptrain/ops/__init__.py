@@ -13,17 +13,11 @@ from .multi_tensor import (multi_tensor_adam, multi_tensor_check_finite_, multi_
 from .softmax import scaled_masked_softmax  # noqa: F401
 
 
-# Wrappers, not imports: importing ops/build.py here would make `python -m mptrain.ops.build` warn that
-# the module was imported before it ran.
-def get_extension(required: bool = False):
-    """The built extension module (built on first use), or None; see :mod:`mptrain.ops.build`."""
-    from .build import get_extension as _get
+def __getattr__(name):
+    """``get_extension`` / ``extension_status`` from :mod:`mptrain.ops.build`, imported on first use: importing
+    it with the package would make ``python -m mptrain.ops.build`` warn that it was imported before it ran."""
+    if name in ("get_extension", "extension_status"):
+        from . import build
 
-    return _get(required)
-
-
-def extension_status():
-    """"built" / "failed" (with ``.reason`` and ``.log_path``) / "not attempted"; see :mod:`mptrain.ops.build`."""
-    from .build import extension_status as _status
-
-    return _status()
+        return getattr(build, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -357,9 +357,8 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
     if cuda_home is not None:
         # cpp_extension reads CUDA_HOME when it is imported (and trusts a stale one): set ours.
         os.environ["CUDA_HOME"] = str(cuda_home)
-    if "MAX_JOBS" not in os.environ:
-        os.environ["MAX_JOBS"] = str(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                        else os.cpu_count() or 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("MAX_JOBS", str(cpus))
     build_dir = ensure_writable_dir(build_dir_for(csrc, root, cuda_home))
     log = build_dir / "build.log"
     cached = _load_cached(build_dir)

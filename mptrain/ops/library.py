@@ -288,13 +288,9 @@ for _name, _step, _lr_at in (("multi_tensor_adam_", R.multi_tensor_adam, 6),
     _impl(_name)(_step_cpu(_step, _lr_at))
 
 
-def _no_outputs(*_args):
-    return None
-
-
 for _name in ("multi_tensor_scale_", "multi_tensor_unscale_", "multi_tensor_check_finite_", "multi_tensor_adam_",
               "multi_tensor_sgd_", "multi_tensor_lamb_"):
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", _no_outputs, lib=_lib)
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", lambda *_args: None, lib=_lib)  # no outputs
 
 
 # The backward ops: not differentiable again

@@ -14,14 +14,12 @@ subclasses taking torch's argument names plus:
   torch.optim's update within 1e-6 in fp32; one warning if the extension failed to build).
   True insists on the kernel, False always uses the reference.
 
-Drop-in parity with torch.optim: deepcopy and pickling keep every attribute; ``load_state_dict``
-takes any torch.optim format (numeric ``step``, groups without the newer keys, states of
-``torch.optim.Adam/AdamW/SGD``) and our state_dict loads into those; params and grads of any layout
-are stepped (through dense working copies where needed). Group options the kernels cannot run
-(``amsgrad``, ``differentiable``) raise, also from a loaded state.
+Drop-in parity with torch.optim: deepcopy and pickling keep every attribute; ``load_state_dict`` takes
+any torch.optim format (see :mod:`.torch_format`) and our state_dict loads into torch's; params and grads
+of any layout are stepped. Options the kernels cannot run (``amsgrad``, ``differentiable``) raise, also
+from a loaded state.
 
-Loss scaling, the interface the precision engine calls:
-``optimizer.step(grad_scale=scale, found_inf=found_inf, unscale_grads=True)``.
+Loss scaling: ``optimizer.step(grad_scale=scale, found_inf=found_inf, unscale_grads=True)``.
 
 * ``grad_scale``: the loss scale (float32 1-element tensor, or a float); the update divides the
   grads by it in fp32, and each grad is left holding ``grad / grad_scale`` (what torch's fused
