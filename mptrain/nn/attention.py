@@ -1,5 +1,4 @@
-"""Attention with the fused scaled masked softmax, as a transformers attention function.
-
+"""Attention with the fused scaled masked softmax, as a transformers attention function:
 ``register_transformers_attention()`` adds it to transformers' ``AttentionInterface`` under
 ``"mptrain_fused_softmax"``; a model built with that ``attn_implementation`` (e.g. by
 ``mptrain.models.bert.build_bert_mlm``) then runs one ``torch.ops.mptrain.scaled_masked_softmax``

@@ -21,8 +21,7 @@ _REPLACEMENTS = {nn.LayerNorm: FusedLayerNorm.from_module, nn.RMSNorm: FusedRMSN
 
 
 def _replacement(module):
-    make = _REPLACEMENTS.get(type(module))
-    return None if make is None else make(module)
+    return _REPLACEMENTS.get(type(module), lambda m: None)(module)
 
 
 def fuse_modules(model: nn.Module) -> nn.Module:

@@ -119,11 +119,9 @@ def csrc_dir() -> Path:
     env = os.environ.get("MPTRAIN_CSRC")
     path = Path(env) if env else Path(__file__).resolve().parents[2] / "csrc"
     if not (path / f"{EXT_NAME}.cpp").is_file():
-        raise ExtensionBuildError(
-            f"csrc directory not found: {path} has no {EXT_NAME}.cpp",
-            fix="install mptrain from its repository with `pip install -e .` (a wheel does not ship csrc/), "
-            "or set MPTRAIN_CSRC to the csrc directory",
-        )
+        raise ExtensionBuildError(f"csrc directory not found: {path} has no {EXT_NAME}.cpp",
+                                  fix="install mptrain from its repository with `pip install -e .` (a wheel does "
+                                      "not ship csrc/), or set MPTRAIN_CSRC to the csrc directory")
     return path
 
 
@@ -163,8 +161,7 @@ def find_cuda_home() -> Optional[Path]:
 
 
 def check_cuda_home_env() -> None:
-    """A CUDA_HOME / CUDA_PATH the user set must point at a toolkit: building with some other
-    nvcc instead would silently compile with a toolkit they did not choose."""
+    """A CUDA_HOME / CUDA_PATH the user set must point at a toolkit (not silently some other nvcc)."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
         value = os.environ.get(var)
         if value and not (Path(value) / "bin" / "nvcc").exists():

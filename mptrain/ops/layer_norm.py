@@ -1,9 +1,7 @@
-"""LayerNorm / RMSNorm: ``torch.ops.mptrain.layer_norm`` (one op, ``rms`` flag) or the
-reference, as :mod:`mptrain.ops.dispatch` decides.
-
-Weight/bias may be in the input's dtype or fp32 (the ``*-master`` precisions keep normalization
-weights in fp32 under half activations); statistics are fp32. The op checks shapes, devices and
-dtypes, not this hot path of every normalization layer.
+"""LayerNorm / RMSNorm: ``torch.ops.mptrain.layer_norm`` (one op, ``rms`` flag) or the reference, as
+:mod:`mptrain.ops.dispatch` decides. Weight/bias may be in the input's dtype or fp32 (the ``*-master``
+precisions keep normalization weights in fp32 under half activations); statistics are fp32. The op
+checks shapes, devices and dtypes, not this hot path of every normalization layer.
 """
 from __future__ import annotations
 

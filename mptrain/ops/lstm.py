@@ -1,7 +1,5 @@
-"""LSTM ops: ``torch.ops.mptrain.lstm_cell`` / ``lstm_layer`` or the references, as
-:mod:`mptrain.ops.dispatch` decides.
-
-``lstm_cell`` is one time step (two cuBLAS GEMMs and one pointwise kernel) with a C++ autograd node on
+"""LSTM ops: ``torch.ops.mptrain.lstm_cell`` / ``lstm_layer`` or the references, as :mod:`mptrain.ops.dispatch`
+decides. ``lstm_cell`` is one time step (two cuBLAS GEMMs and one pointwise kernel) with a C++ autograd node on
 CUDA (csrc/lstm_autograd.cu), so a step costs no Python beyond one call. ``lstm_layer`` is a whole layer
 over a time-major sequence: one GEMM for every step's input projection, the time loop in C++, and the
 weight gradients as a few GEMMs over all steps. The ops check every tensor and name the wrong one.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def _upcast(t):
@@ -168,7 +169,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     shape = normalized_dims(x, normalized_shape)
     w = None if weight is None else _upcast(weight)
     b = None if bias is None else _upcast(bias)
-    return torch.nn.functional.layer_norm(_upcast(x), shape, w, b, eps).to(x.dtype)
+    return F.layer_norm(_upcast(x), shape, w, b, eps).to(x.dtype)
 
 
 def rms_norm_eps(x, eps):
@@ -335,17 +336,16 @@ def lstm_cell_gates(igates, hgates, c, b_ih=None, b_hh=None):
 def lstm_cell(x, h, c, w_ih, w_hh, b_ih=None, b_hh=None):
     """One LSTM step as torch.nn.LSTMCell computes it: GEMMs in the storage dtype,
     gate math in fp32. Differentiable; the CPU fallback and the test oracle."""
-    linear = torch.nn.functional.linear
-    return lstm_cell_gates(linear(x, w_ih), linear(h, w_hh), c, b_ih, b_hh)
+    return lstm_cell_gates(F.linear(x, w_ih), F.linear(h, w_hh), c, b_ih, b_hh)
 
 
 def lstm_layer(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None):
     """One unidirectional LSTM layer over a time-major sequence x (T, B, I). Returns (out (T, B, H), c_n (B, H)); h_n is
     out[-1]. The input projections of all steps are one GEMM, as in the fused path."""
-    xg = torch.nn.functional.linear(x, w_ih)
+    xg = F.linear(x, w_ih)
     h, c, outs = h0, c0, []
     for t in range(x.shape[0]):
-        h, c = lstm_cell_gates(xg[t], torch.nn.functional.linear(h, w_hh), c, b_ih, b_hh)
+        h, c = lstm_cell_gates(xg[t], F.linear(h, w_hh), c, b_ih, b_hh)
         outs.append(h)
     return torch.stack(outs), c
 
