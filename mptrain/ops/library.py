@@ -13,8 +13,6 @@
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import reference as R
@@ -103,8 +101,7 @@ def _layer_norm_cpu(x, normalized_shape, weight, bias, eps, rms):
 @_fake("layer_norm")
 def _layer_norm_fake(x, normalized_shape, weight, bias, eps, rms):
     _check_norm(x, normalized_shape, weight, bias)
-    hidden = math.prod(normalized_shape)
-    rows = x.numel() // hidden if hidden else 0
+    rows, _ = R.norm_rows(x, normalized_shape)
     stats_dtype = torch.promote_types(x.dtype, torch.float32)
     return _new(x, *x.shape), _new(x, (0 if rms else rows) + rows + 1, dtype=stats_dtype)
 

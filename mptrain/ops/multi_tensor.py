@@ -54,9 +54,8 @@ def _check_found_inf(found_inf: Optional[torch.Tensor], device: torch.device, op
 def _groups(*lists: Sequence[torch.Tensor]) -> dict:
     """Indices grouped by (device, dtype of each list's tensor): one kernel call per group."""
     first = lists[0][0]
-    # Fast path for the usual case, one CUDA device and one dtype per list: sets of
-    # dtypes and device indices cost a fraction of building a key per tensor, which
-    # matters for 400-tensor lists stepped every iteration (the host must stay ahead).
+    # Fast path for the usual case, one CUDA device and one dtype per list: sets cost a fraction of a key
+    # per tensor, which matters for 400-tensor lists stepped every iteration (the host must stay ahead).
     distinct = {id(lst): lst for lst in lists}.values()  # an in-place op passes one list as src and dst
     if first.is_cuda and len({t.get_device() for t in lists[0]}) == 1 and all(
             len({t.dtype for t in lst}) == 1 for lst in distinct):

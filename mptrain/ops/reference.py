@@ -193,7 +193,8 @@ def rms_norm(x, normalized_shape, weight=None, eps=None):
 # stats = [mean (rows; LayerNorm only) | rstd (rows) | one zero word], in the math dtype.
 
 
-def _norm_rows(x, normalized_shape):
+def norm_rows(x, normalized_shape):
+    """(rows, hidden): ``x`` as the kernels see it, rows of ``prod(normalized_shape)`` elements."""
     hidden = math.prod(normalized_shape)
     return (x.numel() // hidden if hidden else 0), hidden
 
@@ -209,7 +210,7 @@ def layer_norm_forward(x, normalized_shape, weight, bias, eps, rms):
         y, mean, rstd = torch.native_layer_norm(_upcast(x), normalized_shape, w, None if bias is None else
                                                 _upcast(bias), eps)
         return y.to(x.dtype), torch.cat([mean.reshape(-1), rstd.reshape(-1), rstd.new_zeros(1)])
-    rows, hidden = _norm_rows(x, normalized_shape)
+    rows, hidden = norm_rows(x, normalized_shape)
     x2 = _upcast(x).reshape(rows, hidden)
     rstd = torch.rsqrt(x2.pow(2).mean(1) + eps)
     y = x2 * rstd[:, None]
@@ -221,7 +222,7 @@ def layer_norm_forward(x, normalized_shape, weight, bias, eps, rms):
 def layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms):
     """(dx, dweight, dbias) from the forward's stats; an absent parameter's gradient is an
     empty tensor (as the CUDA op returns it)."""
-    rows, hidden = _norm_rows(x, normalized_shape)
+    rows, hidden = norm_rows(x, normalized_shape)
     w = None if weight is None else _upcast(weight)
     if not rms:
         st = stats.to(_upcast(x).dtype)

@@ -69,12 +69,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         for key, value in self._format_defaults.items():
             group.setdefault(key, value)
         self._check_group(group)
-        if group["capturable"]:
-            for p in group["params"]:
-                if not p.is_cuda:
-                    raise ValueError(f"{type(self).__name__}: capturable=True needs CUDA params (as torch's "
-                                     f"capturable optimizers do), got one on {p.device}; use capturable=False "
-                                     "on the CPU")
+        off_cuda = [p.device for p in group["params"] if not p.is_cuda] if group["capturable"] else []
+        if off_cuda:
+            raise ValueError(f"{type(self).__name__}: capturable=True needs CUDA params (as torch's capturable "
+                             f"optimizers do), got one on {off_cuda[0]}; use capturable=False on the CPU")
 
     def _prepare_group(self, group: dict) -> None:
         """Validate the group; for ``capturable`` groups keep ``lr`` as a float32 tensor on
