@@ -146,10 +146,7 @@ class FusedLSTM(nn.LSTM):
         if input.dim() not in (2, 3):
             raise ValueError(f"FusedLSTM: expected input to be 2-D or 3-D, got {input.dim()}-D")
         batched = input.dim() == 3
-        if not batched:
-            x = input.unsqueeze(1)
-        else:
-            x = input.transpose(0, 1) if self.batch_first else input
+        x = (input.transpose(0, 1) if self.batch_first else input) if batched else input.unsqueeze(1)  # (T, B, I)
         if x.size(-1) != self.input_size:
             raise ValueError(f"FusedLSTM: input.size(-1) must be input_size={self.input_size}, got {x.size(-1)}")
         shape = (self.num_layers, x.size(1), self.hidden_size)

@@ -35,8 +35,7 @@ def _load(required: bool) -> bool:
 
 
 # torch.compile runs the loader while tracing and treats its answer as a constant (what
-# torch.compiler.assume_constant_result sets; set directly, since importing torch._dynamo
-# to call it would add ~1 s to `import mptrain`). tests/ops/test_dispatch.py checks it works.
+# torch.compiler.assume_constant_result sets; set directly: importing torch._dynamo costs ~1 s).
 _load._dynamo_marked_constant = True
 
 

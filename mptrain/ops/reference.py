@@ -188,9 +188,8 @@ def rms_norm(x, normalized_shape, weight=None, eps=None):
     return y.to(x.dtype)
 
 
-# The op forms (mptrain.ops.library registers them as the CPU kernels of
-# torch.ops.mptrain.layer_norm / layer_norm_backward): what the CUDA entry points return.
-# stats = [mean (rows; LayerNorm only) | rstd (rows) | one zero word], in the math dtype.
+# The op forms (the CPU kernels of torch.ops.mptrain.layer_norm / layer_norm_backward): what the CUDA entry
+# points return. stats = [mean (rows; LayerNorm only) | rstd (rows) | one zero word], in the math dtype.
 
 
 def norm_rows(x, normalized_shape):

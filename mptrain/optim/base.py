@@ -75,8 +75,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                              f"optimizers do), got one on {off_cuda[0]}; use capturable=False on the CPU")
 
     def _prepare_group(self, group: dict) -> None:
-        """Validate the group; for ``capturable`` groups keep ``lr`` as a float32 tensor on
-        the params' device."""
+        """Validate the group; for ``capturable`` groups keep ``lr`` as a float32 tensor on the params' device."""
         self._validate_group(group)
         if not group["capturable"]:
             return
