@@ -1,10 +1,7 @@
-"""Attention with the fused scaled masked softmax, as a transformers attention function.
-
-``register_transformers_attention()`` adds it to transformers' ``AttentionInterface``
-under ``"mptrain_fused_softmax"``; a model built with
-``config._attn_implementation = "mptrain_fused_softmax"`` (e.g.
-``mptrain.models.bert.build_bert_mlm(..., attn_implementation="mptrain_fused_softmax")``)
-then computes ``softmax(scale * q k^T, masked)`` with ``torch.ops.mptrain.scaled_masked_softmax``
+"""Attention with the fused scaled masked softmax, as a transformers attention function:
+``register_transformers_attention()`` adds it to transformers' ``AttentionInterface`` under
+``"mptrain_fused_softmax"``; a model built with that ``attn_implementation`` (e.g. by
+``mptrain.models.bert.build_bert_mlm``) then runs one ``torch.ops.mptrain.scaled_masked_softmax``
 instead of eager attention's scale, mask add and ``F.softmax`` (three passes over the scores).
 """
 from __future__ import annotations

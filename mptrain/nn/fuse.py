@@ -1,10 +1,7 @@
-"""fuse_modules(model): swap torch modules for their fused drop-ins, in place.
-
-nn.LayerNorm -> FusedLayerNorm, nn.RMSNorm -> FusedRMSNorm, nn.LSTMCell -> FusedLSTMCell
-and nn.LSTM -> FusedLSTM (unidirectional, no projections; others are left alone).  The
-new modules share the old ones' Parameter objects, so an optimizer built before the swap
-keeps working and the model's output is unchanged.  Only exact torch classes are swapped
-(subclasses may override forward and are left as they are).
+"""fuse_modules(model): swap nn.LayerNorm, nn.RMSNorm, nn.LSTMCell and nn.LSTM (unidirectional, no
+projections) for their fused drop-ins, in place. The new modules share the old ones' Parameter objects
+(an optimizer built before keeps working; the output is unchanged). Only exact torch classes are
+swapped: subclasses may override forward.
 """
 from __future__ import annotations
 
@@ -24,16 +21,12 @@ _REPLACEMENTS = {nn.LayerNorm: FusedLayerNorm.from_module, nn.RMSNorm: FusedRMSN
 
 
 def _replacement(module):
-    make = _REPLACEMENTS.get(type(module))
-    return None if make is None else make(module)
+    return _REPLACEMENTS.get(type(module), lambda m: None)(module)
 
 
 def fuse_modules(model: nn.Module) -> nn.Module:
-    """Swap supported submodules of ``model`` for fused ones in place; returns ``model``.
-
-    When ``model`` itself is a supported module it cannot be swapped in place: the fused
-    replacement is returned instead (so always use the return value).
-    """
+    """Swap supported submodules of ``model`` for fused ones in place; returns ``model``, or the fused
+    replacement when ``model`` itself is a supported module (so always use the return value)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             new = _replacement(child)

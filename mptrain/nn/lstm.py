@@ -1,26 +1,17 @@
 """Drop-in LSTM modules backed by the fused LSTM kernels (mptrain.ops.lstm).
 
-``FusedLSTMCell`` subclasses ``torch.nn.LSTMCell`` and ``FusedLSTM`` subclasses
-``torch.nn.LSTM``: same constructor arguments, same parameter names and state_dict keys,
-same initialisation, so checkpoints move freely between them.
+``FusedLSTMCell`` / ``FusedLSTM`` subclass ``torch.nn.LSTMCell`` / ``torch.nn.LSTM``: same arguments,
+parameter names, state_dict keys and initialisation, so checkpoints move freely between them.
 
-Sequence policy of ``FusedLSTM`` (``impl=``):
+``FusedLSTM(impl=)``: ``"cudnn"`` hands the call to torch's own LSTM (cuDNN on CUDA, native kernels
+elsewhere); ``"fused"`` is mptrain's path (per layer one GEMM for all steps' input projections, then
+the recurrent loop in C++; the reference on the CPU or without the extension); ``"auto"`` (default)
+takes cuDNN whenever nn.LSTM would (so it is never slower there), the fused path on CUDA when cuDNN is
+off, torch's path otherwise (CPU, PackedSequence).
 
-* ``"cudnn"``: hand the call to torch's own LSTM (``nn.LSTM.forward`` -> ``_VF.lstm``):
-  cuDNN on CUDA, torch's native kernels elsewhere. Same weights, same results as nn.LSTM.
-* ``"fused"``: mptrain's path: per layer one GEMM for all time steps' input
-  projections, then the recurrent loop in C++ with the fused pointwise kernel
-  (reference math on the CPU or without the extension).
-* ``"auto"`` (default): cuDNN whenever nn.LSTM would use it (CUDA input, cuDNN
-  available and enabled) -- so FusedLSTM is never slower than nn.LSTM on cuDNN --
-  the fused path on CUDA when cuDNN is off, torch's path otherwise (CPU, PackedSequence).
-  Use ``impl="fused"`` where cuDNN cannot go (a loop you want to capture yourself,
-  deterministic kernels, cuDNN disabled) or where the benchmark shows it faster.
-
-torch.compile: ``FusedLSTMCell`` compiles with ``fullgraph=True`` (one ``mptrain::lstm_cell``
-per step). Dynamo refuses every ``nn.LSTM`` instance, subclasses included, unless
-``torch._dynamo.config.allow_rnn = True``; with it, ``FusedLSTM(impl="fused")`` compiles
-fullgraph to one ``mptrain::lstm_layer`` per layer.
+torch.compile: ``FusedLSTMCell`` compiles fullgraph (one ``mptrain::lstm_cell`` per step). Dynamo
+refuses every ``nn.LSTM`` instance unless ``torch._dynamo.config.allow_rnn = True``; with it,
+``FusedLSTM(impl="fused")`` compiles fullgraph to one ``mptrain::lstm_layer`` per layer.
 """
 from __future__ import annotations
 
@@ -35,11 +26,8 @@ IMPLS = ("auto", "cudnn", "fused")
 
 
 class FusedLSTMCell(nn.LSTMCell):
-    """torch.nn.LSTMCell with the fused gate kernel on CUDA.
-
-    ``fused``: "auto" (kernel on CUDA when the extension loads, else the reference),
-    True (require the kernel), False (always the pure-PyTorch reference).
-    """
+    """torch.nn.LSTMCell with the fused gate kernel on CUDA; ``fused``: "auto" (the kernel on CUDA when
+    the extension loads, else the reference), True (require the kernel), False (always the reference)."""
 
     def __init__(self, input_size, hidden_size, bias=True, device=None, dtype=None, *, fused="auto"):
         super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
@@ -54,14 +42,12 @@ class FusedLSTMCell(nn.LSTMCell):
         return new.train(cell.training)
 
     def forward(self, input, hx=None):
-        # A step loop calls this once per step and a step is host-bound: the common case
-        # (batched, hx given) goes straight to the op, which checks every tensor itself.
+        # A step is host-bound: the common case (batched, hx given) goes straight to the op, which checks
+        # every tensor itself, with the parameters read from _parameters (self.weight_ih would cost a
+        # Module.__getattr__ call each); parametrized or replaced weights take the attributes.
         if hx is not None and input.dim() == 2:
             h, c = hx
             if h.dim() == 2 and c.dim() == 2:
-                # Parameters straight from _parameters: each self.weight_ih goes through
-                # Module.__getattr__ (a Python call; four per step). Weights that are not plain
-                # registered parameters (parametrized, replaced by tensors) take the attributes.
                 p = self._parameters
                 try:
                     w_ih, w_hh, b_ih, b_hh = p["weight_ih"], p["weight_hh"], p["bias_ih"], p["bias_hh"]
@@ -73,15 +59,12 @@ class FusedLSTMCell(nn.LSTMCell):
         if hx is not None:
             for i, t in enumerate(hx):
                 if t.dim() != input.dim():
-                    raise ValueError(
-                        f"FusedLSTMCell: hx[{i}] must be {input.dim()}-D like the input, got {t.dim()}-D"
-                    )
+                    raise ValueError(f"FusedLSTMCell: hx[{i}] must be {input.dim()}-D like the input, got {t.dim()}-D")
         batched = input.dim() == 2
         if not batched:
             input = input.unsqueeze(0)
         if hx is None:
-            zeros = torch.zeros(input.size(0), self.hidden_size, dtype=input.dtype, device=input.device)
-            h, c = zeros, zeros
+            h = c = torch.zeros(input.size(0), self.hidden_size, dtype=input.dtype, device=input.device)
         else:
             h, c = (hx[0], hx[1]) if batched else (hx[0].unsqueeze(0), hx[1].unsqueeze(0))
         h, c = ops.lstm_cell(input, h, c, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh, fused=self.fused)
@@ -94,11 +77,8 @@ class FusedLSTMCell(nn.LSTMCell):
 
 
 class FusedLSTM(nn.LSTM):
-    """torch.nn.LSTM (unidirectional, no projections) with an explicit sequence policy.
-
-    Arguments are nn.LSTM's plus ``impl`` ("auto" | "cudnn" | "fused", see the module
-    docstring). Parameter names are nn.LSTM's (weight_ih_l0, weight_hh_l0, bias_ih_l0, ...).
-    """
+    """torch.nn.LSTM (unidirectional, no projections) with an explicit sequence policy: nn.LSTM's
+    arguments and parameter names plus ``impl`` ("auto" | "cudnn" | "fused", see the module docstring)."""
 
     def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False, dropout=0.0,
                  bidirectional=False, proj_size=0, device=None, dtype=None, *, impl="auto"):
@@ -124,21 +104,15 @@ class FusedLSTM(nn.LSTM):
         return new.train(lstm.training)
 
     def flatten_parameters(self) -> None:
-        """nn.LSTM's, plus bfloat16: torch skips bf16 weights (cudnn.is_acceptable lists
-        only fp16/fp32/fp64), so a bf16 nn.LSTM hands cuDNN scattered weights and cuDNN
-        copies them into one buffer at every call (the "not part of single contiguous
-        chunk of memory" warning). cuDNN runs bf16 RNNs, so flatten them here too."""
+        """nn.LSTM's, plus bfloat16, which torch skips (cuDNN would then copy the scattered weights into
+        one buffer at every call, with the "not part of single contiguous chunk of memory" warning)."""
         super().flatten_parameters()
         weights = self._flat_weights
-        if len(weights) != len(self._flat_weights_names) or not weights:
-            return
-        if not all(
-            isinstance(w, torch.Tensor) and w.is_cuda and w.dtype == torch.bfloat16 for w in weights
-        ) or len({w.data_ptr() for w in weights}) != len(weights):
-            return
-        if not (torch.backends.cudnn.enabled and torch.backends.cudnn.is_available()):
-            return
-        if not torch._use_cudnn_rnn_flatten_weight():
+        if (len(weights) != len(self._flat_weights_names) or not weights
+                or not all(isinstance(w, torch.Tensor) and w.is_cuda and w.dtype == torch.bfloat16 for w in weights)
+                or len({w.data_ptr() for w in weights}) != len(weights)
+                or not (torch.backends.cudnn.enabled and torch.backends.cudnn.is_available())
+                or not torch._use_cudnn_rnn_flatten_weight()):
             return
         from torch.backends.cudnn import rnn as cudnn_rnn
 
@@ -172,14 +146,10 @@ class FusedLSTM(nn.LSTM):
         if input.dim() not in (2, 3):
             raise ValueError(f"FusedLSTM: expected input to be 2-D or 3-D, got {input.dim()}-D")
         batched = input.dim() == 3
-        if not batched:
-            x = input.unsqueeze(1)
-        else:
-            x = input.transpose(0, 1) if self.batch_first else input
+        x = (input.transpose(0, 1) if self.batch_first else input) if batched else input.unsqueeze(1)  # (T, B, I)
         if x.size(-1) != self.input_size:
             raise ValueError(f"FusedLSTM: input.size(-1) must be input_size={self.input_size}, got {x.size(-1)}")
-        batch = x.size(1)
-        shape = (self.num_layers, batch, self.hidden_size)
+        shape = (self.num_layers, x.size(1), self.hidden_size)
         if hx is None:
             h0 = c0 = torch.zeros(shape, dtype=x.dtype, device=x.device)
         else:
@@ -187,7 +157,8 @@ class FusedLSTM(nn.LSTM):
             for name, t in (("h_0", h0), ("c_0", c0)):
                 if tuple(t.shape) != shape:
                     got = tuple(t.shape) if batched else tuple(t.squeeze(1).shape)
-                    raise ValueError(f"FusedLSTM: expected {name} of shape {shape if batched else shape[::2]}, got {got}")
+                    want = shape if batched else shape[::2]
+                    raise ValueError(f"FusedLSTM: expected {name} of shape {want}, got {got}")
         h_n, c_n = [], []
         for k in range(self.num_layers):
             weights = [getattr(self, name) for name in self._all_weights[k]]
@@ -198,11 +169,10 @@ class FusedLSTM(nn.LSTM):
             c_n.append(c)
             if self.dropout and self.training and k < self.num_layers - 1:
                 x = nn.functional.dropout(x, self.dropout, training=True)
-        out = x
         h_n, c_n = torch.stack(h_n), torch.stack(c_n)
         if not batched:
-            return out.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
-        return (out.transpose(0, 1) if self.batch_first else out), (h_n, c_n)
+            return x.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
+        return (x.transpose(0, 1) if self.batch_first else x), (h_n, c_n)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", impl={self.impl!r}"

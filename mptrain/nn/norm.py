@@ -1,27 +1,21 @@
 """Drop-in normalization modules backed by the fused kernels (mptrain.ops.layer_norm).
 
-``FusedLayerNorm`` subclasses ``torch.nn.LayerNorm`` and ``FusedRMSNorm`` subclasses
-``torch.nn.RMSNorm``: same constructor arguments, parameter names, state_dict keys and
-initialisation, so checkpoints move freely between them.  Under half activations the
-weights may stay fp32 (the ``*-master`` precisions): the kernel reads them as they are.
+``FusedLayerNorm`` / ``FusedRMSNorm`` subclass ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``: same
+arguments, parameter names, state_dict keys and initialisation, so checkpoints move freely between them.
 """
 from __future__ import annotations
 
 from torch import nn
 
 from mptrain import ops
-from mptrain.ops.dispatch import check_fused as _check_fused
+from mptrain.ops.dispatch import check_fused
 
 
 class FusedLayerNorm(nn.LayerNorm):
-    """torch.nn.LayerNorm with the fused LayerNorm kernel on CUDA.
-
-    ``fused``: "auto" (kernel on CUDA when the extension loads, else the reference),
-    True (require the kernel), False (always the pure-PyTorch reference).
-    """
+    """torch.nn.LayerNorm with the fused LayerNorm kernel on CUDA; ``fused``: "auto" (the kernel on CUDA
+    when the extension loads, else the reference), True (require the kernel), False (always the reference)."""
 
     fused = "auto"  # class default, so a module whose class was swapped in place has it
-
     # Half input with fp32 weight (the *-master case) is native: fp32 statistics inside, input
     # dtype out; the precision's fp32 module policy need not upcast the activation.
     accepts_mixed_dtypes = True
@@ -29,7 +23,7 @@ class FusedLayerNorm(nn.LayerNorm):
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None,
                  *, fused="auto"):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
-        self.fused = _check_fused("FusedLayerNorm", fused)
+        self.fused = check_fused("FusedLayerNorm", fused)
 
     @classmethod
     def from_module(cls, ln: nn.LayerNorm, **kwargs) -> "FusedLayerNorm":
@@ -49,15 +43,12 @@ class FusedRMSNorm(nn.RMSNorm):
     """torch.nn.RMSNorm with the fused RMSNorm kernel on CUDA (``fused`` as FusedLayerNorm)."""
 
     fused = "auto"
-
-    # Half input with fp32 weight (the *-master case) is native: fp32 statistics inside, input
-    # dtype out; the precision's fp32 module policy need not upcast the activation.
-    accepts_mixed_dtypes = True
+    accepts_mixed_dtypes = True  # as FusedLayerNorm
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None,
                  *, fused="auto"):
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
-        self.fused = _check_fused("FusedRMSNorm", fused)
+        self.fused = check_fused("FusedRMSNorm", fused)
 
     @classmethod
     def from_module(cls, rms: nn.RMSNorm, **kwargs) -> "FusedRMSNorm":

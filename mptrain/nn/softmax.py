@@ -5,23 +5,18 @@ from __future__ import annotations
 from torch import nn
 
 from mptrain import ops
-from mptrain.nn.norm import _check_fused
+from mptrain.ops.dispatch import check_fused
 
 
 class FusedScaleMaskSoftmax(nn.Module):
-    """``softmax(masked_fill(scale * scores, mask | causal, -inf), dim=-1)``.
-
-    ``forward(scores, mask=None)``: ``mask`` is bool, broadcastable to the scores
-    (True = masked out), e.g. [B, 1, Sq, Sk] or [B, 1, 1, Sk] for [B, heads, Sq, Sk].
-    ``causal=True`` masks key k > query q (top-left aligned). Fully masked rows give
-    zeros, not NaN. Math is fp32; the output has the scores' dtype. No parameters.
-    """
+    """``softmax(masked_fill(scale * scores, mask | causal, -inf), dim=-1)`` in fp32, in the scores' dtype;
+    ``forward(scores, mask=None)`` as :func:`mptrain.ops.scaled_masked_softmax`. No parameters."""
 
     def __init__(self, scale: float = 1.0, causal: bool = False, *, fused="auto"):
         super().__init__()
         self.scale = float(scale)
         self.causal = bool(causal)
-        self.fused = _check_fused("FusedScaleMaskSoftmax", fused)
+        self.fused = check_fused("FusedScaleMaskSoftmax", fused)
 
     def forward(self, scores, mask=None):
         return ops.scaled_masked_softmax(scores, mask, self.scale, self.causal, fused=self.fused)

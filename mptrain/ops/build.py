@@ -1,37 +1,23 @@
 """Build and load the one CUDA extension made from ``csrc/`` (DESIGN §4).
 
-``get_extension()`` compiles ``csrc/mptrain_ext.cpp``, the other ``csrc/*.cpp`` and every ``csrc/*.cu`` with
-``torch.utils.cpp_extension.load`` (ninja, parallel), the first time a kernel is
-needed, once per process. The result is cached on disk in
-``~/.cache/mptrain/ext-<hash>`` where the hash covers the sources, the torch and CUDA
-versions, the target archs and the flags, so a changed file or a new torch never
-loads a stale binary. ``MPTRAIN_BUILD_DIR`` replaces ``~/.cache/mptrain``. Once a build
-has loaded, later processes import its ``.so`` directly (no cpp_extension, no ninja:
-well under a second instead of ~3.6 s).
+``get_extension()`` compiles every ``csrc/*.cpp`` and ``*.cu`` with ``torch.utils.cpp_extension.load``
+(ninja) the first time a kernel is needed, once per process, cached in ``~/.cache/mptrain/ext-<hash>``
+(``MPTRAIN_BUILD_DIR`` replaces ``~/.cache/mptrain``); the hash covers the sources, torch, CUDA, archs
+and flags, so a stale binary never loads. A build that has loaded once is imported directly by later
+processes (no cpp_extension, no ninja: well under a second instead of ~3.6 s).
 
-Environment:
+Environment: ``MPTRAIN_CSRC`` (the ``csrc/`` directory; default: the one beside the package, i.e. an
+editable install), ``TORCH_CUDA_ARCH_LIST`` (e.g. ``"9.0"``; default: the visible GPUs' archs, else
+9.0), ``CUDA_HOME`` (default: the toolkit of the ``nvcc`` on PATH, following wrapper scripts, or
+``/usr/local/cuda``), ``MAX_JOBS`` (default: the CPUs this process may use),
+``MPTRAIN_SMALL_KERNEL_ARGS=1`` (4 KB kernel arguments, drivers older than CUDA 12.1).
 
-* ``MPTRAIN_CSRC``: the ``csrc/`` directory (default: the one beside the installed
-  ``mptrain`` package, i.e. an editable install of the repository).
-* ``TORCH_CUDA_ARCH_LIST``: e.g. ``"9.0"`` or ``"8.0;9.0+PTX"``. Default: the archs of
-  the visible GPUs, or 9.0 (H100/H200) when no GPU is visible.
-* ``CUDA_HOME``: the toolkit; found from ``nvcc`` on PATH (following wrapper scripts)
-  or ``/usr/local/cuda`` when unset.
-* ``MAX_JOBS``: parallel compile jobs (default: the CPUs this process may use).
-* ``MPTRAIN_SMALL_KERNEL_ARGS=1``: 4 KB kernel arguments (drivers older than CUDA 12.1).
+Flags: ``-O3``; the C++ standard is torch's. No ``--use_fast_math``: approximate division/sqrt and
+flushed denormals would change the optimizers' m/v for tiny gradients (kernels call ``__expf``
+where they want it). The extension links torch's own libcublas (:func:`cublas_ldflags`).
 
-Flags: ``-O3``; the C++ standard is left to torch (C++17 before torch 2.10, C++20
-after, as its headers require). No ``--use_fast_math``: it would make division and
-sqrt approximate and flush denormals to zero in every kernel, which changes the
-optimizers' m/v for tiny gradients; kernels that want fast exp use ``__expf``
-explicitly. The extension links torch's own libcublas (see :func:`cublas_ldflags`).
-
-A failed build raises :class:`ExtensionBuildError` naming the failing source file,
-the log (the full compiler output, ``build.log`` in the build directory) and the
-likely fix. Concurrent processes serialise on an ``flock`` that the kernel drops
-when its holder dies, so a build killed half-way never leaves a lock that hangs the
-next process (torch's own ``lock`` file left by a killed build is removed).
-
+A failed build raises :class:`ExtensionBuildError` naming the failing source, the log and the likely
+fix. Concurrent processes serialise on an ``flock`` that dies with its holder (:func:`build_lock`).
 ``python -m mptrain.ops.build`` builds (or checks the cache) and prints the time.
 """
 from __future__ import annotations
@@ -63,25 +49,14 @@ class ExtensionBuildError(RuntimeError):
 
     def __init__(self, message: str, failing_file: Optional[str] = None, log_path: Optional[str] = None,
                  fix: Optional[str] = None):
-        parts = [message]
-        if failing_file:
-            parts.append(f"failing file: {failing_file}")
-        if log_path:
-            parts.append(f"compiler output: {log_path}")
-        if fix:
-            parts.append(f"likely fix: {fix}")
-        super().__init__("\n  ".join(parts))
-        self.failing_file = failing_file
-        self.log_path = log_path
-        self.fix = fix
+        details = (("failing file", failing_file), ("compiler output", log_path), ("likely fix", fix))
+        super().__init__("\n  ".join([message] + [f"{label}: {value}" for label, value in details if value]))
+        self.failing_file, self.log_path, self.fix = failing_file, log_path, fix
 
 
 class ExtensionStatus(str):
-    """``"built"``, ``"compiled"`` (built but not loadable here), ``"failed"`` or ``"not attempted"``.
-
-    Compares equal to those strings; ``reason``, ``log_path``, ``build_dir`` and
-    ``seconds`` carry the details, ``str()``-able via :meth:`describe`.
-    """
+    """``"built"``, ``"failed"`` or ``"not attempted"``, comparing equal to those strings; ``reason``,
+    ``log_path``, ``build_dir`` and ``seconds`` carry the details, all in one line via :meth:`describe`."""
 
     reason: str
     log_path: Optional[str]
@@ -95,20 +70,16 @@ class ExtensionStatus(str):
         return self
 
     def describe(self) -> str:
-        s = str.__str__(self)
-        if self.seconds is not None:
-            s += f" in {self.seconds:.1f} s"
-        if self.build_dir:
-            s += f" ({self.build_dir})"
-        if self.reason:
-            s += f": {self.reason}"
-        return s
+        seconds = "" if self.seconds is None else f" in {self.seconds:.1f} s"
+        where = f" ({self.build_dir})" if self.build_dir else ""
+        return str.__str__(self) + seconds + where + (f": {self.reason}" if self.reason else "")
 
 
 _lock = threading.Lock()
 _module = None
 _status = ExtensionStatus("not attempted")
 _error: Optional[ExtensionBuildError] = None
+_warned = False
 
 
 def extension_status() -> ExtensionStatus:
@@ -117,15 +88,10 @@ def extension_status() -> ExtensionStatus:
 
 
 def get_extension(required: bool = False):
-    """The loaded extension module, building it on first use.
-
-    With ``required=False`` (``fused="auto"``) a failed build returns ``None`` and the
-    caller falls back to the reference; the first such fallback in the process warns
-    once with the reason. With ``required=True`` (``fused=True``) it raises
-    :class:`ExtensionBuildError`.
-    The outcome is remembered: a process builds at most once.
-    """
-    global _module, _status, _error
+    """The loaded extension module, building it on first use (at most once per process). A failed build returns ``None``
+    with ``required=False`` (``fused="auto"``: the caller falls back to the reference; the first fallback in the process
+    warns with the reason) and raises :class:`ExtensionBuildError` with ``required=True`` (``fused=True``)."""
+    global _module, _status, _error, _warned
     with _lock:
         if _module is None and _error is None:
             t0 = time.perf_counter()
@@ -140,41 +106,27 @@ def get_extension(required: bool = False):
     if _module is None:
         if required:
             raise _error  # type: ignore[misc]
-        _warn_fallback_once()
+        if not _warned:  # one warning per process, whichever op asked first
+            _warned = True
+            warnings.warn(f"mptrain: fused CUDA kernels unavailable, using the PyTorch reference instead. {_error}",
+                          RuntimeWarning, stacklevel=2)
     return _module
 
 
-_warned = False
-
-
-def _warn_fallback_once() -> None:
-    # One warning per process, whichever op asked first: the reason is in extension_status().
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(f"mptrain: fused CUDA kernels unavailable, using the PyTorch reference instead. {_error}",
-                      RuntimeWarning, stacklevel=3)
-
-
-# ---------------------------------------------------------------- where things are
-
-
+# Where things are
 def csrc_dir() -> Path:
     """``$MPTRAIN_CSRC`` or the repository's ``csrc/`` next to the ``mptrain`` package."""
     env = os.environ.get("MPTRAIN_CSRC")
     path = Path(env) if env else Path(__file__).resolve().parents[2] / "csrc"
     if not (path / f"{EXT_NAME}.cpp").is_file():
-        raise ExtensionBuildError(
-            f"csrc directory not found: {path} has no {EXT_NAME}.cpp",
-            fix="install mptrain from its repository with `pip install -e .` (a wheel does not ship csrc/), "
-            "or set MPTRAIN_CSRC to the csrc directory",
-        )
+        raise ExtensionBuildError(f"csrc directory not found: {path} has no {EXT_NAME}.cpp",
+                                  fix="install mptrain from its repository with `pip install -e .` (a wheel does "
+                                      "not ship csrc/), or set MPTRAIN_CSRC to the csrc directory")
     return path
 
 
 def sources(csrc: Path) -> list[Path]:
-    """The translation units: the pybind front end, the other .cpp files (custom-op
-    registrations, host only) and every .cu file."""
+    """The translation units: the pybind front end, the other .cpp files and every .cu file."""
     front = csrc / f"{EXT_NAME}.cpp"
     return [front] + sorted(p for p in csrc.glob("*.cpp") if p != front) + sorted(csrc.glob("*.cu"))
 
@@ -187,19 +139,15 @@ def _nvcc_home(nvcc: str) -> Optional[Path]:
     # A wrapper script (e.g. /usr/local/bin/nvcc exec'ing the real one): ask nvcc.
     try:
         out = subprocess.run([nvcc, "--dryrun", "--version"], capture_output=True, text=True, timeout=30)
-        m = re.search(r"_HERE_=(\S+)", out.stdout + out.stderr)
-        if m:
-            return Path(m.group(1)).resolve().parent
     except (OSError, subprocess.SubprocessError):
-        pass
-    return None
+        return None
+    m = re.search(r"_HERE_=(\S+)", out.stdout + out.stderr)
+    return Path(m.group(1)).resolve().parent if m else None
 
 
 def find_cuda_home() -> Optional[Path]:
     """CUDA_HOME / CUDA_PATH, else the toolkit of the nvcc on PATH, else /usr/local/cuda.
-
-    A CUDA_HOME / CUDA_PATH that is set but holds no ``bin/nvcc`` is skipped here (the doctor
-    reports what it finds); :func:`build` refuses it with :func:`check_cuda_home_env`."""
+    A set CUDA_HOME / CUDA_PATH without ``bin/nvcc`` is skipped here; :func:`build` refuses it."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var) and (Path(os.environ[var]) / "bin" / "nvcc").exists():
             return Path(os.environ[var])
@@ -213,8 +161,7 @@ def find_cuda_home() -> Optional[Path]:
 
 
 def check_cuda_home_env() -> None:
-    """A CUDA_HOME / CUDA_PATH the user set must point at a toolkit: building with some other
-    nvcc instead would silently compile with a toolkit they did not choose."""
+    """A CUDA_HOME / CUDA_PATH the user set must point at a toolkit (not silently some other nvcc)."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
         value = os.environ.get(var)
         if value and not (Path(value) / "bin" / "nvcc").exists():
@@ -295,22 +242,18 @@ def _loaded_cublas() -> Optional[Path]:
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
-                path = line.split(maxsplit=5)[-1].strip()
-                if re.fullmatch(r"libcublas\.so\.\d+(\.\d+)*", Path(path).name):
-                    return Path(path)
+                path = Path(line.split(maxsplit=5)[-1].strip())
+                if re.fullmatch(r"libcublas\.so\.\d+(\.\d+)*", path.name):
+                    return path
     except OSError:
         pass
     return None
 
 
 def cublas_ldflags(cuda_home: Optional[Path]) -> list[str]:
-    """Link flags for cuBLAS (the LSTM GEMMs call it directly on torch's handle).
-
-    Links the very libcublas.so.<major> torch has loaded, by file name, so the extension's
-    NEEDED entry is that soname and the loader reuses torch's copy (one cuBLAS in the
-    process, torch's handle valid for our calls). Else the toolkit's libcublas.so.
-    Empty when neither exists (build() then stops with the fix).
-    """
+    """Link flags for cuBLAS (the LSTM GEMMs call it on torch's handle): the libcublas.so.<major> torch
+    has loaded, by file name, so the loader reuses torch's copy (one cuBLAS, torch's handle valid for our
+    calls); else the toolkit's libcublas.so; empty when neither exists (build() then stops with the fix)."""
     lib = _loaded_cublas()
     if lib is not None:
         return [f"-L{lib.parent}", f"-l:{lib.name}"]
@@ -319,10 +262,6 @@ def cublas_ldflags(cuda_home: Optional[Path]) -> list[str]:
             if (cuda_home / sub / "libcublas.so").exists():
                 return [f"-L{cuda_home / sub}", "-lcublas"]
     return []
-
-
-def build_root() -> Path:
-    return Path(os.environ.get("MPTRAIN_BUILD_DIR") or Path.home() / ".cache" / "mptrain")
 
 
 def build_hash(csrc: Path, flags: list[str], cuda_home: Optional[Path]) -> str:
@@ -335,18 +274,11 @@ def build_hash(csrc: Path, flags: list[str], cuda_home: Optional[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-# ---------------------------------------------------------------- the lock
-
-
 @contextlib.contextmanager
 def build_lock(build_dir: Path, timeout: Optional[float] = None) -> Iterator[None]:
-    """Hold the build directory exclusively while building or loading.
-
-    The flock is released by the kernel when its holder dies, so a build killed
-    half-way never blocks the next process. Holding it also proves that torch's
-    FileBaton ``lock`` file, if present, belongs to a dead build: it is removed,
-    otherwise ``cpp_extension.load`` would wait on it forever.
-    """
+    """Hold the build directory exclusively while building or loading. The kernel drops the flock when
+    its holder dies, so a killed build never blocks the next process; holding it also proves that torch's
+    ``lock`` file, if present, belongs to a dead build: it is removed (``cpp_extension.load`` would wait)."""
     import fcntl
 
     if timeout is None:
@@ -391,22 +323,17 @@ def _read_pid(path: Path) -> str:
         return "?"
 
 
-# ---------------------------------------------------------------- build
-
-
 def build_dir_for(csrc: Path, root: Optional[Path] = None, cuda_home: Optional[Path] = None) -> Path:
     """Where build() compiles ``csrc``: ``<root>/ext-<hash of sources, flags, versions>``."""
     cflags, cuda_flags = _all_flags(cuda_home)
     flags = cflags + cuda_flags + cublas_ldflags(cuda_home)
-    return Path(root or build_root()) / f"ext-{build_hash(csrc, flags, cuda_home)}"
+    root = root or os.environ.get("MPTRAIN_BUILD_DIR") or Path.home() / ".cache" / "mptrain"
+    return Path(root) / f"ext-{build_hash(csrc, flags, cuda_home)}"
 
 
 def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: bool = False):
-    """Compile (or reuse the cached build of) ``csrc`` and load it: returns (module, build_dir).
-
-    Does not touch the process-wide state of :func:`get_extension`; tests call it on
-    temporary source trees.
-    """
+    """Compile (or reuse the cached build of) ``csrc`` and load it: (module, build_dir). Leaves
+    :func:`get_extension`'s process-wide state alone (tests call it on temporary source trees)."""
     csrc = Path(csrc) if csrc is not None else csrc_dir()
     check_cuda_home_env()
     cuda_home = find_cuda_home()
@@ -427,9 +354,8 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
     if cuda_home is not None:
         # cpp_extension reads CUDA_HOME when it is imported (and trusts a stale one): set ours.
         os.environ["CUDA_HOME"] = str(cuda_home)
-    if "MAX_JOBS" not in os.environ:
-        os.environ["MAX_JOBS"] = str(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                        else os.cpu_count() or 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("MAX_JOBS", str(cpus))
     build_dir = ensure_writable_dir(build_dir_for(csrc, root, cuda_home))
     log = build_dir / "build.log"
     cached = _load_cached(build_dir)
@@ -455,13 +381,10 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
     return module, str(build_dir)
 
 
-# ---------------------------------------------------------------- warm start
-# cpp_extension.load costs seconds even when nothing changed (importing it, probing
-# the compiler and ninja, ninja stat-ing every header). The build directory's name
-# already pins the sources, flags and versions, so once a build there has loaded, the
-# next process imports its .so directly. The stamp records the .so's size and mtime:
-# a .so rewritten or truncated since (a killed relink) does not match and takes the
-# full path, which rebuilds what is missing.
+# Warm start: cpp_extension.load costs seconds even when nothing changed. The build directory's name pins the
+# sources, flags and versions, so once a build there has loaded, the next process imports its .so
+# directly. The stamp holds the .so's size and mtime: a .so rewritten since (a killed relink) takes
+# the full path, which rebuilds what is missing.
 
 _STAMP_NAME = "loaded.stamp"
 
@@ -479,8 +402,6 @@ def _write_stamp(build_dir: Path) -> None:
 
 def _import_so(so: Path):
     spec = importlib.util.spec_from_file_location(EXT_NAME, so)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {so}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -504,13 +425,12 @@ def _load_cached(build_dir: Path):
 
 
 def _compile_error(output: str, srcs: list[Path], log: Path) -> ExtensionBuildError:
-    names = {s.name: s for s in srcs}
     failing = None
     m = re.search(r"FAILED: (\S+)", output)
     if m:
         obj = Path(m.group(1)).name
         stem = re.sub(r"(\.cuda)?\.o$", "", obj)
-        failing = next((str(p) for n, p in names.items() if Path(n).stem == stem), None)
+        failing = next((str(p) for p in srcs if p.stem == stem), None)
         if failing is None and obj.endswith(".so"):
             failing = f"{obj} (link step)"
     # The first "file(line): error" or "file:line:col: error" names a header when that is where it is.
@@ -550,25 +470,22 @@ def _load_error(e: ImportError, build_dir: Path) -> ExtensionBuildError:
                                fix=fix)
 
 
-# ---------------------------------------------------------------- command line
-
-
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mptrain.ops.build", description="Build the mptrain CUDA extension.")
-    parser.add_argument("--csrc", help="csrc directory (default: $MPTRAIN_CSRC or the repository's)")
-    parser.add_argument("--build-dir", help="cache root (default: $MPTRAIN_BUILD_DIR or ~/.cache/mptrain)")
+    parser = argparse.ArgumentParser(prog="python -m mptrain.ops.build",
+                                     description="Build the mptrain CUDA extension.")
+    parser.add_argument("--csrc", type=Path, help="csrc directory (default: $MPTRAIN_CSRC or the repository's)")
+    parser.add_argument("--build-dir", type=Path, help="cache root (default: $MPTRAIN_BUILD_DIR or ~/.cache/mptrain)")
     parser.add_argument("--clean", action="store_true", help="delete this configuration's cached build first")
     parser.add_argument("--verbose", action="store_true", help="print every compiler command and its output")
     args = parser.parse_args(argv)
-    csrc = Path(args.csrc) if args.csrc else csrc_dir()
+    csrc = args.csrc or csrc_dir()
     print(f"csrc: {csrc} ({len(sources(csrc))} translation units)")
     print(f"CUDA_HOME: {find_cuda_home()}  archs: {arch_list()}  MAX_JOBS: {os.environ.get('MAX_JOBS', 'auto')}")
     t0 = time.perf_counter()
     try:
         if args.clean:
-            shutil.rmtree(build_dir_for(csrc, Path(args.build_dir) if args.build_dir else None, find_cuda_home()),
-                          ignore_errors=True)
-        module, build_dir = build(csrc, Path(args.build_dir) if args.build_dir else None, verbose=args.verbose)
+            shutil.rmtree(build_dir_for(csrc, args.build_dir, find_cuda_home()), ignore_errors=True)
+        module, build_dir = build(csrc, args.build_dir, verbose=args.verbose)
     except ExtensionBuildError as e:
         so = Path(e.failing_file or "")
         if so.suffix == ".so" and so.is_file():

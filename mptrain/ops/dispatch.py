@@ -1,18 +1,11 @@
-"""The one kernel-or-reference decision of :mod:`mptrain.ops`.
+"""The one kernel-or-reference decision of :mod:`mptrain.ops`, from the ``fused`` switch:
 
-With the custom ops (:mod:`mptrain.ops.library`) the dispatcher picks the CUDA kernel or
-the CPU reference by device; what remains for Python is the ``fused`` switch and loading
-the extension once:
-
-* ``fused=False``: the pure-PyTorch reference, called directly (differentiable twice,
-  forward-mode AD, any dtype);
-* ``fused="auto"``: for CPU tensors the reference called directly in eager mode (the op's
-  CPU kernel is the same reference, behind 20-60 µs of dispatcher and Python-autograd cost
-  per call) and the op under ``torch.compile`` (so a compiled graph holds ``mptrain.*``
-  nodes on every device); for CUDA tensors in float32/float16/bfloat16 the op once the
-  extension has loaded; the reference for other dtypes, and on CUDA when the extension
-  cannot be built (one warning per process, see :mod:`mptrain.ops.build`);
-* ``fused=True``: the CUDA kernel, else a clear error.
+* ``False``: the pure-PyTorch reference, called directly (differentiable twice, forward-mode AD, any dtype);
+* ``"auto"``: on the CPU the reference directly in eager mode (the op's CPU kernel is the same code behind
+  20-60 µs of dispatcher and Python autograd) and the op under ``torch.compile`` (a compiled graph holds
+  ``mptrain.*`` nodes on every device); on CUDA the op for float32/float16/bfloat16 once the extension
+  has loaded, else the reference (one warning per process when it cannot be built);
+* ``True``: the CUDA kernel, else a clear error.
 """
 from __future__ import annotations
 
@@ -42,15 +35,13 @@ def _load(required: bool) -> bool:
 
 
 # torch.compile runs the loader while tracing and treats its answer as a constant (what
-# torch.compiler.assume_constant_result sets; set directly, since importing torch._dynamo
-# to call it would add ~1 s to `import mptrain`). tests/ops/test_dispatch.py checks it works.
+# torch.compiler.assume_constant_result sets; set directly: importing torch._dynamo costs ~1 s).
 _load._dynamo_marked_constant = True
 
 
 def use_op(op: str, x: torch.Tensor, fused, dtype=None) -> bool:
-    """True: call ``torch.ops.mptrain.<op>``; False: call the reference directly.
-
-    ``dtype``: the dtype the op will run in when not ``x``'s (autocast casts first)."""
+    """True: call ``torch.ops.mptrain.<op>``; False: call the reference directly. ``dtype``: the dtype the op will run
+    in when not ``x``'s (autocast casts first)."""
     if fused is False:
         return False
     if not x.is_cuda:
@@ -69,8 +60,3 @@ def use_op(op: str, x: torch.Tensor, fused, dtype=None) -> bool:
         return _cuda_kernels
     check_fused(op, fused)
     return _load(fused is True)
-
-
-def cuda_kernels_loaded() -> bool:
-    """Whether the CUDA kernels are registered in this process (without building them)."""
-    return bool(_cuda_kernels)

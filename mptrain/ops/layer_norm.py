@@ -1,18 +1,14 @@
-"""LayerNorm / RMSNorm: ``torch.ops.mptrain.layer_norm`` (one op, ``rms`` flag) or the
-reference, as :mod:`mptrain.ops.dispatch` decides.
-
-The kernel takes fp32/fp16/bf16 input with weight/bias in the input's dtype or fp32
-(the ``*-master`` precisions keep normalization weights in fp32 under half activations),
-saves fp32 statistics, and returns dx, dweight, dbias in the dtypes of x and the params.
-Shapes, devices and dtypes are checked by the op (C++ on CUDA), not here: this is the
-hot path of every normalization layer.
+"""LayerNorm / RMSNorm: ``torch.ops.mptrain.layer_norm`` (one op, ``rms`` flag) or the reference, as
+:mod:`mptrain.ops.dispatch` decides. Weight/bias may be in the input's dtype or fp32 (the ``*-master``
+precisions keep normalization weights in fp32 under half activations); statistics are fp32. The op
+checks shapes, devices and dtypes, not this hot path of every normalization layer.
 """
 from __future__ import annotations
 
 import torch
 
 from . import reference
-from .dispatch import FUSED_CHOICES, use_op  # noqa: F401  (FUSED_CHOICES: re-exported for mptrain.nn)
+from .dispatch import use_op
 from .library import OPS
 
 _layer_norm = OPS["layer_norm"]
@@ -23,8 +19,7 @@ def _param_dtypes(x, weight, bias):
     dt = x.dtype
     if (weight is None or weight.dtype == dt) and (bias is None or bias.dtype == dt):
         return weight, bias
-    dts = {p.dtype for p in (weight, bias) if p is not None}
-    if not dts or dts == {x.dtype} or dts == {torch.float32}:
+    if {p.dtype for p in (weight, bias) if p is not None} == {torch.float32}:
         return weight, bias
     # Mixed or foreign dtypes (e.g. fp16 params under bf16 input): compute with fp32
     # copies; autograd casts the gradients back to each parameter's dtype.
@@ -52,8 +47,8 @@ def _cuda_autocast_upcast(op, x, weight, bias):
 
 
 # torch's default RMSNorm eps (the math dtype's machine epsilon) per input dtype, looked up once.
-_RMS_EPS = {dt: reference.rms_norm_eps(torch.empty(0, dtype=dt), None) for dt in (torch.float32, torch.float16,
-                                                                                   torch.bfloat16, torch.float64)}
+_RMS_EPS = {dt: reference.rms_norm_eps(torch.empty(0, dtype=dt), None)
+            for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
 def _shape(normalized_shape):
@@ -61,10 +56,8 @@ def _shape(normalized_shape):
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="auto"):
-    """``F.layer_norm`` with fp32 statistics; fused CUDA kernel for CUDA tensors.
-
-    ``weight``/``bias`` may be fp32 under fp16/bf16 ``x``; the output has ``x``'s dtype.
-    """
+    """``F.layer_norm`` with fp32 statistics, the fused kernel for CUDA tensors; ``weight``/``bias`` may
+    be fp32 under fp16/bf16 ``x``; the output has ``x``'s dtype."""
     x, weight, bias = _cuda_autocast_upcast("aten::layer_norm", x, weight, bias)
     if not use_op("layer_norm", x, fused):
         return reference.layer_norm(x, normalized_shape, weight, bias, eps)
@@ -73,10 +66,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, fused="auto"):
-    """``F.rms_norm`` with fp32 statistics; fused CUDA kernel for CUDA tensors.
-
-    ``eps=None`` is torch's default (fp32 machine epsilon for fp32/fp16/bf16 input).
-    """
+    """``F.rms_norm`` with fp32 statistics, the fused kernel for CUDA tensors; ``eps=None`` is torch's
+    default (fp32 machine epsilon for fp32/fp16/bf16 input)."""
     x, weight, _ = _cuda_autocast_upcast("aten::rms_norm", x, weight, None)
     if not use_op("rms_norm", x, fused):
         return reference.rms_norm(x, normalized_shape, weight, eps)

@@ -1,26 +1,15 @@
 """The custom ops ``torch.ops.mptrain.*``: schemas, CPU kernels, fake kernels, autograd.
 
-Structure, and why:
-
-* **Schemas are defined once, here in Python** (``torch.library.Library("mptrain", "DEF")``),
-  so every op exists without the CUDA extension: on the CPU, in CI, after a failed build.
-  The extension only adds implementations (``TORCH_LIBRARY_IMPL(mptrain, CUDA, m)`` in
-  ``csrc/ops_cuda.cpp``); loading it never redefines an op.
-* **CPU kernel = the reference** (:mod:`mptrain.ops.reference`, the "op forms" that return
-  what the CUDA entry points return, saved statistics and workspaces included). It is
-  registered for ``CompositeExplicitAutograd``, so it also serves CUDA tensors when the
-  extension is not loaded (a CUDA registration from the extension takes precedence).
-* **Fake kernels** (``register_fake``) give shapes, dtypes and contiguous strides, fp32
-  statistics included, so ``torch.compile`` traces every op without running it.
-* **Autograd**: a Python formula (``register_autograd``) for the CPU path, calling the
-  backward ops; CUDA tensors take C++ autograd nodes registered for ``AutogradCUDA``
-  (``csrc/ops_autograd.cpp``, ``csrc/lstm_autograd.cu``), which take precedence over this
-  alias registration and cost no Python per call.
-* The multi-tensor ops mutate their list arguments (``Tensor(a!)[]``) and return nothing;
-  they have no autograd (optimizer steps run under ``no_grad``).
-
-Ops are not differentiable twice (the backward ops have no autograd formula): use
-``fused=False`` (the differentiable reference) for double backward or forward-mode AD.
+* Schemas are defined here, in Python, so every op exists without the CUDA extension (CPU, CI, a failed
+  build); the extension only adds CUDA implementations (``csrc/ops_cuda.cpp``) and never redefines an op.
+* The CPU kernel is the reference's op form (:mod:`mptrain.ops.reference`: what the CUDA entry points
+  return, saved statistics and workspaces included), registered for ``CompositeExplicitAutograd`` so it
+  also serves CUDA tensors while the extension is not loaded.
+* Fake kernels give shapes, dtypes and contiguous strides, so ``torch.compile`` traces every op.
+* Autograd: a Python formula here for the CPU path; CUDA tensors take the C++ autograd nodes registered
+  for ``AutogradCUDA`` (``csrc/ops_autograd.cpp``, ``csrc/lstm_autograd.cu``), which cost no Python.
+  The backward ops are not differentiable again: use ``fused=False`` for double backward.
+* The multi-tensor ops mutate their list arguments and return nothing; they have no autograd.
 """
 from __future__ import annotations
 
@@ -31,44 +20,38 @@ from . import reference as R
 NAMESPACE = "mptrain"
 _lib = torch.library.Library(NAMESPACE, "DEF")  # kept alive for the process: dropping it removes the ops
 
-SCHEMAS = {
-    "layer_norm": "layer_norm(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
-                  "bool rms) -> (Tensor, Tensor)",
-    "layer_norm_backward": "layer_norm_backward(Tensor grad_out, Tensor input, Tensor stats, Tensor? weight, "
-                           "Tensor? bias, int[] normalized_shape, bool rms) -> (Tensor, Tensor, Tensor)",
-    "scaled_masked_softmax": "scaled_masked_softmax(Tensor input, Tensor? mask, float scale, bool causal) -> Tensor",
-    "scaled_masked_softmax_backward": "scaled_masked_softmax_backward(Tensor grad_out, Tensor output, float scale) "
-                                      "-> Tensor",
-    "lstm_cell": "lstm_cell(Tensor x, Tensor h, Tensor c, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh) "
-                 "-> (Tensor, Tensor, Tensor)",
-    "lstm_cell_backward": "lstm_cell_backward(Tensor? grad_h, Tensor? grad_c, Tensor x, Tensor h, Tensor c, "
-                          "Tensor w_ih, Tensor w_hh, Tensor workspace, Tensor c_new, bool[6] need) "
-                          "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    "lstm_layer": "lstm_layer(Tensor x, Tensor h0, Tensor c0, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh) "
-                  "-> (Tensor, Tensor, Tensor, Tensor)",
-    "lstm_layer_backward": "lstm_layer_backward(Tensor? grad_out, Tensor? grad_c_n, Tensor x, Tensor h0, Tensor c0, "
-                           "Tensor out, Tensor c_all, Tensor workspace, Tensor w_ih, Tensor w_hh, bool[6] need) "
-                           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    "multi_tensor_scale_": "multi_tensor_scale_(Tensor[] src, Tensor(a!)[] dst, Tensor? scale, "
-                           "Tensor(b!)? found_inf) -> ()",
-    "multi_tensor_unscale_": "multi_tensor_unscale_(Tensor(a!)[] tensors, Tensor inv_scale, "
-                             "Tensor(b!)? found_inf) -> ()",
-    "multi_tensor_check_finite_": "multi_tensor_check_finite_(Tensor[] tensors, Tensor(a!) found_inf) -> ()",
-    "multi_tensor_l2norm": "multi_tensor_l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)",
-    "multi_tensor_adam_": "multi_tensor_adam_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
-                          "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] steps, Tensor(e!)[] masters, float lr, "
-                          "Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, bool decoupled, "
-                          "bool maximize, Tensor? grad_scale, Tensor? found_inf) -> ()",
-    "multi_tensor_sgd_": "multi_tensor_sgd_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] momentum_buffers, "
-                         "Tensor(c!)[] steps, Tensor(d!)[] masters, float lr, Tensor? lr_tensor, float momentum, "
-                         "float dampening, float weight_decay, bool nesterov, bool maximize, Tensor? grad_scale, "
-                         "Tensor? found_inf) -> ()",
-    "multi_tensor_lamb_": "multi_tensor_lamb_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
-                          "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] steps, Tensor(e!)[] masters, float lr, "
-                          "Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, "
-                          "bool bias_correction, bool maximize, Tensor? grad_scale, Tensor? found_inf) -> ()",
-}
-for _schema in SCHEMAS.values():
+_SCHEMA_TEXTS = (
+    "layer_norm(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, bool rms) "
+    "-> (Tensor, Tensor)",
+    "layer_norm_backward(Tensor grad_out, Tensor input, Tensor stats, Tensor? weight, Tensor? bias, "
+    "int[] normalized_shape, bool rms) -> (Tensor, Tensor, Tensor)",
+    "scaled_masked_softmax(Tensor input, Tensor? mask, float scale, bool causal) -> Tensor",
+    "scaled_masked_softmax_backward(Tensor grad_out, Tensor output, float scale) -> Tensor",
+    "lstm_cell(Tensor x, Tensor h, Tensor c, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh) "
+    "-> (Tensor, Tensor, Tensor)",
+    "lstm_cell_backward(Tensor? grad_h, Tensor? grad_c, Tensor x, Tensor h, Tensor c, Tensor w_ih, Tensor w_hh, "
+    "Tensor workspace, Tensor c_new, bool[6] need) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "lstm_layer(Tensor x, Tensor h0, Tensor c0, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    "lstm_layer_backward(Tensor? grad_out, Tensor? grad_c_n, Tensor x, Tensor h0, Tensor c0, Tensor out, "
+    "Tensor c_all, Tensor workspace, Tensor w_ih, Tensor w_hh, bool[6] need) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "multi_tensor_scale_(Tensor[] src, Tensor(a!)[] dst, Tensor? scale, Tensor(b!)? found_inf) -> ()",
+    "multi_tensor_unscale_(Tensor(a!)[] tensors, Tensor inv_scale, Tensor(b!)? found_inf) -> ()",
+    "multi_tensor_check_finite_(Tensor[] tensors, Tensor(a!) found_inf) -> ()",
+    "multi_tensor_l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)",
+    "multi_tensor_adam_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+    "Tensor(d!)[] steps, Tensor(e!)[] masters, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, "
+    "float weight_decay, bool decoupled, bool maximize, Tensor? grad_scale, Tensor? found_inf) -> ()",
+    "multi_tensor_sgd_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] momentum_buffers, Tensor(c!)[] steps, "
+    "Tensor(d!)[] masters, float lr, Tensor? lr_tensor, float momentum, float dampening, float weight_decay, "
+    "bool nesterov, bool maximize, Tensor? grad_scale, Tensor? found_inf) -> ()",
+    "multi_tensor_lamb_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+    "Tensor(d!)[] steps, Tensor(e!)[] masters, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, "
+    "float weight_decay, bool bias_correction, bool maximize, Tensor? grad_scale, Tensor? found_inf) -> ()",
+)
+SCHEMAS = {text[:text.index("(")]: text for text in _SCHEMA_TEXTS}  # op name -> schema
+for _schema in _SCHEMA_TEXTS:
     _lib.define(_schema)
 
 OPS = {name: getattr(torch.ops.mptrain, name).default for name in SCHEMAS}  # OpOverloads, looked up once
@@ -93,13 +76,15 @@ def _new(like, *shape, dtype=None):
     return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 
-def _math_dtype(x):
-    return torch.promote_types(x.dtype, torch.float32)
+# CPU kernels that are the reference's op forms as they are (the others check their inputs first, below).
+for _name, _kernel in (("layer_norm_backward", R.layer_norm_backward),
+                       ("scaled_masked_softmax_backward", R.scaled_masked_softmax_backward),
+                       ("lstm_cell", R.lstm_cell_forward), ("lstm_cell_backward", R.lstm_cell_backward),
+                       ("lstm_layer_backward", R.lstm_layer_backward), ("multi_tensor_scale_", R.multi_tensor_scale)):
+    _impl(_name)(_kernel)
 
 
-# ---------------------------------------------------------------- LayerNorm / RMSNorm
-
-
+# LayerNorm / RMSNorm
 def _check_norm(x, normalized_shape, weight, bias):
     R.normalized_dims(x, normalized_shape)
     for name, p in (("weight", weight), ("bias", bias)):
@@ -116,16 +101,9 @@ def _layer_norm_cpu(x, normalized_shape, weight, bias, eps, rms):
 @_fake("layer_norm")
 def _layer_norm_fake(x, normalized_shape, weight, bias, eps, rms):
     _check_norm(x, normalized_shape, weight, bias)
-    hidden = 1
-    for n in normalized_shape:
-        hidden *= n
-    rows = x.numel() // hidden if hidden else 0
-    return _new(x, *x.shape), _new(x, (0 if rms else rows) + rows + 1, dtype=_math_dtype(x))
-
-
-@_impl("layer_norm_backward")
-def _layer_norm_backward_cpu(dy, x, stats, weight, bias, normalized_shape, rms):
-    return R.layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms)
+    rows, _ = R.norm_rows(x, normalized_shape)
+    stats_dtype = torch.promote_types(x.dtype, torch.float32)
+    return _new(x, *x.shape), _new(x, (0 if rms else rows) + rows + 1, dtype=stats_dtype)
 
 
 @_fake("layer_norm_backward")
@@ -148,30 +126,18 @@ def _norm_backward(ctx, dy, _dstats):
 
 torch.library.register_autograd(f"{NAMESPACE}::layer_norm", _norm_backward, setup_context=_norm_setup, lib=_lib)
 
-# ---------------------------------------------------------------- scaled masked softmax
 
-
-def _check_softmax(x, mask, causal):
-    R.softmax_mask(x, mask, False)
-    if causal and x.dim() < 2:
-        raise ValueError(f"causal=True needs an input with at least 2 dims (..., queries, keys), got {list(x.shape)}")
-
-
+# Scaled masked softmax
 @_impl("scaled_masked_softmax")
 def _softmax_cpu(x, mask, scale, causal):
-    _check_softmax(x, mask, causal)
+    R.check_softmax_mask(x, mask, causal)
     return R.scaled_masked_softmax(x, mask, scale, causal)
 
 
 @_fake("scaled_masked_softmax")
 def _softmax_fake(x, mask, scale, causal):
-    _check_softmax(x, mask, causal)
+    R.check_softmax_mask(x, mask, causal)
     return _new(x, *x.shape)
-
-
-@_impl("scaled_masked_softmax_backward")
-def _softmax_backward_cpu(dy, y, scale):
-    return R.scaled_masked_softmax_backward(dy, y, scale)
 
 
 @_fake("scaled_masked_softmax_backward")
@@ -192,14 +158,8 @@ def _softmax_backward(ctx, dy):
 torch.library.register_autograd(f"{NAMESPACE}::scaled_masked_softmax", _softmax_backward,
                                 setup_context=_softmax_setup, lib=_lib)
 
-# ---------------------------------------------------------------- LSTM cell and layer
 
-
-@_impl("lstm_cell")
-def _lstm_cell_cpu(x, h, c, w_ih, w_hh, b_ih, b_hh):
-    return R.lstm_cell_forward(x, h, c, w_ih, w_hh, b_ih, b_hh)
-
-
+# LSTM cell and layer
 @_fake("lstm_cell")
 def _lstm_cell_fake(x, h, c, w_ih, w_hh, b_ih, b_hh):
     B, H = x.shape[0], w_hh.shape[1]
@@ -210,39 +170,33 @@ def _lstm_grads_fake(need, like, shapes):
     return tuple(_new(like, *s) if n else _new(like, 0) for n, s in zip(need, shapes))
 
 
-@_impl("lstm_cell_backward")
-def _lstm_cell_backward_cpu(dh, dc, x, h, c, w_ih, w_hh, ws, c_new, need):
-    return R.lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c_new, need)
-
-
 @_fake("lstm_cell_backward")
 def _lstm_cell_backward_fake(dh, dc, x, h, c, w_ih, w_hh, ws, c_new, need):
     return _lstm_grads_fake(need, x, (x.shape, h.shape, c.shape, w_ih.shape, w_hh.shape, (w_ih.shape[0],)))
 
 
-def _need(ctx, first):
+def _need(ctx):
     """The backward ops' six flags from needs_input_grad (the two biases share one)."""
-    n = ctx.needs_input_grad[first:first + 7]
+    n = ctx.needs_input_grad
     return [n[0], n[1], n[2], n[3], n[4], n[5] or n[6]]
 
 
-def _bias_grads(ctx, db, first):
+def _lstm_input_grads(ctx, need, grads):
+    """The seven input gradients (x, h, c, w_ih, w_hh, b_ih, b_hh) from the backward op's six."""
+    *grads, db = grads
     n = ctx.needs_input_grad
-    return (db if n[first + 5] else None), (db if n[first + 6] else None)
+    return (*[g if k else None for g, k in zip(grads, need)], db if n[5] else None, db if n[6] else None)
 
 
 def _lstm_cell_setup(ctx, inputs, output):
-    x, h, c, w_ih, w_hh, _b_ih, _b_hh = inputs
-    ctx.save_for_backward(x, h, c, w_ih, w_hh, output[2], output[1])
+    ctx.save_for_backward(*inputs[:5], output[2], output[1])  # x, h, c, w_ih, w_hh, workspace, c'
     ctx.mark_non_differentiable(output[2])
 
 
 def _lstm_cell_backward(ctx, dh, dc, _dws):
     x, h, c, w_ih, w_hh, ws, c1 = ctx.saved_tensors
-    need = _need(ctx, 0)
-    dx, dh0, dc0, dw_ih, dw_hh, db = OPS["lstm_cell_backward"](dh, dc, x, h, c, w_ih, w_hh, ws, c1, need)
-    grads = [g if n else None for g, n in zip((dx, dh0, dc0, dw_ih, dw_hh), need)]
-    return (*grads, *_bias_grads(ctx, db, 0))
+    need = _need(ctx)
+    return _lstm_input_grads(ctx, need, OPS["lstm_cell_backward"](dh, dc, x, h, c, w_ih, w_hh, ws, c1, need))
 
 
 torch.library.register_autograd(f"{NAMESPACE}::lstm_cell", _lstm_cell_backward, setup_context=_lstm_cell_setup,
@@ -267,43 +221,29 @@ def _lstm_layer_fake(x, h0, c0, w_ih, w_hh, b_ih, b_hh):
     return _new(x, T, B, H), _new(x, B, H), _new(x, T, B, H), _new(x, T, B, 4 * H)
 
 
-@_impl("lstm_layer_backward")
-def _lstm_layer_backward_cpu(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need):
-    return R.lstm_layer_backward(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need)
-
-
 @_fake("lstm_layer_backward")
 def _lstm_layer_backward_fake(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need):
     return _lstm_grads_fake(need, x, (x.shape, h0.shape, c0.shape, w_ih.shape, w_hh.shape, (w_ih.shape[0],)))
 
 
 def _lstm_layer_setup(ctx, inputs, output):
-    x, h0, c0, w_ih, w_hh, _b_ih, _b_hh = inputs
     out, _c_n, c_all, ws = output
-    ctx.save_for_backward(x, h0, c0, w_ih, w_hh, out, c_all, ws)
+    ctx.save_for_backward(*inputs[:5], out, c_all, ws)  # x, h0, c0, w_ih, w_hh, ...
     ctx.mark_non_differentiable(c_all, ws)
 
 
 def _lstm_layer_backward(ctx, d_out, dc_n, _dc_all, _dws):
     x, h0, c0, w_ih, w_hh, out, c_all, ws = ctx.saved_tensors
-    need = _need(ctx, 0)
-    dx, dh0, dc0, dw_ih, dw_hh, db = OPS["lstm_layer_backward"](d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh,
-                                                                need)
-    grads = [g if n else None for g, n in zip((dx, dh0, dc0, dw_ih, dw_hh), need)]
-    return (*grads, *_bias_grads(ctx, db, 0))
+    need = _need(ctx)
+    grads = OPS["lstm_layer_backward"](d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need)
+    return _lstm_input_grads(ctx, need, grads)
 
 
 torch.library.register_autograd(f"{NAMESPACE}::lstm_layer", _lstm_layer_backward, setup_context=_lstm_layer_setup,
                                 lib=_lib)
 
-# ---------------------------------------------------------------- multi-tensor ops (in place, no outputs)
 
-
-@_impl("multi_tensor_scale_")
-def _scale_cpu(src, dst, scale, found_inf):
-    R.multi_tensor_scale(src, dst, scale, found_inf)
-
-
+# Multi-tensor ops (in place, no outputs)
 @_impl("multi_tensor_unscale_")
 def _unscale_cpu(tensors, inv_scale, found_inf):
     R.multi_tensor_scale(tensors, tensors, inv_scale, found_inf)
@@ -328,43 +268,29 @@ def _l2norm_fake(tensors, per_tensor):
     return _new(t, dtype=torch.float32), _new(t, len(tensors) if per_tensor else 0, dtype=torch.float32)
 
 
-def _lr(lr, lr_tensor):
-    return lr if lr_tensor is None else lr_tensor
+def _step_cpu(reference_step, lr_at):
+    """The CPU kernel of an optimizer-step op: the reference, with the schema's (lr, lr_tensor) at
+    positions ``lr_at``, ``lr_at + 1`` passed as one lr (the tensor when given)."""
+
+    def kernel(*args):
+        lr, lr_tensor = args[lr_at:lr_at + 2]
+        reference_step(*args[:lr_at], lr if lr_tensor is None else lr_tensor, *args[lr_at + 2:])
+
+    return kernel
 
 
-@_impl("multi_tensor_adam_")
-def _adam_cpu(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, lr_tensor, beta1, beta2, eps, weight_decay,
-              decoupled, maximize, grad_scale, found_inf):
-    R.multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, _lr(lr, lr_tensor), beta1, beta2, eps,
-                        weight_decay, decoupled, maximize, grad_scale, found_inf)
-
-
-@_impl("multi_tensor_sgd_")
-def _sgd_cpu(grads, params, momentum_buffers, steps, masters, lr, lr_tensor, momentum, dampening, weight_decay,
-             nesterov, maximize, grad_scale, found_inf):
-    R.multi_tensor_sgd(grads, params, momentum_buffers, steps, masters, _lr(lr, lr_tensor), momentum, dampening,
-                       weight_decay, nesterov, maximize, grad_scale, found_inf)
-
-
-@_impl("multi_tensor_lamb_")
-def _lamb_cpu(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, lr_tensor, beta1, beta2, eps, weight_decay,
-              bias_correction, maximize, grad_scale, found_inf):
-    R.multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, _lr(lr, lr_tensor), beta1, beta2, eps,
-                        weight_decay, bias_correction, maximize, grad_scale, found_inf)
-
-
-def _no_outputs(*_args):
-    return None
+for _name, _step, _lr_at in (("multi_tensor_adam_", R.multi_tensor_adam, 6),
+                             ("multi_tensor_sgd_", R.multi_tensor_sgd, 5),
+                             ("multi_tensor_lamb_", R.multi_tensor_lamb, 6)):
+    _impl(_name)(_step_cpu(_step, _lr_at))
 
 
 for _name in ("multi_tensor_scale_", "multi_tensor_unscale_", "multi_tensor_check_finite_", "multi_tensor_adam_",
               "multi_tensor_sgd_", "multi_tensor_lamb_"):
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", _no_outputs, lib=_lib)
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", lambda *_args: None, lib=_lib)  # no outputs
 
 
-# ---------------------------------------------------------------- the backward ops: not differentiable again
-
-
+# The backward ops: not differentiable again
 def _twice(name):
     def backward(ctx, *grads):
         raise RuntimeError(f"mptrain::{name} has no derivative: the fused ops are differentiable once; use fused=False "

@@ -1,13 +1,9 @@
 """Multi-tensor ops: one kernel launch for a whole list of tensors (csrc/multi_tensor_*.cu).
 
-Each function takes lists (one tensor per parameter) and a ``fused`` switch, decided
-by :mod:`mptrain.ops.dispatch`: ``"auto"`` runs the op ``torch.ops.mptrain.multi_tensor_*``
-(the CUDA kernel for CUDA tensors in float32/float16/bfloat16 when the extension builds,
-the reference on the CPU; the reference in :mod:`mptrain.ops.reference`, with one
-warning per process, when the build fails), ``True`` insists on the kernel, ``False``
-always uses the reference. Scalars that change every step (``lr``, ``grad_scale``) may be 1-element
-float32 tensors on the device; ``found_inf`` always is. Nothing here syncs with
-the host on the kernel path, so every op can be captured in a CUDA graph.
+Each function takes lists (one tensor per parameter) and a ``fused`` switch (see
+:mod:`mptrain.ops.dispatch`). Scalars that change every step (``lr``, ``grad_scale``) may be
+1-element float32 tensors on the device; ``found_inf`` always is. Nothing here syncs with the
+host on the kernel path, so every op can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -17,17 +13,14 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import reference
-
-from .dispatch import FUSED_CHOICES, KERNEL_DTYPES, use_op  # noqa: F401  (re-exported)
+from .dispatch import KERNEL_DTYPES, use_op
 from .library import OPS
 
 Scalar = Union[float, torch.Tensor]
 
 
 def _use_op(op: str, tensors: Sequence[torch.Tensor], fused) -> bool:
-    """Whether to run ``torch.ops.mptrain.<op>`` on these tensors (else the reference directly)."""
-    if len(tensors) == 0:
-        return False
+    """Whether to run ``torch.ops.mptrain.<op>`` on these (non-empty) tensors, else the reference."""
     # Lists reach here split by dtype (src first, dst last): checking both ends covers
     # every dtype in the call; the C++ side checks every tensor and names a stray one.
     last = tensors[-1]
@@ -61,11 +54,11 @@ def _check_found_inf(found_inf: Optional[torch.Tensor], device: torch.device, op
 def _groups(*lists: Sequence[torch.Tensor]) -> dict:
     """Indices grouped by (device, dtype of each list's tensor): one kernel call per group."""
     first = lists[0][0]
-    # Fast path for the usual case, one CUDA device and one dtype per list: sets of
-    # dtypes and device indices cost a fraction of building a key per tensor, which
-    # matters for 400-tensor lists stepped every iteration (the host must stay ahead).
+    # Fast path for the usual case, one CUDA device and one dtype per list: sets cost a fraction of a key
+    # per tensor, which matters for 400-tensor lists stepped every iteration (the host must stay ahead).
+    distinct = {id(lst): lst for lst in lists}.values()  # an in-place op passes one list as src and dst
     if first.is_cuda and len({t.get_device() for t in lists[0]}) == 1 and all(
-            len({t.dtype for t in lst}) == 1 for lst in _distinct(lists)):
+            len({t.dtype for t in lst}) == 1 for lst in distinct):
         return {(first.device,) + tuple(lst[0].dtype for lst in lists): range(len(lists[0]))}
     out: dict = defaultdict(list)
     for i in range(len(lists[0])):
@@ -73,20 +66,8 @@ def _groups(*lists: Sequence[torch.Tensor]) -> dict:
     return out
 
 
-def _distinct(lists):
-    """The lists without repeats (an in-place op passes the same list as source and destination)."""
-    out = []
-    for lst in lists:
-        if not any(lst is o for o in out):
-            out.append(lst)
-    return out
-
-
 def _pick(lst: list, idx) -> list:
     return lst if len(idx) == len(lst) else [lst[i] for i in idx]
-
-
-# ---------------------------------------------------------------- scale / copy / norm
 
 
 def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: Optional[Scalar],
@@ -119,9 +100,8 @@ def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
 
 def multi_tensor_unscale_(grads: Sequence[torch.Tensor], inv_scale: Scalar, found_inf: torch.Tensor, *,
                           fused="auto") -> None:
-    """In place ``g *= inv_scale`` for every grad (fp32, fp16 **and bf16**), and
-    ``found_inf = 1`` if any grad held an inf or NaN: torch's
-    ``_amp_foreach_non_finite_check_and_unscale_`` with bf16 support."""
+    """In place ``g *= inv_scale`` for every grad (fp32, fp16 **and bf16**), and ``found_inf = 1`` if any grad held an
+    inf or NaN: torch's ``_amp_foreach_non_finite_check_and_unscale_`` with bf16 support."""
     multi_tensor_scale_(grads, grads, inv_scale, found_inf, fused=fused)
 
 
@@ -137,10 +117,9 @@ def multi_tensor_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor],
 
 
 def multi_tensor_l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False, *, fused="auto"):
-    """The L2 norm of all tensors together, a 0-dim float32 tensor on their device;
-    with ``per_tensor=True`` also each tensor's norm (float32 [n]): ``(total, norms)``.
-    Deterministic (no atomics). Squares are summed in fp32 within chunks of a few
-    thousand elements and in float64 across them."""
+    """The L2 norm of all tensors together, a 0-dim float32 tensor on their device; with ``per_tensor=True`` also each
+    tensor's norm (float32 [n]): ``(total, norms)``. Deterministic (no atomics). Squares are summed in fp32 within
+    chunks of a few thousand elements and in float64 across them."""
     tensors = list(tensors)
     if not tensors:
         raise ValueError("multi_tensor_l2norm: got an empty list; pass at least one tensor")
@@ -168,20 +147,6 @@ def _l2norm(tensors, per_tensor, fused):
     return OPS["multi_tensor_l2norm"](tensors, per_tensor)
 
 
-# ---------------------------------------------------------------- optimizer steps
-
-
-def _step_args(op, params, steps, masters, lr, grad_scale, found_inf):
-    device = params[0].device
-    _check_found_inf(found_inf, device, op)
-    gs = _device_scalar(grad_scale, device, "grad_scale", op)
-    if masters is not None and len(masters) not in (0, len(params)):
-        raise ValueError(f"{op}: {len(masters)} masters for {len(params)} params; pass one per param or none")
-    if len(steps) != len(params):
-        raise ValueError(f"{op}: {len(steps)} step counts for {len(params)} params")
-    return device, gs, list(masters or [])
-
-
 def _lr_for_kernel(lr: Scalar, device: torch.device):
     """(float lr, lr tensor or None): an lr tensor on the params' device is read there (no host
     read: a compiled step keeps one graph); a CPU lr tensor for CUDA params is a float."""
@@ -192,26 +157,36 @@ def _lr_for_kernel(lr: Scalar, device: torch.device):
     return float(lr), None
 
 
+def _step(op: str, reference_step, grads, params, buffers, steps, masters, lr, hyper, grad_scale, found_inf, fused):
+    """One optimizer step: ``torch.ops.mptrain.<op>_`` or ``reference_step``, both taking (grads, params,
+    *buffers, steps, masters, lr, *hyper, grad_scale, found_inf); the op takes lr as (float, tensor)."""
+    if not params:
+        return
+    device = params[0].device
+    _check_found_inf(found_inf, device, op)
+    gs = _device_scalar(grad_scale, device, "grad_scale", op)
+    if masters is not None and len(masters) not in (0, len(params)):
+        raise ValueError(f"{op}: {len(masters)} masters for {len(params)} params; pass one per param or none")
+    if len(steps) != len(params):
+        raise ValueError(f"{op}: {len(steps)} step counts for {len(params)} params")
+    masters = list(masters or [])
+    if not _use_op(op, list(params) + list(grads), fused):
+        reference_step(grads, params, *buffers, steps, masters, lr, *hyper, gs, found_inf)
+    else:
+        OPS[op + "_"](list(grads), list(params), *[list(b) for b in buffers], list(steps), masters,
+                      *_lr_for_kernel(lr, device), *hyper, gs, found_inf)
+
+
 def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None, *, lr: Scalar, beta1: float,
                       beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
                       grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
                       fused="auto") -> None:
-    """One Adam (``decoupled=False``) or AdamW step over lists of one dtype, in place.
-
-    ``steps`` are float32 1-element counts (advanced here); ``masters`` (fp32, for
-    fp16/bf16 params) carry the weights, the params get their rounded copy. Grads are
-    divided by ``grad_scale``; a non-zero ``found_inf`` leaves every tensor unchanged.
-    """
-    if not params:
-        return
-    device, gs, masters = _step_args("multi_tensor_adam", params, steps, masters, lr, grad_scale, found_inf)
-    if not _use_op("multi_tensor_adam", list(params) + list(grads), fused):
-        reference.multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps,
-                                    weight_decay, decoupled, maximize, gs, found_inf)
-        return
-    lr_f, lr_t = _lr_for_kernel(lr, device)
-    OPS["multi_tensor_adam_"](list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), masters, lr_f,
-                          lr_t, beta1, beta2, eps, weight_decay, decoupled, maximize, gs, found_inf)
+    """One Adam (``decoupled=False``) or AdamW step over lists of one dtype, in place. ``steps`` are
+    float32 1-element counts (advanced here); ``masters`` (fp32, for fp16/bf16 params) carry the weights,
+    the params get their rounded copy. Grads are divided by ``grad_scale``; a non-zero ``found_inf``
+    leaves every tensor unchanged (the same holds for the SGD and LAMB steps)."""
+    _step("multi_tensor_adam", reference.multi_tensor_adam, grads, params, (exp_avgs, exp_avg_sqs), steps, masters,
+          lr, (beta1, beta2, eps, weight_decay, decoupled, maximize), grad_scale, found_inf, fused)
 
 
 def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters=None, *, lr: Scalar, momentum: float,
@@ -220,19 +195,11 @@ def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters=None, *, lr
                      fused="auto") -> None:
     """One SGD step over lists of one dtype, in place (``momentum_buffers`` empty when
     momentum is 0). A step count of 0 marks new buffers: they start as the grad."""
-    if not params:
-        return
-    device, gs, masters = _step_args("multi_tensor_sgd", params, steps, masters, lr, grad_scale, found_inf)
     bufs = list(momentum_buffers) if momentum != 0 else []
-    if momentum != 0 and len(bufs) != len(params):
+    if params and momentum != 0 and len(bufs) != len(params):
         raise ValueError(f"multi_tensor_sgd: momentum={momentum} needs one buffer per param, got {len(bufs)}")
-    if not _use_op("multi_tensor_sgd", list(params) + list(grads), fused):
-        reference.multi_tensor_sgd(grads, params, bufs, steps, masters, lr, momentum, dampening, weight_decay,
-                                   nesterov, maximize, gs, found_inf)
-        return
-    lr_f, lr_t = _lr_for_kernel(lr, device)
-    OPS["multi_tensor_sgd_"](list(grads), list(params), bufs, list(steps), masters, lr_f, lr_t, momentum, dampening,
-                         weight_decay, nesterov, maximize, gs, found_inf)
+    _step("multi_tensor_sgd", reference.multi_tensor_sgd, grads, params, (bufs,), steps, masters, lr,
+          (momentum, dampening, weight_decay, nesterov, maximize), grad_scale, found_inf, fused)
 
 
 def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None, *, lr: Scalar, beta1: float,
@@ -240,13 +207,5 @@ def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None,
                       maximize: bool = False, grad_scale: Optional[Scalar] = None,
                       found_inf: Optional[torch.Tensor] = None, fused="auto") -> None:
     """One LAMB step over lists of one dtype, in place (see csrc/multi_tensor_lamb.cu for the rule)."""
-    if not params:
-        return
-    device, gs, masters = _step_args("multi_tensor_lamb", params, steps, masters, lr, grad_scale, found_inf)
-    if not _use_op("multi_tensor_lamb", list(params) + list(grads), fused):
-        reference.multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps,
-                                    weight_decay, bias_correction, maximize, gs, found_inf)
-        return
-    lr_f, lr_t = _lr_for_kernel(lr, device)
-    OPS["multi_tensor_lamb_"](list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(steps), masters, lr_f,
-                          lr_t, beta1, beta2, eps, weight_decay, bias_correction, maximize, gs, found_inf)
+    _step("multi_tensor_lamb", reference.multi_tensor_lamb, grads, params, (exp_avgs, exp_avg_sqs), steps, masters,
+          lr, (beta1, beta2, eps, weight_decay, bias_correction, maximize), grad_scale, found_inf, fused)

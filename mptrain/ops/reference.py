@@ -1,27 +1,29 @@
 """Pure-PyTorch version of every kernel in csrc/: the test oracle and the CPU fallback.
 
-Each function computes what its kernel computes (fp32 math, output in the storage
-dtype) with plain torch ops, so tests can compare the two on any input.
+Each function computes what its kernel computes with plain torch ops, so tests can compare the two on
+any input: fp32 math (float64 stays float64, so the same code is the float64 oracle), results in the
+storage dtype.
 """
 from __future__ import annotations
 
-import torch
+import math
 
-# [section: multi_tensor]
-# The multi-tensor kernels (csrc/multi_tensor_*.cu) in plain torch: fp32 math (float64
-# stays float64, the oracle), results in each tensor's storage dtype. found_inf skips
-# are done with torch.where on the device: no host sync, and a skipped step leaves
-# every tensor bit-for-bit as it was.
-import math as _math
+import torch
+import torch.nn.functional as F
+
+
+def _upcast(t):
+    """``t`` in the dtype the kernels compute in: fp32, or float64 for float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+# The multi-tensor kernels (csrc/multi_tensor_*.cu). found_inf skips are done with torch.where on the
+# device: no host sync, and a skipped step leaves every tensor bit-for-bit as it was.
 
 
 def _mt_log(beta):
     """log(beta), -inf for 0 (then 1 - beta^t = -expm1(t * log beta) = 1, as in the kernels)."""
-    return -_math.inf if beta == 0 else _math.log(beta)
-
-
-def _mt_math(t):
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return -math.inf if beta == 0 else math.log(beta)
 
 
 def _mt_keep(found_inf):
@@ -29,9 +31,12 @@ def _mt_keep(found_inf):
     return None if found_inf is None else found_inf.reshape(()) != 0
 
 
-def _mt_commit(dst, new, keep):
-    new = new.to(dst.dtype)
-    dst.copy_(new if keep is None else torch.where(keep.to(dst.device), dst, new))
+def _mt_commit(keep, p, w_t, w, *buffers):
+    """Write the (dst, new) ``buffers``, the new weights ``w`` into ``w_t`` and, when ``w_t`` is a
+    master, into the param ``p``, each in its dtype; where ``keep``, everything stays as it was."""
+    for dst, new in [*buffers, (w_t, w)] + ([(p, w)] if w_t is not p else []):
+        new = new.to(dst.dtype)
+        dst.copy_(new if keep is None else torch.where(keep.to(dst.device), dst, new))
 
 
 def _mt_inv_scale(grad_scale):
@@ -39,7 +44,7 @@ def _mt_inv_scale(grad_scale):
 
 
 def _mt_grad(g, inv_scale, maximize):
-    g = _mt_math(g)
+    g = _upcast(g)
     if inv_scale is not None:
         g = g * inv_scale.to(g.device)
     return -g if maximize else g
@@ -64,7 +69,7 @@ def multi_tensor_scale(src, dst, scale=None, found_inf=None):
         bad = torch.stack([~torch.isfinite(x).all() for x in src]).any()
         found_inf.masked_fill_(bad.to(found_inf.device), 1.0)
     for s, d in zip(src, dst):
-        x = _mt_math(s)
+        x = _upcast(s)
         if scale is not None:
             x = x * scale.reshape(()).float().to(x.device)
         d.copy_(x)
@@ -74,7 +79,7 @@ def multi_tensor_l2norm(tensors, per_tensor=False):
     """(global L2 norm, per-tensor norms or None), float32; sums of squares in float64."""
     if len(tensors) == 0:
         raise ValueError("multi_tensor_l2norm: got an empty list; pass at least one tensor")
-    sq = torch.stack([_mt_math(t).double().pow(2).sum() for t in tensors])
+    sq = torch.stack([_upcast(t).double().pow(2).sum() for t in tensors])
     total = sq.sum().sqrt().float()
     return total, (sq.sqrt().float() if per_tensor else None)
 
@@ -90,19 +95,16 @@ def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, 
         step_size = (lr_t.double() / -torch.expm1(s * _mt_log(beta1))).float()
         bc2_sqrt = (-torch.expm1(s * _mt_log(beta2))).sqrt().float()
         g = _mt_grad(grads[i], inv, maximize)
-        w = _mt_math(w_t)
+        w = _upcast(w_t)
         if decoupled:
             w = w * (1 - lr_t * weight_decay)
         elif weight_decay != 0:
             g = g + weight_decay * w
-        m = _mt_math(exp_avgs[i])
+        m = _upcast(exp_avgs[i])
         m = m + (1 - beta1) * (g - m)
-        v = beta2 * _mt_math(exp_avg_sqs[i]) + (1 - beta2) * g * g
+        v = beta2 * _upcast(exp_avg_sqs[i]) + (1 - beta2) * g * g
         w = w - step_size * m / (v.sqrt() / bc2_sqrt + eps)
-        for dst, new in ((exp_avgs[i], m), (exp_avg_sqs[i], v), (w_t, w)):
-            _mt_commit(dst, new, keep)
-        if masters:
-            _mt_commit(p, w, keep)
+        _mt_commit(keep, p, w_t, w, (exp_avgs[i], m), (exp_avg_sqs[i], v))
     _mt_steps_advance(steps, keep)
 
 
@@ -113,18 +115,15 @@ def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters, lr, moment
     for i, p in enumerate(params):
         w_t = masters[i] if masters else p
         g = _mt_grad(grads[i], inv, maximize)
-        w = _mt_math(w_t)
+        w = _upcast(w_t)
         if weight_decay != 0:
             g = g + weight_decay * w
         if momentum != 0:
             first = steps[i].reshape(()) == 0
-            buf = torch.where(first, g, momentum * _mt_math(momentum_buffers[i]) + (1 - dampening) * g)
-            _mt_commit(momentum_buffers[i], buf, keep)
+            buf = torch.where(first, g, momentum * _upcast(momentum_buffers[i]) + (1 - dampening) * g)
             g = g + momentum * buf if nesterov else buf
         w = w - _mt_lr(lr, p) * g
-        _mt_commit(w_t, w, keep)
-        if masters:
-            _mt_commit(p, w, keep)
+        _mt_commit(keep, p, w_t, w, *([(momentum_buffers[i], buf)] if momentum != 0 else []))
     _mt_steps_advance(steps, keep)
 
 
@@ -139,30 +138,20 @@ def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, 
         bc1 = (-torch.expm1(s * _mt_log(beta1)) if bias_correction else one).float()
         bc2 = (-torch.expm1(s * _mt_log(beta2)) if bias_correction else one).float()
         g = _mt_grad(grads[i], inv, maximize)
-        w = _mt_math(w_t)
-        m = _mt_math(exp_avgs[i])
+        w = _upcast(w_t)
+        m = _upcast(exp_avgs[i])
         m = m + (1 - beta1) * (g - m)
-        v = beta2 * _mt_math(exp_avg_sqs[i]) + (1 - beta2) * g * g
+        v = beta2 * _upcast(exp_avg_sqs[i]) + (1 - beta2) * g * g
         u = (m / bc1) / ((v / bc2).sqrt() + eps) + weight_decay * w
         wn = w.double().pow(2).sum().sqrt().float()
         un = u.double().pow(2).sum().sqrt().float()
         ratio = torch.where((wn > 0) & (un > 0), wn / un, torch.ones_like(wn))
         w = w - (_mt_lr(lr, p) * ratio) * u
-        for dst, new in ((exp_avgs[i], m), (exp_avg_sqs[i], v), (w_t, w)):
-            _mt_commit(dst, new, keep)
-        if masters:
-            _mt_commit(p, w, keep)
+        _mt_commit(keep, p, w_t, w, (exp_avgs[i], m), (exp_avg_sqs[i], v))
     _mt_steps_advance(steps, keep)
-# [end section: multi_tensor]
-
-# [section: layer_norm]
-# LayerNorm / RMSNorm as csrc/layer_norm.cu computes them: fp32 math (float64 stays
-# float64, so the same code is the float64 oracle), output in the input's dtype,
-# weight/bias in the input's dtype or fp32.
 
 
-def _norm_math(t):
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+# LayerNorm / RMSNorm as csrc/layer_norm.cu computes them: weight/bias in the input's dtype or fp32.
 
 
 def normalized_dims(x, normalized_shape):
@@ -178,9 +167,9 @@ def normalized_dims(x, normalized_shape):
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """``F.layer_norm`` in fp32, result in ``x``'s dtype. Differentiable."""
     shape = normalized_dims(x, normalized_shape)
-    w = None if weight is None else _norm_math(weight)
-    b = None if bias is None else _norm_math(bias)
-    return torch.nn.functional.layer_norm(_norm_math(x), shape, w, b, eps).to(x.dtype)
+    w = None if weight is None else _upcast(weight)
+    b = None if bias is None else _upcast(bias)
+    return F.layer_norm(_upcast(x), shape, w, b, eps).to(x.dtype)
 
 
 def rms_norm_eps(x, eps):
@@ -191,20 +180,21 @@ def rms_norm_eps(x, eps):
 def rms_norm(x, normalized_shape, weight=None, eps=None):
     """``F.rms_norm`` in fp32, result in ``x``'s dtype. Differentiable."""
     shape = normalized_dims(x, normalized_shape)
-    xf = _norm_math(x)
+    xf = _upcast(x)
     dims = tuple(range(-len(shape), 0))
     y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + rms_norm_eps(x, eps))
     if weight is not None:
-        y = y * _norm_math(weight)
+        y = y * _upcast(weight)
     return y.to(x.dtype)
 
-# The op forms (mptrain.ops.library registers them as the CPU kernels of
-# torch.ops.mptrain.layer_norm / layer_norm_backward): what the CUDA entry points return.
-# stats = [mean (rows; LayerNorm only) | rstd (rows) | one zero word], in the math dtype.
+
+# The op forms (the CPU kernels of torch.ops.mptrain.layer_norm / layer_norm_backward): what the CUDA entry
+# points return. stats = [mean (rows; LayerNorm only) | rstd (rows) | one zero word], in the math dtype.
 
 
-def _norm_rows(x, normalized_shape):
-    hidden = _math.prod(normalized_shape)
+def norm_rows(x, normalized_shape):
+    """(rows, hidden): ``x`` as the kernels see it, rows of ``prod(normalized_shape)`` elements."""
+    hidden = math.prod(normalized_shape)
     return (x.numel() // hidden if hidden else 0), hidden
 
 
@@ -214,13 +204,13 @@ def _stat_shape(x, normalized_shape):
 
 def layer_norm_forward(x, normalized_shape, weight, bias, eps, rms):
     """(y in x's dtype, stats): LayerNorm (rms=False) or RMSNorm over the trailing dims."""
-    w = None if weight is None else _norm_math(weight)
+    w = None if weight is None else _upcast(weight)
     if not rms:  # torch's own kernel, in the math dtype: few ops on the host
-        y, mean, rstd = torch.native_layer_norm(_norm_math(x), normalized_shape, w, None if bias is None else
-                                                _norm_math(bias), eps)
+        y, mean, rstd = torch.native_layer_norm(_upcast(x), normalized_shape, w, None if bias is None else
+                                                _upcast(bias), eps)
         return y.to(x.dtype), torch.cat([mean.reshape(-1), rstd.reshape(-1), rstd.new_zeros(1)])
-    rows, hidden = _norm_rows(x, normalized_shape)
-    x2 = _norm_math(x).reshape(rows, hidden)
+    rows, hidden = norm_rows(x, normalized_shape)
+    x2 = _upcast(x).reshape(rows, hidden)
     rstd = torch.rsqrt(x2.pow(2).mean(1) + eps)
     y = x2 * rstd[:, None]
     if w is not None:
@@ -231,17 +221,17 @@ def layer_norm_forward(x, normalized_shape, weight, bias, eps, rms):
 def layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms):
     """(dx, dweight, dbias) from the forward's stats; an absent parameter's gradient is an
     empty tensor (as the CUDA op returns it)."""
-    rows, hidden = _norm_rows(x, normalized_shape)
-    w = None if weight is None else _norm_math(weight)
+    rows, hidden = norm_rows(x, normalized_shape)
+    w = None if weight is None else _upcast(weight)
     if not rms:
-        st = stats.to(_norm_math(x).dtype)
+        st = stats.to(_upcast(x).dtype)
         shape = _stat_shape(x, normalized_shape)
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            _norm_math(dy), _norm_math(x), normalized_shape, st[:rows].reshape(shape), st[rows:2 * rows].reshape(shape),
-            w, None if bias is None else _norm_math(bias), [True, weight is not None, bias is not None])
+            _upcast(dy), _upcast(x), normalized_shape, st[:rows].reshape(shape), st[rows:2 * rows].reshape(shape),
+            w, None if bias is None else _upcast(bias), [True, weight is not None, bias is not None])
     else:
-        x2 = _norm_math(x).reshape(rows, hidden)
-        g = _norm_math(dy).reshape(rows, hidden)
+        x2 = _upcast(x).reshape(rows, hidden)
+        g = _upcast(dy).reshape(rows, hidden)
         rstd = stats[:rows].to(x2.dtype)[:, None]
         xhat = x2 * rstd
         gw = g if w is None else g * w.reshape(hidden)
@@ -252,15 +242,20 @@ def layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms):
     dw = x.new_empty(0) if weight is None else dw.to(weight.dtype).reshape(weight.shape)
     db = x.new_empty(0) if bias is None else db.to(bias.dtype).reshape(bias.shape)
     return dx, dw, db
-# [end section: layer_norm]
 
-# [section: softmax]
+
 def softmax_mask(x, mask=None, causal=False):
-    """The effective boolean mask (True = masked out), broadcastable to ``x``, or None.
+    """The effective boolean mask (True = masked out), broadcastable to ``x``, or None. ``causal`` masks key k > query
+    q, top-left aligned as in ``scaled_dot_product_attention(is_causal=True)``; q indexes ``x``'s second-to-last dim."""
+    check_softmax_mask(x, mask, causal)
+    if causal:
+        tri = torch.ones(x.shape[-2], x.shape[-1], dtype=torch.bool, device=x.device).triu(1)
+        mask = tri if mask is None else (mask | tri)
+    return mask
 
-    ``causal`` masks key k > query q, top-left aligned as in
-    ``scaled_dot_product_attention(is_causal=True)``; q indexes ``x``'s second-to-last dim.
-    """
+
+def check_softmax_mask(x, mask, causal):
+    """Raise naming what is wrong with ``mask`` (dtype, device, shape) or ``causal`` for the input ``x``."""
     if mask is not None:
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor (True = masked out), got {mask.dtype}; use mask.bool()")
@@ -269,19 +264,14 @@ def softmax_mask(x, mask=None, causal=False):
         torch.broadcast_shapes(mask.shape, x.shape)  # raises with both shapes
         if mask.dim() > x.dim():
             raise ValueError(f"mask of shape {list(mask.shape)} has more dims than the input {list(x.shape)}")
-    if causal:
-        if x.dim() < 2:
-            raise ValueError(f"causal=True needs an input with at least 2 dims (..., queries, keys), got {list(x.shape)}")
-        sq, sk = x.shape[-2], x.shape[-1]
-        tri = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(1)
-        mask = tri if mask is None else (mask | tri)
-    return mask
+    if causal and x.dim() < 2:
+        raise ValueError(f"causal=True needs an input with at least 2 dims (..., queries, keys), got {list(x.shape)}")
 
 
 def scaled_masked_softmax(x, mask=None, scale=1.0, causal=False):
     """softmax(masked_fill(scale * x, mask, -inf)) over the last dim in fp32, result in
     ``x``'s dtype; a fully masked row gives zeros (and zero gradient). Differentiable."""
-    v = _norm_math(x) * scale
+    v = _upcast(x) * scale
     m = softmax_mask(x, mask, causal)
     if m is None:
         return torch.softmax(v, dim=-1).to(x.dtype)
@@ -294,96 +284,75 @@ def scaled_masked_softmax(x, mask=None, scale=1.0, causal=False):
 
 def scaled_masked_softmax_backward(dy, y, scale):
     """dx = scale * y * (dy - sum(dy * y, -1)) in fp32, in y's dtype (the CUDA op's backward)."""
-    yf, g = _norm_math(y), _norm_math(dy)
+    yf, g = _upcast(y), _upcast(dy)
     return (scale * yf * (g - (g * yf).sum(-1, keepdim=True))).to(y.dtype)
-# [end section: softmax]
-
-# [section: lstm]
-# Gate order is torch's (i, f, g, o) along the 4*hidden dimension. Math is fp32 for
-# fp32/fp16/bf16 storage (float64 stays float64, so the same code is the float64 oracle).
 
 
-def _lstm_math(t):
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+# LSTM: gate order is torch's (i, f, g, o) along the 4*hidden dimension.
 
 
-def _lstm_activated_gates(igates, hgates, b_ih, b_hh):
-    """sigmoid(i), sigmoid(f), tanh(g), sigmoid(o) of the summed pre-activations."""
-    g = _lstm_math(igates)
+def _lstm_pointwise(igates, hgates, c, b_ih, b_hh):
+    """(activated gates [sigmoid(i), sigmoid(f), tanh(g), sigmoid(o)], h', c') in fp32 from the summed
+    pre-activations ``igates`` (B, 4H) [+ ``hgates``] [+ biases]."""
+    g = _upcast(igates)
     for extra in (hgates, b_ih, b_hh):
         if extra is not None:
-            g = g + _lstm_math(extra)
+            g = g + _upcast(extra)
     i, f, gg, o = g.chunk(4, dim=-1)
-    return i.sigmoid(), f.sigmoid(), gg.tanh(), o.sigmoid()
+    i, f, gg, o = i.sigmoid(), f.sigmoid(), gg.tanh(), o.sigmoid()
+    c_new = f * _upcast(c) + i * gg
+    return [i, f, gg, o], o * c_new.tanh(), c_new
 
 
 def lstm_cell_pointwise_forward(igates, hgates, c, b_ih=None, b_hh=None):
-    """The forward kernel: (h', c', workspace) from pre-activation gates.
-
-    ``igates`` (B, 4H) [+ ``hgates``] [+ biases] in fp32; the workspace is the activated
-    gates (i, f, g, o) rounded to the storage dtype, as the kernel saves them.
-    """
-    i, f, gg, o = _lstm_activated_gates(igates, hgates, b_ih, b_hh)
-    c_new = f * _lstm_math(c) + i * gg
-    h_new = o * c_new.tanh()
+    """The forward kernel: (h', c', workspace); the workspace is the activated gates (i, f, g, o)
+    rounded to the storage dtype, as the kernel saves them."""
+    gates, h_new, c_new = _lstm_pointwise(igates, hgates, c, b_ih, b_hh)
     dtype = igates.dtype
-    return h_new.to(dtype), c_new.to(dtype), torch.cat([i, f, gg, o], dim=-1).to(dtype)
+    return h_new.to(dtype), c_new.to(dtype), torch.cat(gates, dim=-1).to(dtype)
 
 
 def lstm_cell_pointwise_backward(dh, dh2, dc, c_prev, c_new, ws):
-    """The backward kernel: (d pre-activation gates, dc) from dh' (+ dh2), dc' and the
-    saved workspace / c / c' (tanh(c') recomputed from the stored c', as the kernel does).
-    Any of ``dh``, ``dh2``, ``dc`` may be None (zero)."""
+    """The backward kernel: (d pre-activation gates, dc) from dh' (+ dh2), dc' and the saved workspace / c / c'
+    (tanh(c') recomputed from the stored c', as the kernel does). Any of ``dh``, ``dh2``, ``dc`` may be None (zero)."""
     dtype = ws.dtype
-    i, f, gg, o = _lstm_math(ws).chunk(4, dim=-1)
-    zero = _lstm_math(torch.zeros_like(c_prev))
-    dhv = sum((_lstm_math(t) for t in (dh, dh2) if t is not None), zero)
-    dcv = zero if dc is None else _lstm_math(dc)
-    tc = _lstm_math(c_new).tanh()
+    i, f, gg, o = _upcast(ws).chunk(4, dim=-1)
+    zero = _upcast(torch.zeros_like(c_prev))
+    dhv = sum((_upcast(t) for t in (dh, dh2) if t is not None), zero)
+    dcv = zero if dc is None else _upcast(dc)
+    tc = _upcast(c_new).tanh()
     dct = dcv + dhv * o * (1 - tc * tc)
-    dgates = torch.cat(
-        [dct * gg * i * (1 - i), dct * _lstm_math(c_prev) * f * (1 - f), dct * i * (1 - gg * gg), dhv * tc * o * (1 - o)],
-        dim=-1,
-    )
+    dgates = torch.cat([dct * gg * i * (1 - i), dct * _upcast(c_prev) * f * (1 - f), dct * i * (1 - gg * gg),
+                        dhv * tc * o * (1 - o)], dim=-1)
     return dgates.to(dtype), (dct * f).to(dtype)
 
 
 def lstm_cell_gates(igates, hgates, c, b_ih=None, b_hh=None):
     """Differentiable pointwise part: (h', c') with fp32 math, outputs in the gates' dtype."""
-    i, f, gg, o = _lstm_activated_gates(igates, hgates, b_ih, b_hh)
-    c_new = f * _lstm_math(c) + i * gg
-    h_new = o * c_new.tanh()
+    _, h_new, c_new = _lstm_pointwise(igates, hgates, c, b_ih, b_hh)
     return h_new.to(igates.dtype), c_new.to(igates.dtype)
 
 
 def lstm_cell(x, h, c, w_ih, w_hh, b_ih=None, b_hh=None):
     """One LSTM step as torch.nn.LSTMCell computes it: GEMMs in the storage dtype,
     gate math in fp32. Differentiable; the CPU fallback and the test oracle."""
-    linear = torch.nn.functional.linear
-    return lstm_cell_gates(linear(x, w_ih), linear(h, w_hh), c, b_ih, b_hh)
+    return lstm_cell_gates(F.linear(x, w_ih), F.linear(h, w_hh), c, b_ih, b_hh)
 
 
 def lstm_layer(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None):
-    """One unidirectional LSTM layer over a time-major sequence x (T, B, I).
-
-    Returns (out (T, B, H), c_n (B, H)); h_n is out[-1]. The input projections of all
-    steps are one GEMM, as in the fused path."""
-    xg = torch.nn.functional.linear(x, w_ih)
+    """One unidirectional LSTM layer over a time-major sequence x (T, B, I). Returns (out (T, B, H), c_n (B, H)); h_n is
+    out[-1]. The input projections of all steps are one GEMM, as in the fused path."""
+    xg = F.linear(x, w_ih)
     h, c, outs = h0, c0, []
     for t in range(x.shape[0]):
-        h, c = lstm_cell_gates(xg[t], torch.nn.functional.linear(h, w_hh), c, b_ih, b_hh)
+        h, c = lstm_cell_gates(xg[t], F.linear(h, w_hh), c, b_ih, b_hh)
         outs.append(h)
     return torch.stack(outs), c
 
 
-# The op forms (the CPU kernels of torch.ops.mptrain.lstm_cell / lstm_layer and their
-# backwards): the CUDA entry points' algorithm step for step -- GEMMs in the storage
-# dtype, the pointwise kernels above, the saved workspace -- so the CPU op saves and
-# returns what the CUDA op does. A gradient not in ``need`` is an empty tensor.
-
-
-def _lstm_unneeded(x):
-    return x.new_empty(0)
+# The op forms (the CPU kernels of torch.ops.mptrain.lstm_cell / lstm_layer and their backwards): the
+# CUDA entry points' algorithm step for step (GEMMs in the storage dtype, the pointwise kernels above,
+# the saved workspace). A gradient not in ``need`` is an empty tensor.
 
 
 def lstm_cell_forward(x, h, c, w_ih, w_hh, b_ih=None, b_hh=None):
@@ -398,7 +367,7 @@ def lstm_cell_backward(dh, dc, x, h, c, w_ih, w_hh, ws, c_new, need):
     dg, dc_prev = lstm_cell_pointwise_backward(dh, None, dc, c, c_new, ws)
     grads = (lambda: dg @ w_ih, lambda: dg @ w_hh, lambda: dc_prev, lambda: dg.t() @ x, lambda: dg.t() @ h,
              lambda: dg.sum(0))
-    return tuple(g() if n else _lstm_unneeded(x) for g, n in zip(grads, need))
+    return tuple(g() if n else x.new_empty(0) for g, n in zip(grads, need))
 
 
 def lstm_layer_forward(x, h0, c0, w_ih, w_hh, b_ih=None, b_hh=None):
@@ -433,5 +402,4 @@ def lstm_layer_backward(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need
 
     grads = (lambda: (dg2 @ w_ih).view(T, B, I), lambda: dh_rec, lambda: dc_rec,
              lambda: dg2.t() @ x.reshape(T * B, I), dw_hh, lambda: dg2.sum(0))
-    return tuple(g() if n else _lstm_unneeded(x) for g, n in zip(grads, need))
-# [end section: lstm]
+    return tuple(g() if n else x.new_empty(0) for g, n in zip(grads, need))

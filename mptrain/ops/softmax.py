@@ -1,8 +1,5 @@
-"""Scaled masked softmax: ``torch.ops.mptrain.scaled_masked_softmax`` or the reference,
-as :mod:`mptrain.ops.dispatch` decides.
-
-``y = softmax(masked_fill(scale * x, mask | causal, -inf), dim=-1)`` in fp32, output in
-``x``'s dtype; a fully masked row gives zeros. Backward reads only the saved output.
+"""Scaled masked softmax: ``torch.ops.mptrain.scaled_masked_softmax`` or the reference, as
+:mod:`mptrain.ops.dispatch` decides. Backward reads only the saved output.
 """
 from __future__ import annotations
 
@@ -14,14 +11,11 @@ _softmax = OPS["scaled_masked_softmax"]
 
 
 def scaled_masked_softmax(x, mask=None, scale=1.0, causal=False, *, fused="auto"):
-    """Softmax over the last dim of ``scale * x`` with masked positions removed.
+    """Softmax over the last dim of ``scale * x`` with masked positions removed, in fp32.
 
-    ``mask``: bool, broadcastable to ``x`` (True = masked out), e.g. [B, 1, Sq, Sk] or
-    [B, 1, 1, Sk] for [B, heads, Sq, Sk] scores; it is read through its broadcast strides.
-    ``causal=True`` also masks key k > query q (top-left aligned, as
-    ``scaled_dot_product_attention(is_causal=True)``). Fully masked rows give zeros.
-    The op checks the mask (dtype, device, broadcast) and names what is wrong.
-    """
+    ``mask``: bool, broadcastable to ``x`` (True = masked out), e.g. [B, 1, Sq, Sk] or [B, 1, 1, Sk] for
+    [B, heads, Sq, Sk] scores. ``causal=True`` also masks key k > query q (top-left aligned, as
+    ``scaled_dot_product_attention(is_causal=True)``). Fully masked rows give zeros, not NaN."""
     if not use_op("scaled_masked_softmax", x, fused):
         return reference.scaled_masked_softmax(x, mask, scale, causal)
     return _softmax(x, mask, scale, causal)

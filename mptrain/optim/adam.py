@@ -1,35 +1,22 @@
 """FusedAdam and FusedAdamW: torch.optim.Adam / AdamW's update in one multi-tensor kernel."""
 from __future__ import annotations
 
-import torch
-
 from mptrain.ops.multi_tensor import multi_tensor_adam
 
 from .base import FusedOptimizer
 
 
 class FusedAdam(FusedOptimizer):
-    """Drop-in for ``torch.optim.Adam`` (same arguments and state keys) plus
-    ``master_weights`` and ``fused``; see :mod:`mptrain.optim` for step().
-
-    ``amsgrad=True`` is not implemented by the fused kernel and raises.
-    ``decoupled_weight_decay=True`` makes it AdamW, as in torch.
-    """
+    """Drop-in for ``torch.optim.Adam`` (same arguments and state keys) plus ``master_weights`` and
+    ``fused``; see :mod:`mptrain.optim` for step(). ``amsgrad=True`` is not implemented by the fused
+    kernel and raises; ``decoupled_weight_decay=True`` makes it AdamW, as in torch."""
 
     _decoupled_default = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused="auto",
                  decoupled_weight_decay=None, master_weights=False):
-        name = type(self).__name__
-        if not (torch.is_tensor(lr) or 0.0 <= lr):
-            raise ValueError(f"{name}: invalid learning rate {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"{name}: invalid epsilon value {eps}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"{name}: invalid betas {betas}; each must lie in [0, 1)")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"{name}: invalid weight_decay value {weight_decay}")
+        self._check_args(lr, betas, eps=eps, weight_decay=weight_decay)
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -62,8 +49,7 @@ class FusedAdam(FusedOptimizer):
         beta1, beta2 = group["betas"]
         multi_tensor_adam(grads, params, state["exp_avg"], state["exp_avg_sq"], state["step"], masters,
                           lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                          weight_decay=group["weight_decay"],
-                          decoupled=group["decoupled_weight_decay"],
+                          weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                           maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf, fused=self.fused)
 
 

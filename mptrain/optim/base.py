@@ -1,11 +1,6 @@
-"""What every fused optimizer shares: bucketing by device/dtype, fp32 master weights,
-the loss-scaling protocol (:mod:`.scaling`), layouts the kernels can walk
-(:mod:`.layout`), torch.optim's state formats (:mod:`.torch_format`), and pickling.
-
-Subclasses say which per-parameter buffers they keep (``_buffers``), which group
-options they cannot run (``_check_group``), what older formats' groups lack
-(``_format_defaults``) and how one bucket of same-dtype tensors is updated
-(``_update``); the kernels live in :mod:`mptrain.ops.multi_tensor`.
+"""What every fused optimizer shares: bucketing by device/dtype, fp32 master weights, loss scaling
+(:mod:`.scaling`), layouts (:mod:`.layout`), torch.optim's state formats (:mod:`.torch_format`), pickling.
+Subclasses define ``_buffers``, ``_check_group``, ``_format_defaults`` and ``_update``.
 """
 from __future__ import annotations
 
@@ -13,11 +8,11 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from mptrain.ops.multi_tensor import FUSED_CHOICES
+from mptrain.ops.dispatch import check_fused
 
-from .layout import dense_work_lists, write_back_params
+from .layout import dense_work_lists
 from .scaling import found_inf_per_device, scaling_inputs, unscale_grads_
-from .torch_format import fill_group_defaults, normalize_steps, restore_state_tensors
+from .torch_format import normalize_steps, restore_state_tensors
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -25,29 +20,33 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class; see :mod:`mptrain.optim` for the step() protocol."""
 
-    # torch.amp.GradScaler hands such optimizers `grad_scale` / `found_inf` as
-    # attributes instead of unscaling the grads itself.
+    # torch.amp.GradScaler hands such optimizers `grad_scale` / `found_inf` instead of unscaling the grads.
     _step_supports_amp_scaling = True
     # mptrain.precision hands its whole master-weight step to these (precision/master.py).
     _mptrain_fused = True
-    # Instance attributes beyond torch.optim.Optimizer's, with the value an object pickled
-    # without them gets. torch's __getstate__ keeps only defaults, state and param_groups:
-    # these must be added for deepcopy and pickle to give back the same optimizer.
+    # Instance attributes torch's __getstate__ leaves out (deepcopy and pickle need them), with the value
+    # an object pickled without them gets.
     _instance_attrs = {"master_weights": False, "fused": "auto"}
     # Group keys that older torch formats lack, with the value torch fills in.
     _format_defaults: dict = {"capturable": False}
 
     def __init__(self, params, defaults: dict, *, master_weights: bool, capturable: bool, fused):
-        if fused is None:
-            fused = "auto"
-        if fused not in FUSED_CHOICES:
-            raise ValueError(f"{type(self).__name__}: fused={fused!r}; expected one of {FUSED_CHOICES}")
         self.master_weights = bool(master_weights)
-        self.fused = fused
+        self.fused = check_fused(type(self).__name__, "auto" if fused is None else fused)
         super().__init__(params, dict(defaults, capturable=bool(capturable)))
 
-    # ------------------------------------------------------------ per-subclass
+    def _check_args(self, lr, betas=None, **non_negative) -> None:
+        """Raise for a negative ``lr`` or ``non_negative`` value, or ``betas`` outside [0, 1), naming it."""
+        name = type(self).__name__
+        if not (torch.is_tensor(lr) or 0.0 <= lr):
+            raise ValueError(f"{name}: invalid learning rate {lr}; it must be >= 0")
+        if betas is not None and not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"{name}: invalid betas {betas}; each must lie in [0, 1)")
+        for key, value in non_negative.items():
+            if not 0.0 <= value:
+                raise ValueError(f"{name}: invalid {key} value {value}; it must be >= 0")
 
+    # Defined by subclasses:
     def _buffers(self, group: dict) -> tuple[str, ...]:
         """Names of the per-parameter state tensors shaped like the param."""
         raise NotImplementedError
@@ -60,26 +59,23 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Update one bucket (one device, one param dtype); ``state[name]`` are lists."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------ param groups
-
+    # Param groups:
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         self._prepare_group(self.param_groups[-1])
 
     def _validate_group(self, group: dict) -> None:
-        """Fill the keys an older format lacks; reject what the kernels cannot run."""
-        fill_group_defaults(group, self._format_defaults)
+        """Fill the keys an older format lacks (with torch's values); reject what the kernels cannot run."""
+        for key, value in self._format_defaults.items():
+            group.setdefault(key, value)
         self._check_group(group)
-        if group["capturable"]:
-            for p in group["params"]:
-                if not p.is_cuda:
-                    raise ValueError(f"{type(self).__name__}: capturable=True needs CUDA params (as torch's "
-                                     f"capturable optimizers do), got one on {p.device}; use capturable=False "
-                                     "on the CPU")
+        off_cuda = [p.device for p in group["params"] if not p.is_cuda] if group["capturable"] else []
+        if off_cuda:
+            raise ValueError(f"{type(self).__name__}: capturable=True needs CUDA params (as torch's capturable "
+                             f"optimizers do), got one on {off_cuda[0]}; use capturable=False on the CPU")
 
     def _prepare_group(self, group: dict) -> None:
-        """Validate the group; for ``capturable`` groups keep ``lr`` as a float32 tensor on
-        the params' device."""
+        """Validate the group; for ``capturable`` groups keep ``lr`` as a float32 tensor on the params' device."""
         self._validate_group(group)
         if not group["capturable"]:
             return
@@ -89,8 +85,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             # A schedule updates a tensor lr in place (torch's LRScheduler fills it), so a
             # captured graph or a compiled step reads each new value without a recapture.
             group["lr"] = torch.full((), float(lr), dtype=torch.float32, device=device)
-
-    # ------------------------------------------------------------ pickling
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -107,17 +101,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._prepare_group(group)
         normalize_steps(self)
 
-    # ------------------------------------------------------------ master weights
-
+    # Master weights:
     def uses_master(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is updated through an fp32 master copy kept in the state."""
         return self.master_weights and p.dtype in HALF_DTYPES
 
     def master_param(self, p: torch.Tensor) -> torch.Tensor:
-        """The fp32 weights that ``p`` is updated from: the master (state['master_param'],
-        created from ``p`` if missing) when ``p`` is half and master_weights=True, else
-        ``p`` itself. The precision engine copies exact fp32 weights into it after
-        halving a model, and reads it for fp32 checkpoints."""
+        """The fp32 weights that ``p`` is updated from: the master (state['master_param'], created from ``p`` if
+        missing) when ``p`` is half and master_weights=True, else ``p`` itself. The precision engine copies exact fp32
+        weights into it after halving a model, and reads it for fp32 checkpoints."""
         if not self.uses_master(p):
             return p
         st = self.state[p]
@@ -127,9 +119,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def enable_master_weights(self) -> None:
-        """Switch to fp32 master weights (the ``*-master`` precisions call this): every
-        fp16/bf16 param gets its master now, from its current value, and existing moments
-        become fp32."""
+        """Switch to fp32 master weights (the ``*-master`` precisions call this): every fp16/bf16 param gets its master
+        now, from its current value, and existing moments become fp32."""
         self.master_weights = True
         for group in self.param_groups:
             for p in group["params"]:
@@ -165,8 +156,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         return st
 
-    # ------------------------------------------------------------ step
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *,
              grad_scale: Optional[Union[torch.Tensor, float]] = None, found_inf: Optional[torch.Tensor] = None,
@@ -197,7 +186,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         masters = [st["master_param"] for st in states] if master else []
         gs = grad_scale.to(device, non_blocking=True) if torch.is_tensor(grad_scale) else grad_scale
         self._update(group, work, grads, state, masters, gs, found_inf)
-        write_back_params(write_back)
+        for p, w in write_back:  # the non-dense params' working copies
+            p.copy_(w)
 
     def _buckets(self) -> dict:
         """(group index, device, dtype, master) -> params with a grad, in parameter order.
@@ -212,8 +202,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 key = (index, p.device, p.dtype, self.uses_master(p))
                 out.setdefault(key, []).append(p)
         return out
-
-    # ------------------------------------------------------------ state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, for every torch.optim format (see :mod:`.torch_format`): groups

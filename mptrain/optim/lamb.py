@@ -1,31 +1,20 @@
 """FusedLAMB: layer-wise adaptive moments (You et al., 2019) in three list-wide launches."""
 from __future__ import annotations
 
-import torch
-
 from mptrain.ops.multi_tensor import multi_tensor_lamb
 
 from .base import FusedOptimizer
 
 
 class FusedLAMB(FusedOptimizer):
-    """LAMB with torch-style arguments; see :mod:`mptrain.optim` for step().
-
-    Per tensor: ``m, v`` as in Adam; ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w``;
-    ``w -= lr * (||w|| / ||u||) * u`` (ratio 1 when either norm is 0). State keys
-    ``exp_avg``, ``exp_avg_sq``, ``step`` (and ``master_param``). No gradient clipping
-    inside: clip before the step (``mptrain.ops.multi_tensor_l2norm``).
-    """
+    """LAMB with torch-style arguments; see :mod:`mptrain.optim` for step(). Per tensor: ``m, v`` as in
+    Adam; ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w``; ``w -= lr * (||w|| / ||u||) * u`` (ratio
+    1 when either norm is 0). State keys ``exp_avg``, ``exp_avg_sq``, ``step`` (and ``master_param``).
+    No gradient clipping inside: clip before the step (``mptrain.ops.multi_tensor_l2norm``)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True, *,
                  maximize=False, capturable=False, fused="auto", master_weights=False):
-        name = type(self).__name__
-        if not (torch.is_tensor(lr) or 0.0 <= lr):
-            raise ValueError(f"{name}: invalid learning rate {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"{name}: invalid betas {betas}; each must lie in [0, 1)")
-        if eps < 0.0 or weight_decay < 0.0:
-            raise ValueError(f"{name}: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
+        self._check_args(lr, betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, maximize=maximize, differentiable=False)
         super().__init__(params, defaults, master_weights=master_weights, capturable=capturable, fused=fused)

@@ -1,11 +1,8 @@
 """Memory layouts the multi-tensor kernels can walk.
 
-The kernels treat a param, its grad and its state buffers as one flat array each, so
-all of them must be dense (no gaps, no overlap) with the same strides. Params and grads
-that are not (a sliced view, a transposed grad of a contiguous param, an expanded
-grad) are stepped through dense working copies here, and the param copy is written
-back after the update. The common case (everything dense and alike) costs two stride
-checks per tensor and no copy.
+The kernels treat a param, its grad and its state buffers as one flat array each, so all must be
+dense (no gaps, no overlap) with the same strides. Others (a sliced param, a transposed or expanded
+grad) are stepped through dense working copies, the param copy written back after the update.
 """
 from __future__ import annotations
 
@@ -25,18 +22,13 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def like_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized tensor in ``p``'s working layout: ``p``'s strides when ``p`` is
-    dense, else contiguous (what ``empty_like(preserve_format)`` gives)."""
-    return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
-
-
 def state_in_layout(value: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A copy of a loaded state tensor (any layout, device, dtype) in ``p``'s working layout."""
+    """A copy of a loaded state tensor (any layout, device, dtype) in ``p``'s working layout (``p``'s
+    strides when ``p`` is dense, else contiguous: what ``empty_like(preserve_format)`` gives)."""
     if value.shape != p.shape:
         raise ValueError(f"optimizer state of shape {tuple(value.shape)} for a param of shape {tuple(p.shape)}; "
                          "the state_dict belongs to a different model")
-    return like_param(p, dtype).copy_(value.detach())
+    return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value.detach())
 
 
 def dense_work_lists(params: list, grads: list) -> tuple[list, list, list]:
@@ -58,8 +50,3 @@ def dense_work_lists(params: list, grads: list) -> tuple[list, list, list]:
                 work_p, work_g = list(params), list(grads)
             work_p[i], work_g[i] = w, g
     return work_p, work_g, write_back
-
-
-def write_back_params(write_back: list) -> None:
-    for p, w in write_back:
-        p.copy_(w)

@@ -1,18 +1,6 @@
-"""Loss scaling inside the fused step: where ``grad_scale`` / ``found_inf`` come from,
-the inf check, and leaving the grads unscaled afterwards as torch's fused optimizers do.
-
-Two callers hand these over:
-
-* explicitly, ``step(grad_scale=..., found_inf=...)``: the step checks the grads for
-  inf/NaN itself and ORs the result into ``found_inf``;
-* as attributes ``optimizer.grad_scale`` / ``optimizer.found_inf``, set just before
-  ``step()`` by ``torch.amp.GradScaler`` (the ``_step_supports_amp_scaling`` protocol)
-  or by mptrain's precision engine: ``found_inf`` was already computed and is trusted.
-
-Either way a non-zero ``found_inf`` makes the step change nothing, and (unless the
-caller passes ``unscale_grads=False``) a step that is taken leaves every grad divided
-by ``grad_scale``, what ``torch._fused_adam_`` / ``_fused_sgd_`` do (a skipped
-step leaves the grads as they were, also as torch does).
+"""Loss scaling inside the fused step (the protocol is in :mod:`mptrain.optim`): where ``grad_scale``
+/ ``found_inf`` come from (step arguments, then checked here; or GradScaler's attributes, trusted),
+the inf check, and leaving taken steps' grads divided by ``grad_scale`` as torch's fused optimizers do.
 """
 from __future__ import annotations
 
@@ -46,13 +34,9 @@ def scaling_inputs(optimizer, grad_scale: Scale, found_inf: Optional[torch.Tenso
 
 
 def found_inf_per_device(buckets: dict, found_inf: Optional[torch.Tensor], check: bool, fused) -> dict:
-    """found_inf for every device of ``buckets`` (keys ``(group index, device, dtype, master)``),
-    all agreeing; when ``check`` the grads are checked here and the result is written
-    into the caller's ``found_inf`` in place."""
-    devices = []
-    for key in buckets:
-        if key[1] not in devices:
-            devices.append(key[1])
+    """found_inf for every device of ``buckets`` (keys ``(group index, device, dtype, master)``), all agreeing; when
+    ``check`` the grads are checked here and the result is written into the caller's ``found_inf`` in place."""
+    devices = list(dict.fromkeys(key[1] for key in buckets))
     if not check:
         if found_inf is None:
             return {}
@@ -62,8 +46,7 @@ def found_inf_per_device(buckets: dict, found_inf: Optional[torch.Tensor], check
     grads = defaultdict(list)
     for key, params in buckets.items():
         # The check walks each grad flat: a non-dense one (an expanded grad) is read through a copy.
-        grads[key[1]].extend(p.grad if is_dense(p.grad) else p.grad.contiguous()
-                             for p in params)
+        grads[key[1]].extend(p.grad if is_dense(p.grad) else p.grad.contiguous() for p in params)
     for d in devices:
         multi_tensor_check_finite_(grads[d], local[d], fused=fused)
     if any(local[d] is not home for d in devices):  # params on several devices, or found_inf elsewhere
@@ -75,10 +58,9 @@ def found_inf_per_device(buckets: dict, found_inf: Optional[torch.Tensor], check
 
 
 def unscale_grads_(buckets: dict, grad_scale: Scale, per_device_inf: dict, fused) -> None:
-    """``grad *= 1 / grad_scale`` for every stepped grad, on the device (no host sync), in
-    one multi-tensor launch per dtype (torch's ``_foreach_div_`` by a tensor falls back
-    to one launch per grad for half grads); by 1 where the step was skipped, so skipped
-    grads keep their values. Products are exact for power-of-two scales (GradScaler's)."""
+    """``grad *= 1 / grad_scale`` for every stepped grad, on the device (no host sync), in one multi-tensor launch per
+    dtype (torch's ``_foreach_div_`` by a tensor falls back to one launch per grad for half grads); by 1 where the step
+    was skipped, so skipped grads keep their values. Products are exact for power-of-two scales (GradScaler's)."""
     by_device = defaultdict(list)
     for key, params in buckets.items():
         by_device[key[1]].extend(params)

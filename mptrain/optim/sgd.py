@@ -1,32 +1,21 @@
 """FusedSGD: torch.optim.SGD's update (momentum, dampening, Nesterov, weight decay) in one kernel."""
 from __future__ import annotations
 
-import torch
-
 from mptrain.ops.multi_tensor import multi_tensor_sgd
 
 from .base import FusedOptimizer
 
 
 class FusedSGD(FusedOptimizer):
-    """Drop-in for ``torch.optim.SGD`` (same arguments, state key ``momentum_buffer``)
-    plus ``master_weights`` and ``fused``; see :mod:`mptrain.optim` for step().
-
-    The state also holds a ``step`` count: a count of 0 tells the kernel that the
-    momentum buffer is new (torch starts it as a copy of the grad), on the device, so
-    a skipped first step keeps the next one a first step.
-    """
+    """Drop-in for ``torch.optim.SGD`` (same arguments, state key ``momentum_buffer``) plus
+    ``master_weights`` and ``fused``; see :mod:`mptrain.optim` for step(). The state also holds a
+    ``step`` count: 0 tells the kernel, on the device, that the momentum buffer is new (torch starts it
+    as the grad), so a skipped first step keeps the next one a first step."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused="auto", capturable=False,
                  master_weights=False):
-        name = type(self).__name__
-        if not (torch.is_tensor(lr) or 0.0 <= lr):
-            raise ValueError(f"{name}: invalid learning rate {lr}")
-        if momentum < 0.0:
-            raise ValueError(f"{name}: invalid momentum value {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"{name}: invalid weight_decay value {weight_decay}")
+        self._check_args(lr, momentum=momentum, weight_decay=weight_decay)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         maximize=maximize, foreach=foreach, differentiable=differentiable)
         super().__init__(params, defaults, master_weights=master_weights, capturable=capturable, fused=fused)

@@ -1,12 +1,8 @@
 """torch.optim's state formats, old and new, in and out of the fused optimizers.
 
-torch.optim has changed its format over the years: ``step`` was a Python number before
-it became a tensor (float32 on the device for fused/capturable optimizers, on the CPU
-otherwise), and param groups gained ``maximize``, ``foreach``, ``capturable``,
-``differentiable``, ``fused`` and ``decoupled_weight_decay``. A state_dict saved by any
-of them (or by ``torch.optim.Adam/AdamW/SGD`` themselves) loads here; missing group keys
-get the defaults torch fills in, options the fused kernels cannot run raise, and state
-tensors come back in the dtype and memory layout the kernels need.
+``step`` was once a Python number, now a tensor; param groups gained ``maximize``, ``foreach``,
+``capturable``, ``differentiable``, ``fused`` and ``decoupled_weight_decay``. A state_dict of any of
+them (or of ``torch.optim.Adam/AdamW/SGD``) loads here, its tensors in the kernels' dtypes and layout.
 """
 from __future__ import annotations
 
@@ -15,12 +11,6 @@ import numbers
 import torch
 
 from .layout import state_in_layout
-
-
-def fill_group_defaults(group: dict, format_defaults: dict) -> None:
-    """Add the keys an older format lacks, with the values torch gives them."""
-    for key, value in format_defaults.items():
-        group.setdefault(key, value)
 
 
 def step_count(value, p: torch.Tensor) -> torch.Tensor:
@@ -44,10 +34,9 @@ def normalize_steps(optimizer) -> None:
 
 
 def restore_state_tensors(optimizer, saved_state: dict, saved_groups: list) -> None:
-    """After torch's loader: put each state tensor back in the dtype the kernels use
-    (torch casts to the param's dtype, which would turn fp32 masters and moments of half
-    params into half) and in the param's working layout; a state without a step count
-    (torch.optim.SGD's) gets count 1, since its buffers exist."""
+    """After torch's loader: put each state tensor back in the dtype the kernels use (torch casts to the param's dtype,
+    which would turn fp32 masters and moments of half params into half) and in the param's working layout; a state
+    without a step count (torch.optim.SGD's) gets count 1, since its buffers exist."""
     ids = [pid for g in saved_groups for pid in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for pid, p in zip(ids, params):

@@ -60,6 +60,16 @@ def test_get_extension_falls_back_with_one_warning_and_reports_why(tmp_path, mon
         build.get_extension(required=True)
 
 
+def test_get_extension_builds_once_and_returns_the_module(monkeypatch):
+    module, calls = object(), []
+    monkeypatch.setattr(build, "build", lambda: calls.append(1) or (module, "/cache/ext-x"))
+    for name, value in (("_module", None), ("_error", None), ("_status", build.ExtensionStatus("not attempted"))):
+        monkeypatch.setattr(build, name, value)
+    assert build.get_extension() is module and build.get_extension(required=True) is module
+    assert calls == [1] and build.extension_status() == "built"
+    assert "/cache/ext-x" in build.extension_status().describe()
+
+
 def test_stale_torch_lock_is_removed(tmp_path):
     d = tmp_path / "ext"
     d.mkdir()

@@ -298,6 +298,12 @@ def test_lr_as_tensor_and_arguments_validated():
         FusedAdamW(_params(), differentiable=True)
     with pytest.raises(ValueError, match="fused"):
         FusedSGD(_params(), fused="sometimes")
+    with pytest.raises(ValueError, match="FusedAdam: invalid learning rate -1"):
+        FusedAdam(_params(), lr=-1)
+    with pytest.raises(ValueError, match=r"FusedLAMB: invalid betas \(0.9, 1.0\)"):
+        FusedLAMB(_params(), betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="FusedSGD: invalid momentum value -0.5"):
+        FusedSGD(_params(), momentum=-0.5)
     with pytest.raises(ValueError, match="capturable"):
         FusedAdamW(_params(), capturable=True)
     with pytest.raises(TypeError, match="found_inf"):
