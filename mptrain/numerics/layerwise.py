@@ -15,6 +15,7 @@ import copy
 import itertools
 import json
 import math
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -68,10 +69,9 @@ class Tolerance:
 
 
 def _unit_roundoff(precision_name: str) -> float:
-    """The unit roundoff of the low dtype a precision name computes in."""
-    if precision_name.startswith("bf16"):
-        return UNIT_ROUNDOFF[torch.bfloat16]
-    return UNIT_ROUNDOFF[torch.float16 if precision_name.startswith("16") else torch.float32]
+    """The unit roundoff of the low dtype a precision name computes in ("bf16-*", "16-*", else fp32)."""
+    prefixes = {"bf16": torch.bfloat16, "16": torch.float16}
+    return UNIT_ROUNDOFF[next((d for p, d in prefixes.items() if precision_name.startswith(p)), torch.float32)]
 
 
 # Index of each statistic in the per-call vector (summed or max-ed over calls at the end).
@@ -171,6 +171,11 @@ def _finalize(vecs: list[torch.Tensor]) -> dict:
     }
 
 
+def _row(name: str, s: dict) -> dict:
+    """A report row: ``name`` and the ROW_KEYS of :func:`_finalize`'s numbers."""
+    return {k: (name if k == "module" else s[k]) for k in ROW_KEYS}
+
+
 @dataclass
 class LayerwiseReport:
     """Result of :func:`compare_layerwise`.
@@ -212,10 +217,8 @@ class LayerwiseReport:
         so the origin of a cascade wins."""
         def key(i: int):
             row, det = self.rows[i], self.details[i]
-            local = det.get("local_rel_err")
-            if local is None or not det.get("local_input_ok", True):
-                local = -1.0
-            return (not det.get("new_nonfinite", False), row["ok"], -_sortable(local), -_sortable(det["rel_err"]), i)
+            local = det["local_rel_err"] if det["local_input_ok"] and det["local_rel_err"] is not None else -1.0
+            return (not det["new_nonfinite"], row["ok"], -_sortable(local), -_sortable(det["rel_err"]), i)
 
         return [(self.rows[i], self.details[i]) for i in sorted(range(len(self.rows)), key=key)]
 
@@ -228,10 +231,10 @@ class LayerwiseReport:
         lines = [f"layerwise fp32 vs {self.precision} ({self.tolerance or f'rtol={self.rtol}, atol={self.atol}'}); "
                  f"first_bad={self.first_bad}; worst first", head, "-" * len(head)]
         for row, det in self.ranked()[:top]:
-            flags = [flag for flag, on in (("CREATES-INF/NAN", det.get("new_nonfinite")),
-                                           ("input-overflows-dtype", not det.get("local_input_ok", True))) if on]
-            local = det.get("local_rel_err")
-            lines.append(f"{_short(row['module'], 44):<44} {det.get('dtype', ''):>8} {_stats(row)} "
+            flags = [flag for flag, on in (("CREATES-INF/NAN", det["new_nonfinite"]),
+                                           ("input-overflows-dtype", not det["local_input_ok"])) if on]
+            local = det["local_rel_err"]
+            lines.append(f"{_short(row['module'], 44):<44} {det['dtype']:>8} {_stats(row)} "
                          f"{'—' if local is None else _f(local)} {_f(det['rel_err'])}  {' '.join(flags)}")
         if self.grad_rows:
             lines += ["", f"output gradients (backward order); first_bad_grad={self.first_bad_grad}",
@@ -247,10 +250,10 @@ class LayerwiseReport:
             return "summary: no module produced a floating-point output to compare"
         row, det = self.ranked()[0]
         bad = sum(not r["ok"] for r in self.rows)
-        local = det.get("local_rel_err")
-        own = "" if local is None else f", its own error {local:.2e} (limit {det.get('local_tol', 0):.2e})"
-        tol = f"tolerance rtol {det['rtol']:.2e}" if det.get("rtol") is not None else "the given tolerance"
-        if det.get("new_nonfinite"):
+        local = det["local_rel_err"]
+        own = "" if local is None else f", its own error {local:.2e} (limit {det['local_tol']:.2e})"
+        tol = f"tolerance rtol {det['rtol']:.2e}"
+        if det["new_nonfinite"]:
             why = "creates inf/NaN from a finite input (overflow in the low dtype)"
         elif not row["ok"]:
             why = f"out of tolerance: relative error {det['rel_err']:.2e} vs {tol}{own}, cosine {row['cosine']:.5f}"
@@ -297,11 +300,12 @@ def _watched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 class _Recorder:
-    """Hooks of one run.  ``ref`` runs first and stores; ``low`` compares against it."""
+    """Hooks of one run.  The fp32 run (no ``shadow``) runs first and stores; the low run
+    compares against its ``shadow``."""
 
-    def __init__(self, model: nn.Module, role: str, shadow: Optional["_Recorder"], tol: "Tolerance",
+    def __init__(self, model: nn.Module, shadow: Optional["_Recorder"], tol: "Tolerance",
                  local: bool, grads: bool, grad_scale: float):
-        self.role, self.shadow, self.tol = role, shadow, tol
+        self.shadow, self.tol = shadow, tol
         self.depth = 0  # modules with parameters run so far (the low run's depth)
         self.rtols: dict[str, float] = {}
         self.local, self.grads, self.grad_scale = local, grads, grad_scale
@@ -310,10 +314,9 @@ class _Recorder:
         self.in_template: dict[tuple, Any] = {}  # low: the call's (args, kwargs, all finite?) as passed in
         self.outputs: dict[tuple, list] = {}
         self.out_grads: dict[tuple, dict] = {}  # in backward order
-        self.stats: dict[str, list] = {}
-        self.local_stats: dict[str, list] = {}
-        self.local_input_ok: dict[str, list] = {}
-        self.new_nonfinite: dict[str, list] = {}
+        # low, per module, one entry per call: the comparison, "made inf/NaN of a finite input",
+        # (own-error comparison, "the fp32 input fits the dtype")
+        self.stats, self.new_nonfinite, self.local_stats = defaultdict(list), defaultdict(list), defaultdict(list)
         self.dtypes: dict[str, str] = {}
         self.busy = False  # True while a module is re-run for its local error
         self.handles = []
@@ -333,10 +336,10 @@ class _Recorder:
             if self.busy:
                 return None
             key = (name, self.calls.get(name, 0))
-            if self.role == "ref" and self.local:
+            if self.shadow is None and self.local:
                 # Cloned now: an in-place module (ReLU(inplace=True)) overwrites its input.
                 self.inputs[key] = (_detach_clone(args), _detach_clone(kwargs))
-            if self.role == "low":  # only the dtypes are read (for the local cast)
+            if self.shadow is not None:  # only the dtypes are read (for the local cast)
                 self.in_template[key] = (args, kwargs, _all_finite((args, kwargs)))
         return hook
 
@@ -352,7 +355,7 @@ class _Recorder:
                 return None
             if self.grads:
                 self._watch_grad(key, outs)
-            if self.role == "ref":
+            if self.shadow is None:
                 # Cloned: a later in-place op would change the stored values.
                 self.outputs[key] = [t.detach().clone() for t in outs]
                 return None
@@ -360,14 +363,13 @@ class _Recorder:
             if name not in self.rtols:
                 self.depth += next(iter(module.parameters(recurse=False)), None) is not None
                 self.rtols[name] = self.tol.rtol_at(max(1, self.depth))
-            rtol, atol = self.rtols[name], self.tol.atol
             # Popped: each stored fp32 tensor is compared once, then freed (peak memory).
             ref = self.shadow.outputs.pop(key, None)
             if ref is None or [t.shape for t in ref] != [t.shape for t in outs]:
                 return None
-            self.stats.setdefault(name, []).append(_call_stats(ref, outs, rtol, atol))
+            self.stats[name].append(_call_stats(ref, outs, self.rtols[name], self.tol.atol))
             low_args, low_kwargs, in_finite = self.in_template.pop(key, (args, kwargs, torch.tensor(True)))
-            self.new_nonfinite.setdefault(name, []).append(in_finite & ~_all_finite(outs))
+            self.new_nonfinite[name].append(in_finite & ~_all_finite(outs))
             if self.local and key in self.shadow.inputs:
                 self._local(module, name, key, low_args, low_kwargs, ref)
         return hook
@@ -386,8 +388,7 @@ class _Recorder:
         finally:
             self.busy = False
         if [t.shape for t in out] == [t.shape for t in ref]:
-            self.local_stats.setdefault(name, []).append(_call_stats(ref, out, self.tol.rtol_at(1), self.tol.atol))
-            self.local_input_ok.setdefault(name, []).append(ok_in)
+            self.local_stats[name].append((_call_stats(ref, out, self.tol.rtol_at(1), self.tol.atol), ok_in))
 
     def _watch_grad(self, key, outs) -> None:
         for i, t in enumerate(outs):
@@ -474,8 +475,8 @@ def compare_layerwise(model: nn.Module, example_input: Any, precision: Any = "bf
 
     name = getattr(prec, "precision", None) or getattr(prec, "name", None) or str(precision)
     tol = Tolerance(_unit_roundoff(str(name)), rtol=rtol, atol=atol)
-    ref_rec = _Recorder(ref_model, "ref", None, tol, local, backward, 1.0)
-    low_rec = _Recorder(low_model, "low", ref_rec, tol, local, backward, loss_scale)
+    ref_rec = _Recorder(ref_model, None, tol, local, backward, 1.0)
+    low_rec = _Recorder(low_model, ref_rec, tol, local, backward, loss_scale)
     loss_fn = loss_fn or _projection_loss
     try:
         with torch.set_grad_enabled(backward), _strict_fp32():
@@ -501,24 +502,21 @@ def _fill_forward(report: LayerwiseReport, ref_rec: _Recorder, low_rec: _Recorde
     unmatched = [n for n in ref_rec.calls if n not in low_rec.stats and (n, 0) in ref_rec.outputs]
     if unmatched:
         report.notes.append(f"{len(unmatched)} module(s) had no matching low-precision output: {unmatched[:5]}")
-    for name in ref_rec.calls:
-        vecs = low_rec.stats.get(name)
-        if not vecs:
-            continue
-        s = _finalize(vecs)
-        report.rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})
-        det = {"module": name, "dtype": low_rec.dtypes.get(name, ""), "calls": len(vecs), "rel_err": s["rel_err"],
-               "rtol": low_rec.rtols.get(name),
-               "new_nonfinite": any(bool(t) for t in low_rec.new_nonfinite[name])}
+    for name in [n for n in ref_rec.calls if n in low_rec.stats]:
+        s = _finalize(low_rec.stats[name])
+        row = _row(name, s)
+        det = {"module": name, "dtype": low_rec.dtypes[name], "calls": len(low_rec.stats[name]),
+               "rel_err": s["rel_err"], "rtol": low_rec.rtols[name],
+               "new_nonfinite": any(bool(t) for t in low_rec.new_nonfinite[name]), "local_max_abs": None,
+               "local_rel_err": None, "local_cosine": None, "local_ok": None, "local_input_ok": True}
         if name in low_rec.local_stats:
-            ls = _finalize(low_rec.local_stats[name])
-            input_ok = all(bool(t) for t in low_rec.local_input_ok[name])
+            ls = _finalize([v for v, _ in low_rec.local_stats[name]])
+            input_ok = all(bool(ok) for _, ok in low_rec.local_stats[name])
             own_ok = not input_ok or ls["rel_err"] <= tol.local_limit()
             det.update(local_max_abs=ls["max_abs"], local_rel_err=ls["rel_err"], local_cosine=ls["cosine"],
                        local_ok=ls["ok"] and own_ok, local_input_ok=input_ok, local_tol=tol.local_limit())
-            report.rows[-1]["ok"] = report.rows[-1]["ok"] and own_ok
-        else:
-            det.update(local_max_abs=None, local_rel_err=None, local_cosine=None, local_ok=None, local_input_ok=True)
+            row["ok"] = row["ok"] and own_ok
+        report.rows.append(row)
         report.details.append(det)
 
 
@@ -531,9 +529,8 @@ def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale, rtol
             continue
         per_module.setdefault(key[0], []).append(
             _call_stats([ref_g[i] for i in idx], [low_g[i] for i in idx], rtol, atol))
-    for name, vecs in per_module.items():  # insertion order = backward execution order
-        s = _finalize(vecs)
-        report.grad_rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})
+    # insertion order = backward execution order
+    report.grad_rows += [_row(name, _finalize(vecs)) for name, vecs in per_module.items()]
     low_mods = dict(low_model.named_modules())
     for name, ref_m in ref_model.named_modules():
         low_params = dict(low_mods[name].named_parameters(recurse=False)) if name in low_mods else {}
@@ -541,6 +538,5 @@ def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale, rtol
                  if p.grad is not None and n in low_params and low_params[n].grad is not None]
         if not pairs:
             continue
-        s = _finalize([_call_stats([a for a, _ in pairs], [b.float() / loss_scale for _, b in pairs],
-                                   rtol, atol)])
-        report.param_grad_rows.append({k: (name if k == "module" else s[k]) for k in ROW_KEYS})
+        s = _finalize([_call_stats([a for a, _ in pairs], [b.float() / loss_scale for _, b in pairs], rtol, atol)])
+        report.param_grad_rows.append(_row(name, s))
