@@ -21,9 +21,6 @@ from torch import nn
 from mptrain.numerics.layerwise import _call
 
 QMIN, QMAX = -128, 127
-#: the largest K for which an int32 accumulator of int8 products cannot overflow
-#: (|q| <= 128, so each product is at most 2**14 and K * 2**14 must stay below 2**31).
-INT32_SAFE_K = (2**31 - 1) // (128 * 128)
 
 SCHEMES = ("symmetric", "asymmetric")
 WEIGHT_GRANULARITIES = ("per_channel", "per_tensor")
@@ -124,15 +121,8 @@ def int8_matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Exact int8 ``[M,K] @ [K,N]`` with int32 result, on any device, without tensor cores; a result
     outside int32 raises instead of wrapping silently."""
     _check_mm_operands(a, b)
-    if a.is_cuda:
-        # CUDA has no integer matmul; float64 is exact here (|sum| < 2**53 for any K < 2**39).
-        out = (a.double() @ b.double()).round()
-        if out.abs().max() > 2**31 - 1:
-            raise OverflowError("int8_matmul_reference: result exceeds int32")
-        return out.to(torch.int32)
-    if a.shape[1] <= INT32_SAFE_K:
-        return a.to(torch.int32) @ b.to(torch.int32)
-    out = a.to(torch.int64) @ b.to(torch.int64)
+    # int64 holds every sum exactly; CUDA has no integer matmul, but float64 is exact too (|sum| < 2**53).
+    out = (a.double() @ b.double()).round() if a.is_cuda else a.to(torch.int64) @ b.to(torch.int64)
     if out.numel() and out.abs().max() > 2**31 - 1:
         raise OverflowError(f"int8_matmul_reference: K={a.shape[1]} products overflow int32")
     return out.to(torch.int32)
@@ -240,6 +230,14 @@ class Int8DynamicLinear(nn.Module):
                 f"weight={c.weight}/{c.weight_granularity}, activation={c.activation}/{c.activation_granularity}")
 
 
+def _linears(model: nn.Module, skip: Iterable[str], caller: str) -> list[tuple[str, nn.Linear]]:
+    skip = set(skip)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
+    if not linears:
+        raise ValueError(f"{caller}: the model has no nn.Linear to quantize (skip={sorted(skip)})")
+    return linears
+
+
 def quantize_dynamic(model: nn.Module, config: QuantConfig = QuantConfig(), inplace: bool = False,
                      skip: Iterable[str] = ()) -> nn.Module:
     """Replace every ``nn.Linear`` (except names in ``skip``) by an :class:`Int8DynamicLinear`, scales
@@ -247,10 +245,7 @@ def quantize_dynamic(model: nn.Module, config: QuantConfig = QuantConfig(), inpl
     if not inplace:
         model = copy.deepcopy(model)
     model.float()
-    skip = set(skip)
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
-    if not targets:
-        raise ValueError("quantize_dynamic: the model has no nn.Linear to quantize")
+    targets = _linears(model, skip, "quantize_dynamic")
     if targets[0][0] == "":
         raise ValueError("quantize_dynamic: the model itself is an nn.Linear; wrap it in a container")
     for name, lin in targets:
@@ -296,10 +291,7 @@ def quantization_report(model: nn.Module, example_input=None, config: QuantConfi
     """Quantization error of each Linear: of its weight, and (with ``example_input``) of its output,
     the int8 layer fed the fp32 input its original saw (so the number belongs to that layer alone)."""
     ref = copy.deepcopy(model).float().eval()
-    skip = set(skip)
-    linears = [(n, m) for n, m in ref.named_modules() if isinstance(m, nn.Linear) and n not in skip]
-    if not linears:
-        raise ValueError("quantization_report: the model has no nn.Linear")
+    linears = _linears(ref, skip, "quantization_report")
     out_err: dict[str, tuple[float, float]] = {}
     if example_input is not None:
         quantized = {n: Int8DynamicLinear(m, config) for n, m in linears}

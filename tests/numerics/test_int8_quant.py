@@ -40,6 +40,14 @@ def test_reference_matmul_extremes_do_not_wrap():
     assert int(int8_matmul_reference(a, b)[0, 0]) == k * 128 * 128
 
 
+def test_reference_matmul_raises_where_int32_would_wrap():
+    k = 2**31 // (128 * 128)  # the smallest K whose extreme products (each 2**14) overflow int32
+    a, b = torch.full((1, k), -128, dtype=torch.int8), torch.full((k, 1), -128, dtype=torch.int8)
+    with pytest.raises(OverflowError, match="overflow int32"):
+        int8_matmul_reference(a, b)
+    assert int(int8_matmul_reference(a[:, :-1], b[:-1])[0, 0]) == (k - 1) * 128 * 128
+
+
 def test_int8_matmul_on_cpu_is_the_reference():
     a, b = _int8((20, 16), 2), _int8((16, 8), 3)
     assert torch.equal(int8_matmul(a, b), int8_matmul_reference(a, b))
