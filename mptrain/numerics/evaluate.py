@@ -131,8 +131,7 @@ def _run_one(model, precision, loader, metric, device, quant_config, batch_fn, m
     if not times:
         raise ValueError("evaluate_precisions: the dataloader yielded no batch")
     value = met.compute() if stateful else metric(torch.cat(preds), torch.cat(targets))
-    timed = times[warmup_batches:] if len(times) > warmup_batches else times
-    return float(value), statistics.median(timed), nonfinite
+    return float(value), statistics.median(times[warmup_batches:] or times), nonfinite
 
 
 def evaluate_precisions(model: nn.Module, dataloader: Iterable, metric: Any = "accuracy",
@@ -184,5 +183,4 @@ def evaluate_precisions(model: nn.Module, dataloader: Iterable, metric: Any = "a
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
+    return f"{type(e).__name__}: {next(iter(str(e).strip().splitlines()), '')}"[:200]

@@ -6,6 +6,7 @@ to "not available (why)" instead of raising: the doctor must run on a broken mac
 """
 from __future__ import annotations
 
+import contextlib
 import platform
 import re
 import shutil
@@ -34,10 +35,8 @@ def tool_versions() -> dict:
     """torch, CUDA runtime of torch, cuDNN, driver, nvcc, ninja, python."""
     v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                          "torch_cuda": torch.version.cuda, "cudnn": None, "driver": None, "nvcc": None, "ninja": None}
-    try:
-        v["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    except Exception:  # noqa: BLE001 - a broken cuDNN install is reported, not raised
-        v["cudnn"] = None
+    with contextlib.suppress(Exception):  # None without cuDNN; a broken cuDNN install is reported, not raised
+        v["cudnn"] = torch.backends.cudnn.version()
     smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     if smi:
         v["driver"] = smi.splitlines()[0].strip()
@@ -106,16 +105,15 @@ def recommend(gpus: list[dict]) -> str:
     if not gpus:
         extra = "" if cpu_lacks_native_bf16() else " ('bf16-mixed' is worth trying: this CPU has native bf16)"
         return f"No CUDA GPU: train on the CPU path with precision='32-true'{extra}; fused kernels are GPU-only."
-    g = gpus[0]
-    tc = g["tensor_cores"]
-    probes = g.get("probes") or {}
-    if tc["bf16"] and probes.get("bf16", {}).get("ok", True):
+    g, tc = gpus[0], gpus[0]["tensor_cores"]
+    gpu = f"{g['name']} (sm_{g['capability'].replace('.', '')})"
+    if tc["bf16"] and (g.get("probes") or {}).get("bf16", {}).get("ok", True):
         fp8 = " FP8 tensor cores are present (benchmark with `mptrain bench gemm`)." if tc["fp8"] else ""
-        return (f"{g['name']} (sm_{g['capability'].replace('.', '')}): use precision='bf16-master' "
-                f"(bf16 has fp32's range: no loss scaling needed); TF32 for the fp32 parts.{fp8}")
+        return (f"{gpu}: use precision='bf16-master' (bf16 has fp32's range: no loss scaling needed); "
+                f"TF32 for the fp32 parts.{fp8}")
     if tc["fp16"]:
-        return (f"{g['name']} (sm_{g['capability'].replace('.', '')}) has no bf16: use precision='16-master' with the "
-                f"dynamic loss scaler, and check `mptrain numerics` for overflowing layers.")
+        return (f"{gpu} has no bf16: use precision='16-master' with the dynamic loss scaler, and check "
+                "`mptrain numerics` for overflowing layers.")
     return f"{g['name']} has no tensor cores for half precision: use precision='32-true'."
 
 
@@ -123,8 +121,6 @@ def doctor_report(build_extension: Optional[bool] = None, probe: bool = True) ->
     """Everything `mptrain doctor` prints, as a JSON-serializable dict.  ``build_extension``: build/load
     the CUDA extension (default: only with a GPU, where it is useful; the first build takes minutes)."""
     gpus = gpu_info(probe=probe)
-    if build_extension is None:
-        build_extension = bool(gpus)
     return {
         "versions": tool_versions(),
         "cuda_available": torch.cuda.is_available(),
@@ -132,7 +128,7 @@ def doctor_report(build_extension: Optional[bool] = None, probe: bool = True) ->
         "cpu": {"machine": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
                 "bf16_native": not cpu_lacks_native_bf16()},
         "matmul_precision": torch.get_float32_matmul_precision(),
-        "extension": extension_info(build_extension),
+        "extension": extension_info(bool(gpus) if build_extension is None else build_extension),
         "recommendation": recommend(gpus),
     }
 
