@@ -83,10 +83,6 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _detach_clone(obj: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), obj)
-
-
 def _cast_like(ref: Any, low: Any) -> Any:
     """fp32 ``ref`` values in the dtypes of the matching tensors of ``low`` (same structure)."""
     if isinstance(ref, torch.Tensor):
@@ -311,7 +307,7 @@ class _Recorder:
         self.local, self.grads, self.grad_scale = local, grads, grad_scale
         self.calls: dict[str, int] = {}  # in first-call order
         self.inputs: dict[tuple, Any] = {}  # ref: cloned (args, kwargs) per call, for the local re-runs
-        self.in_template: dict[tuple, Any] = {}  # low: the call's (args, kwargs, all finite?) as passed in
+        self.in_template: dict[tuple, Any] = {}  # low: the call's ((args, kwargs), all finite?) as passed in
         self.outputs: dict[tuple, list] = {}
         self.out_grads: dict[tuple, dict] = {}  # in backward order
         # low, per module, one entry per call: the comparison, "made inf/NaN of a finite input",
@@ -338,9 +334,9 @@ class _Recorder:
             key = (name, self.calls.get(name, 0))
             if self.shadow is None and self.local:
                 # Cloned now: an in-place module (ReLU(inplace=True)) overwrites its input.
-                self.inputs[key] = (_detach_clone(args), _detach_clone(kwargs))
+                self.inputs[key] = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
             if self.shadow is not None:  # only the dtypes are read (for the local cast)
-                self.in_template[key] = (args, kwargs, _all_finite((args, kwargs)))
+                self.in_template[key] = ((args, kwargs), _all_finite((args, kwargs)))
         return hook
 
     def _post(self, name: str):
@@ -368,17 +364,17 @@ class _Recorder:
             if ref is None or [t.shape for t in ref] != [t.shape for t in outs]:
                 return None
             self.stats[name].append(_call_stats(ref, outs, self.rtols[name], self.tol.atol))
-            low_args, low_kwargs, in_finite = self.in_template.pop(key, (args, kwargs, torch.tensor(True)))
+            low_in, in_finite = self.in_template.pop(key, ((args, kwargs), torch.tensor(True)))
             self.new_nonfinite[name].append(in_finite & ~_all_finite(outs))
             if self.local and key in self.shadow.inputs:
-                self._local(module, name, key, low_args, low_kwargs, ref)
+                self._local(module, name, key, low_in, ref)
         return hook
 
-    def _local(self, module, name, key, args, kwargs, ref) -> None:
-        ref_args, ref_kwargs = self.shadow.inputs.pop(key)
-        cast_args, cast_kwargs = _cast_like(ref_args, args), _cast_like(ref_kwargs, kwargs)
+    def _local(self, module, name, key, low_in, ref) -> None:
+        ref_in = self.shadow.inputs.pop(key)  # (args, kwargs), like low_in
+        cast_args, cast_kwargs = _cast_like(ref_in, low_in)
         # The cast itself may overflow (fp32 value > fp16 max): then the damage is upstream.
-        ok_in = _all_finite((cast_args, cast_kwargs)) | ~_all_finite((ref_args, ref_kwargs))
+        ok_in = _all_finite((cast_args, cast_kwargs)) | ~_all_finite(ref_in)
         self.busy = True
         try:
             with torch.no_grad():
