@@ -104,8 +104,7 @@ def numerics_main(argv: Optional[list[str]] = None) -> int:
     except ValueError:
         raise bad_value("precision", precision, ", ".join(PRECISIONS)) from None
     model, batch = build_model_and_batch(parser, cfg)
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = model.to(device)
+    model = model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     example = apply_to_collection(batch_to_input(model, batch), torch.Tensor,
                                   lambda t: t[:cfg.max_samples] if t.dim() else t)
     report = compare_layerwise(model, example, precision=str(precision), rtol=cfg.rtol, atol=cfg.atol,

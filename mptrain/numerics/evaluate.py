@@ -86,8 +86,7 @@ def _prediction(out: Any) -> torch.Tensor:
 def _prepare(model: nn.Module, precision: str, device: torch.device, quant_config: QuantConfig):
     """(model copy, input converter, forward context factory) for one precision."""
     if precision == "int8-dynamic":
-        q = quantize_dynamic(model, quant_config).to(device)
-        return q, (lambda x: x), contextlib.nullcontext
+        return quantize_dynamic(model, quant_config).to(device), (lambda x: x), contextlib.nullcontext
     from mptrain.precision import build_precision
 
     prec = build_precision(precision, device=device)

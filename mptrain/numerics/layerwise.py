@@ -40,31 +40,29 @@ LOCAL_FACTOR = 4.0
 class Tolerance:
     """What "ok" means for one module: ``|low - fp32| <= atol + rtol * |fp32|`` element-wise.
 
-    By default ``rtol = factor * u * sqrt(depth)``: ``u`` the low dtype's unit roundoff, ``depth``
+    By default ``rtol = TOL_FACTOR * u * sqrt(depth)``: ``u`` the low dtype's unit roundoff, ``depth``
     the number of modules with parameters run so far (independent roundings add up like a random
     walk; a layer's reduction size K does not widen it, products accumulate in fp32), and
     ``atol = rtol * rms(fp32 output)``.  The module's own error (relative L2 on its fp32 input)
-    must also stay within ``local_factor * u``: that catches one wrong layer whose damage is small
+    must also stay within ``LOCAL_FACTOR * u``: that catches one wrong layer whose damage is small
     next to the inherited error.  An explicit ``rtol`` / ``atol`` is used for every module (and
     rtol bounds the own error too)."""
 
     unit_roundoff: float
-    factor: float = TOL_FACTOR
-    local_factor: float = LOCAL_FACTOR
     rtol: Optional[float] = None
     atol: Optional[float] = None
 
     def rtol_at(self, depth: int) -> float:
-        return self.rtol if self.rtol is not None else self.factor * self.unit_roundoff * math.sqrt(depth)
+        return self.rtol if self.rtol is not None else TOL_FACTOR * self.unit_roundoff * math.sqrt(depth)
 
     def local_limit(self) -> float:
-        return self.rtol if self.rtol is not None else self.local_factor * self.unit_roundoff
+        return self.rtol if self.rtol is not None else LOCAL_FACTOR * self.unit_roundoff
 
     def describe(self) -> str:
         r = f"rtol={self.rtol}" if self.rtol is not None else \
-            f"rtol={self.factor:g}*u*sqrt(depth), u=2^{int(math.log2(self.unit_roundoff))}"
+            f"rtol={TOL_FACTOR:g}*u*sqrt(depth), u=2^{int(math.log2(self.unit_roundoff))}"
         a = f"atol={self.atol}" if self.atol is not None else "atol=rtol*rms(output)"
-        own = "" if self.rtol is not None else f", own error <= {self.local_factor:g}*u"
+        own = "" if self.rtol is not None else f", own error <= {LOCAL_FACTOR:g}*u"
         return f"{r}, {a}{own}"
 
 
