@@ -167,9 +167,7 @@ def evaluate_precisions(model: nn.Module, dataloader: Iterable, metric: Any = "a
         try:
             value, latency, nonfinite = _run_one(model, p, dataloader, metric, device, quant_config, batch_fn,
                                                  max_batches, warmup_batches)
-            row.update(metric=value, latency_ms=latency)
-            if nonfinite:
-                row["status"] = "ok (outputs contain inf/NaN)"
+            row.update(metric=value, latency_ms=latency, status="ok (outputs contain inf/NaN)" if nonfinite else "ok")
         except (RuntimeError, NotImplementedError, TypeError) as e:  # this device/dtype cannot run the model
             row["status"] = f"unsupported: {_first_line(e)}"
         table.rows.append(row)

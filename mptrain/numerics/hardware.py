@@ -43,8 +43,7 @@ def tool_versions() -> dict:
     cuda_home = find_cuda_home()
     if cuda_home is not None:
         nvcc = str(cuda_home / "bin" / "nvcc")
-        out = _run([nvcc, "--version"])
-        m = re.search(r"release ([\d.]+)", out or "")
+        m = re.search(r"release ([\d.]+)", _run([nvcc, "--version"]) or "")
         v["nvcc"] = f"{m.group(1)} ({nvcc})" if m else f"unknown ({nvcc})"
     ninja = shutil.which("ninja")  # torch's cpp_extension runs the ninja on PATH
     if ninja:

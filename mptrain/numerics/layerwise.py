@@ -515,14 +515,13 @@ def _fill_forward(report: LayerwiseReport, ref_rec: _Recorder, low_rec: _Recorde
 
 
 def _fill_grads(report, ref_rec, low_rec, ref_model, low_model, loss_scale, rtol: float, atol: Optional[float]) -> None:
-    per_module: dict[str, list] = {}
+    per_module = defaultdict(list)
     for key, low_g in low_rec.out_grads.items():
         ref_g = ref_rec.out_grads.get(key, {})
         idx = sorted(ref_g)
         if not idx or idx != sorted(low_g) or [ref_g[i].shape for i in idx] != [low_g[i].shape for i in idx]:
             continue
-        per_module.setdefault(key[0], []).append(
-            _call_stats([ref_g[i] for i in idx], [low_g[i] for i in idx], rtol, atol))
+        per_module[key[0]].append(_call_stats([ref_g[i] for i in idx], [low_g[i] for i in idx], rtol, atol))
     # insertion order = backward execution order
     report.grad_rows += [_row(name, _finalize(vecs)) for name, vecs in per_module.items()]
     low_mods = dict(low_model.named_modules())

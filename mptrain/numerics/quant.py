@@ -201,8 +201,7 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("weight_zero", zero.reshape(-1))
         # Column sums of the weight codes, needed only when activations carry a zero point.
         self.register_buffer("weight_colsum", q.to(torch.int32).sum(dim=1))  # [out]
-        bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        self.register_buffer("bias", bias)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -242,9 +241,7 @@ def quantize_dynamic(model: nn.Module, config: QuantConfig = QuantConfig(), inpl
                      skip: Iterable[str] = ()) -> nn.Module:
     """Replace every ``nn.Linear`` (except names in ``skip``) by an :class:`Int8DynamicLinear`, scales
     computed from fp32 weights; returns the quantized model (a deep copy unless ``inplace``)."""
-    if not inplace:
-        model = copy.deepcopy(model)
-    model.float()
+    model = (model if inplace else copy.deepcopy(model)).float()
     targets = _linears(model, skip, "quantize_dynamic")
     if targets[0][0] == "":
         raise ValueError("quantize_dynamic: the model itself is an nn.Linear; wrap it in a container")
