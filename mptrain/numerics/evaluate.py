@@ -45,11 +45,9 @@ class PrecisionTable:
     def __str__(self) -> str:
         head = f"{'precision':<14} {self.metric_name:>12} {'diff vs fp32':>13} {'latency ms':>11} {'speed-up':>9}  status"
         lines = [head, "-" * len(head)]
+        formats = {"metric": "{:12.4f}", "diff": "{:+13.4f}", "latency_ms": "{:11.3f}", "speedup": "{:8.2f}x"}
         for r in self.rows:
-            m = "—" if r["metric"] is None else f"{r['metric']:12.4f}"
-            d = "—" if r["diff"] is None else f"{r['diff']:+13.4f}"
-            lat = "—" if r["latency_ms"] is None else f"{r['latency_ms']:11.3f}"
-            sp = "—" if r["speedup"] is None else f"{r['speedup']:8.2f}x"
+            m, d, lat, sp = ("—" if r[k] is None else f.format(r[k]) for k, f in formats.items())
             lines.append(f"{r['precision']:<14} {m:>12} {d:>13} {lat:>11} {sp:>9}  {r['status']}")
         return "\n".join(lines)
 

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from mptrain.numerics import QuantConfig, evaluate_precisions
+from mptrain.numerics import PrecisionTable, QuantConfig, evaluate_precisions
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,13 @@ def test_unknown_precision_is_rejected(digits):
     model, loader = digits
     with pytest.raises(ValueError, match="unknown precision"):
         evaluate_precisions(model, loader, "accuracy", precisions=("int4",))
+
+
+def test_table_text_formats_each_number_and_dashes_the_missing():
+    table = PrecisionTable("acc", rows=[
+        {"precision": "32-true", "metric": 91.25, "diff": 0.0, "latency_ms": 2.5, "speedup": 1.0, "status": "ok"},
+        {"precision": "16-true", "metric": None, "diff": None, "latency_ms": None, "speedup": None,
+         "status": "unsupported: RuntimeError: no half"}])
+    lines = str(table).splitlines()
+    assert lines[2].split() == ["32-true", "91.2500", "+0.0000", "2.500", "1.00x", "ok"]
+    assert lines[3].split() == ["16-true", "—", "—", "—", "—", "unsupported:", "RuntimeError:", "no", "half"]
