@@ -294,8 +294,7 @@ def _watched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 class _Recorder:
-    """Hooks of one run.  The fp32 run (no ``shadow``) runs first and stores; the low run
-    compares against its ``shadow``."""
+    """Hooks of one run: the fp32 one (no ``shadow``) runs first and stores, the low one compares."""
 
     def __init__(self, model: nn.Module, shadow: Optional["_Recorder"], tol: "Tolerance",
                  local: bool, grads: bool, grad_scale: float):
@@ -308,8 +307,7 @@ class _Recorder:
         self.in_template: dict[tuple, Any] = {}  # low: the call's ((args, kwargs), all finite?) as passed in
         self.outputs: dict[tuple, list] = {}
         self.out_grads: dict[tuple, dict] = {}  # in backward order
-        # low, per module, one entry per call: the comparison, "made inf/NaN of a finite input",
-        # (own-error comparison, "the fp32 input fits the dtype")
+        # low, per module and call: comparison, new inf/NaN?, (own-error comparison, fp32 input fits?)
         self.stats, self.new_nonfinite, self.local_stats = defaultdict(list), defaultdict(list), defaultdict(list)
         self.dtypes: dict[str, str] = {}
         self.busy = False  # True while a module is re-run for its local error
