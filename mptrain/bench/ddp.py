@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,9 +87,6 @@ class Probe(Callback):
             self._stop_profile(trainer.global_rank)
 
     def _start_sync_log(self) -> None:
-        import traceback
-        import warnings
-
         self._sync_log = []
         self._warn_ctx = warnings.catch_warnings()
         self._warn_ctx.__enter__()
@@ -152,8 +151,7 @@ def launch(model: str, nproc: int, out_dir: str, probe: dict, args) -> dict:
            "--precision", args.precision, "--out", out_dir, "--probe", json.dumps(probe),
            *(["--cpu"] if args.cpu else []), *(["--quick"] if args.quick else []),
            *(["--batch", str(args.batch)] if args.batch else [])]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.cpu:  # torchrun gives each rank one OpenMP thread unless told otherwise
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     start = time.perf_counter()
