@@ -133,7 +133,7 @@ def _sgd_case(shapes, n) -> Result:
 
 def _unscale_cases(shapes, n) -> list[Result]:
     results = []
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
         grads = _randn(shapes, dtype)
         found = torch.zeros(1, device="cuda")
         scales = [torch.full((1,), s, device="cuda") for s in (0.5, 2.0)]  # values survive repeated calls
@@ -157,7 +157,6 @@ def _unscale_cases(shapes, n) -> list[Result]:
                 torch._amp_foreach_non_finite_check_and_unscale_(up, found, next_scale())
                 torch._foreach_copy_(grads, up)
 
-        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
         ours_ms = per_call_ms(ours)
         torch_ms = per_call_ms(theirs)
         g_ms = graph_ms(ours)

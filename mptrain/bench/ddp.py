@@ -50,7 +50,8 @@ class Probe(Callback):
             raise ValueError(f"profile_mode={profile_mode!r}; valid: 'full', 'cuda'")
         self.out_dir, self.warmup, self.steps = out_dir, warmup, steps
         self.profile, self.profile_mode, self.syncs = profile, profile_mode, syncs
-        self.count, self.t0, self.t1, self.batch = 0, None, None, None
+        self.count, self.t0, self.t1 = 0, None, None
+        self.batch = None  # the rank's batch size, set by its script (ddp_lightning)
         self._prof = self._sync_log = self._warn_ctx = self._pt0 = None
 
     @property
@@ -65,9 +66,6 @@ class Probe(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.count += 1
-        if self.batch is None:
-            first = batch["input_ids"] if isinstance(batch, dict) else batch[0]
-            self.batch = int(first.shape[0])
         timed_end = self.warmup + self.steps
         syncs_end = timed_end + self.syncs
         if self.count == self.warmup:

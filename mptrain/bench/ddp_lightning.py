@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = "cpu" if args.cpu else f"cuda:{local_rank}"
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    module, batches, _ = build(args.model, total, device, args.quick, args.batch, seed=rank,
-                               stock=args.trainer == "lightning")
+    module, batches, probe.batch = build(args.model, total, device, args.quick, args.batch, seed=rank,
+                                         stock=args.trainer == "lightning")
     use_optimizer(module, optimizer_factory("mptrain" if args.trainer == "mptrain" else "torch-fused"))
     if args.trainer == "lightning" and args.model == "resnet50" and not args.cpu:
         module = module.to(memory_format=torch.channels_last)
