@@ -333,7 +333,8 @@ def fused_kernel_status(quick: bool) -> str:
 
     get_extension(required=False)
     status = extension_status()
-    slow = "" if status == "built" else "NOT BUILT -- the mptrain cases run the slow reference code, not mptrain's speed: "
+    slow = ("" if status == "built"
+            else "NOT BUILT -- the mptrain cases run the slow reference code, not mptrain's speed: ")
     return slow + status.describe()
 
 

@@ -120,7 +120,8 @@ def _time_case(dtype: str, n: int, capability, device, gen, timer) -> dict:
         return {**row, "status": f"unsupported: {why}"}
     try:
         fn, reps = gemm_fn(dtype), products_per_call(n)
-        sets = itertools.cycle(input_sets(lambda: make_operands(dtype, n, device, gen), 2 * n * n * _TORCH_DTYPE[dtype].itemsize))
+        set_bytes = 2 * n * n * _TORCH_DTYPE[dtype].itemsize
+        sets = itertools.cycle(input_sets(lambda: make_operands(dtype, n, device, gen), set_bytes))
 
         def call():
             for _ in range(reps):
