@@ -54,8 +54,7 @@ def _cell_case(batch: int, hidden: int, quick: bool) -> list[Result]:
 
         def step(xhc):
             x, h, c = xhc
-            outs = cell(x, (h, c))
-            return torch.autograd.grad(outs, [x, h, c] + params, cot)
+            return torch.autograd.grad(cell(x, (h, c)), [x, h, c] + params, cot)
 
         return step
 

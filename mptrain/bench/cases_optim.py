@@ -12,6 +12,7 @@ Floors (bytes moved per parameter / 4.25 TB/s):
 from __future__ import annotations
 
 import itertools
+from functools import partial
 from typing import Optional
 
 import torch
@@ -85,10 +86,7 @@ def _adamw_cases(shapes, n) -> list[Result]:
     params, grads, masters, steps = _master_state(shapes)
     m, v = _randn(shapes, torch.float32, 1e-3), _randn(shapes, torch.float32, 1e-5, positive=True)
     kw = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, fused=True)
-
-    def ours():
-        ops.multi_tensor_adam(grads, params, m, v, steps, masters, **kw)
-
+    ours = partial(ops.multi_tensor_adam, grads, params, m, v, steps, masters, **kw)
     found = torch.zeros((), device="cuda")
 
     def ours_checked():  # what step(grad_scale=, found_inf=) does: inf check pass + update
@@ -125,11 +123,8 @@ def _adamw_cases(shapes, n) -> list[Result]:
 def _sgd_case(shapes, n) -> Result:
     params, grads, masters, steps = _master_state(shapes)
     bufs = _randn(shapes, torch.float32, 1e-2)
-
-    def ours():
-        ops.multi_tensor_sgd(grads, params, bufs, steps, masters, lr=1e-4, momentum=0.9, dampening=0.0,
-                             weight_decay=0.0, nesterov=False, fused=True)
-
+    ours = partial(ops.multi_tensor_sgd, grads, params, bufs, steps, masters, lr=1e-4, momentum=0.9,
+                   dampening=0.0, weight_decay=0.0, nesterov=False, fused=True)
     torch_path = _torch_master_path(params, grads, lambda w: torch.optim.SGD(w, lr=1e-4, momentum=0.9, fused=True))
 
     return Result("SGD momentum master bf16 BERT-large (20 B/param)", per_call_ms(ours), per_call_ms(torch_path),
@@ -138,7 +133,7 @@ def _sgd_case(shapes, n) -> Result:
 
 def _unscale_cases(shapes, n) -> list[Result]:
     results = []
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
         grads = _randn(shapes, dtype)
         found = torch.zeros(1, device="cuda")
         scales = [torch.full((1,), s, device="cuda") for s in (0.5, 2.0)]  # values survive repeated calls
@@ -162,7 +157,6 @@ def _unscale_cases(shapes, n) -> list[Result]:
                 torch._amp_foreach_non_finite_check_and_unscale_(up, found, next_scale())
                 torch._foreach_copy_(grads, up)
 
-        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
         ours_ms = per_call_ms(ours)
         torch_ms = per_call_ms(theirs)
         g_ms = graph_ms(ours)
@@ -175,15 +169,13 @@ def _unscale_cases(shapes, n) -> list[Result]:
 
 def _l2norm_case(shapes, n) -> Result:
     grads = _randn(shapes, torch.bfloat16)
-
-    def ours():
-        ops.multi_tensor_l2norm(grads, fused=True)
+    ours = partial(ops.multi_tensor_l2norm, grads, fused=True)
 
     def theirs():  # what torch.nn.utils.clip_grad_norm_ computes
         torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
     exact = torch.stack([g.double().norm() for g in grads]).norm()  # torch's bf16 _foreach_norm rounds to bf16
-    torch.testing.assert_close(ops.multi_tensor_l2norm(grads, fused=True).double(), exact, rtol=1e-5, atol=0)
+    torch.testing.assert_close(ours().double(), exact, rtol=1e-5, atol=0)
     g_ms = graph_ms(ours)
     return Result("l2norm bf16 grads (2 B/param)", per_call_ms(ours), per_call_ms(theirs), floor_ms(2 * n),
                   dict(single_call_ms=round(median_ms(ours), 4), graph_ms=g_ms))

@@ -33,10 +33,7 @@ def _fwd_bwd(fn, inputs):
 
 
 def _no_grad(fn):
-    def step(inputs):
-        with torch.no_grad():
-            return fn(inputs[0], inputs[1])
-    return step
+    return torch.no_grad()(lambda inputs: fn(inputs[0], inputs[1]))
 
 
 def _one_case(b, h, s, masked, causal, args) -> list[Result]:

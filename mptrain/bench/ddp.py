@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,7 +50,8 @@ class Probe(Callback):
             raise ValueError(f"profile_mode={profile_mode!r}; valid: 'full', 'cuda'")
         self.out_dir, self.warmup, self.steps = out_dir, warmup, steps
         self.profile, self.profile_mode, self.syncs = profile, profile_mode, syncs
-        self.count, self.t0, self.t1, self.batch = 0, None, None, None
+        self.count, self.t0, self.t1 = 0, None, None
+        self.batch = None  # the rank's batch size, set by its script (ddp_lightning)
         self._prof = self._sync_log = self._warn_ctx = self._pt0 = None
 
     @property
@@ -63,9 +66,6 @@ class Probe(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.count += 1
-        if self.batch is None:
-            first = batch["input_ids"] if isinstance(batch, dict) else batch[0]
-            self.batch = int(first.shape[0])
         timed_end = self.warmup + self.steps
         syncs_end = timed_end + self.syncs
         if self.count == self.warmup:
@@ -85,9 +85,6 @@ class Probe(Callback):
             self._stop_profile(trainer.global_rank)
 
     def _start_sync_log(self) -> None:
-        import traceback
-        import warnings
-
         self._sync_log = []
         self._warn_ctx = warnings.catch_warnings()
         self._warn_ctx.__enter__()
@@ -152,8 +149,7 @@ def launch(model: str, nproc: int, out_dir: str, probe: dict, args) -> dict:
            "--precision", args.precision, "--out", out_dir, "--probe", json.dumps(probe),
            *(["--cpu"] if args.cpu else []), *(["--quick"] if args.quick else []),
            *(["--batch", str(args.batch)] if args.batch else [])]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.cpu:  # torchrun gives each rank one OpenMP thread unless told otherwise
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     start = time.perf_counter()

@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from mptrain.bench.ddp import Probe
+from mptrain.bench.e2e import optimizer_factory
 from mptrain.bench.e2e_models import MODELS, build, make_trainer, use_optimizer
 
 
@@ -30,30 +32,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_trainer(args: argparse.Namespace, probe, total: int):
-    world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return make_trainer(args.trainer, args.precision, probe, total,
-                        {"channels_last": args.model == "resnet50" and not args.cpu},
-                        accelerator="cpu" if args.cpu else "cuda", devices=world, num_nodes=1,
-                        strategy="ddp" if world > 1 else "auto", benchmark=not args.cpu)
-
-
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from mptrain.bench.ddp import Probe
-    from mptrain.bench.e2e import optimizer_factory
-
     probe = Probe(args.out, **json.loads(args.probe))
     total = probe.total_steps
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = "cpu" if args.cpu else f"cuda:{local_rank}"
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    module, batches, _ = build(args.model, total, device, args.quick, args.batch, seed=rank,
-                               stock=args.trainer == "lightning")
+    module, batches, probe.batch = build(args.model, total, device, args.quick, args.batch, seed=rank,
+                                         stock=args.trainer == "lightning")
     use_optimizer(module, optimizer_factory("mptrain" if args.trainer == "mptrain" else "torch-fused"))
     if args.trainer == "lightning" and args.model == "resnet50" and not args.cpu:
         module = module.to(memory_format=torch.channels_last)
-    build_trainer(args, probe, total).fit(module, train_dataloaders=batches)
+    world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    trainer = make_trainer(args.trainer, args.precision, probe, total,
+                           {"channels_last": args.model == "resnet50" and not args.cpu},
+                           accelerator="cpu" if args.cpu else "cuda", devices=world, num_nodes=1,
+                           strategy="ddp" if world > 1 else "auto", benchmark=not args.cpu)
+    trainer.fit(module, train_dataloaders=batches)
     return 0
 
 

@@ -66,6 +66,9 @@ CASES = {
 }
 LIGHTNING_EAGER = ("lightning:bf16-mixed", "lightning:16-mixed", "lightning:bf16-true")
 LIGHTNING_COMPILE = ("lightning+compile:bf16-mixed", "lightning+compile:16-mixed", "lightning+compile:bf16-true")
+MPTRAIN_EAGER = tuple(n for n, s in CASES.items() if s.trainer == "mptrain" and not (s.compile or s.cuda_graphs))
+#: torch.compile's arguments under --quick, which checks the path, not inductor's code generation
+QUICK_COMPILE = {"backend": "eager"}
 
 
 @dataclass
@@ -146,13 +149,9 @@ def optimizer_factory(kind: str):
 
 def _trainer(spec: CaseSpec, precision: str, model: str, timer: StepTimer, total: int, quick: bool):
     ours = dict(channels_last=model == "resnet50", cuda_graphs=spec.cuda_graphs,
-                compile=(_compile_kwargs(quick) or True) if spec.compile else False)
+                compile=(QUICK_COMPILE if quick else True) if spec.compile else False)
     return make_trainer(spec.trainer, precision, timer, total, ours, accelerator="cpu" if quick else "cuda",
                         devices=1, benchmark=True)
-
-
-def _compile_kwargs(quick: bool) -> dict:
-    return {"backend": "eager"} if quick else {}  # --quick checks the path, not inductor's code generation
 
 
 def run_case(model: str, name: str, precision: str, warmup: int, steps: int, quick: bool) -> Result:
@@ -171,7 +170,7 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
         use_optimizer(module, optimizer_factory(spec.optimizer))
         if spec.trainer == "lightning":
             module = module.to(memory_format=torch.channels_last) if model == "resnet50" else module
-            module = compile_lightning_module(module, **_compile_kwargs(quick)) if spec.compile else module
+            module = compile_lightning_module(module, **(QUICK_COMPILE if quick else {})) if spec.compile else module
         trainer = _trainer(spec, precision, model, timer, total, quick)
         trainer.fit(module, train_dataloaders=batches)
         _record(res, timer, steps, getattr(trainer, "skipped_steps", None))
@@ -203,8 +202,7 @@ def _rate(results: list[Result], model: str, names) -> Optional[Result]:
 
 
 def best_mptrain_mode(results: list[Result], model: str) -> str:
-    best = _rate(results, model, [n for n, s in CASES.items() if s.trainer == "mptrain" and s.precision != "best"
-                                  and not (s.compile or s.cuda_graphs)])
+    best = _rate(results, model, MPTRAIN_EAGER)
     return best.precision if best else "bf16-master"
 
 
@@ -217,9 +215,8 @@ def summarize(results: list[Result], model: str) -> dict:
     def ratio(a, b):
         return a["samples_per_s"] / b["samples_per_s"] if a and b else None
 
-    mptrain_eager = [n for n, s in CASES.items() if s.trainer == "mptrain" and not s.compile and not s.cuda_graphs]
     out = {"mptrain_best": rate([n for n, s in CASES.items() if s.trainer == "mptrain"]),
-           "mptrain_eager_best": rate(mptrain_eager), "mptrain_compiled": rate(["mptrain+compile:best"]),
+           "mptrain_eager_best": rate(MPTRAIN_EAGER), "mptrain_compiled": rate(["mptrain+compile:best"]),
            "mptrain_cuda_graphs": rate(["mptrain+cuda_graphs:bf16-master"]),
            "mptrain_bf16_master": rate(["mptrain:bf16-master"]),
            "lightning_best": rate(LIGHTNING_EAGER), "lightning_compile": rate(LIGHTNING_COMPILE),
@@ -336,9 +333,9 @@ def fused_kernel_status(quick: bool) -> str:
 
     get_extension(required=False)
     status = extension_status()
-    if status != "built":
-        return f"NOT BUILT -- the mptrain cases run the slow reference code, not mptrain's speed: {status.describe()}"
-    return status.describe()
+    slow = ("" if status == "built"
+            else "NOT BUILT -- the mptrain cases run the slow reference code, not mptrain's speed: ")
+    return slow + status.describe()
 
 
 def _write_json(args: argparse.Namespace, results: list[Result], kernels: str) -> None:

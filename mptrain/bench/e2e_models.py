@@ -1,5 +1,5 @@
 """The models and data of the end-to-end benchmarks (`mptrain bench e2e` and `mptrain bench ddp`):
-ResNet-50 (torchvision) and BERT-base masked LM (``mptrain.models.BertMLM``), trained on
+ResNet-50 (``mptrain.models.ImageClassifier``) and BERT-base masked LM (``mptrain.models.BertMLM``), trained on
 synthetic batches made once on the device, so the input pipeline is not measured.
 
 ``quick=True`` shrinks both (ResNet-18 on 16x16 images, a 2-layer BERT) for CPU smoke tests."""
@@ -9,7 +9,6 @@ from typing import Callable, Iterator
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 MODELS = ("resnet50", "bert")
 #: per-GPU batch of the reference measurements (issues 11 and 12)
@@ -17,25 +16,6 @@ BATCH = {"resnet50": 256, "bert": 128}
 SEQ_LEN, MAX_PREDICTIONS, MASK_PROB = 128, 20, 0.15
 QUICK = {"batch": 2, "image_size": 16, "seq_len": 16, "vocab": 1000,
          "bert": dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)}
-
-
-class ImageClassifierBench(L.LightningModule):
-    """A torchvision classifier stored as ``self.model`` (what ``compile=True`` compiles)."""
-
-    def __init__(self, arch: str = "resnet50", num_classes: int = 1000):
-        super().__init__()
-        import torchvision
-
-        self.model = getattr(torchvision.models, arch)(num_classes=num_classes)
-
-    def forward(self, x):
-        return self.model(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
 
 
 class DeviceBatches:
@@ -82,13 +62,13 @@ def build(model: str, steps: int, device: str, quick: bool = False, batch: int |
     model a plain Lightning user trains."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
+    from mptrain.models import BertMLM, ImageClassifier
+
     batch = batch or (QUICK["batch"] if quick else BATCH[model])
     if model == "resnet50":
         size = QUICK["image_size"] if quick else 224
-        module = ImageClassifierBench("resnet18" if quick else "resnet50")
+        module = ImageClassifier("resnet18" if quick else "resnet50", num_classes=1000)
         return module, image_batches(batch, steps, device, size, seed=seed), batch
-    from mptrain.models import BertMLM
-
     vocab = QUICK["vocab"] if quick else 30522
     module = BertMLM(vocab_size=vocab, max_predictions=MAX_PREDICTIONS, fused_layernorm=not stock,
                      **(QUICK["bert"] if quick else {}))

@@ -20,7 +20,8 @@ from mptrain.bench.common import device_meta, fmt, input_sets, median_ms, write_
 MIN_CC = {"fp32": (0, 0), "tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "int8": (7, 5), "fp8": (8, 9)}
 DTYPES = tuple(MIN_CC)
 DEFAULT_SIZES = (1024, 4096, 8192)
-_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+_TORCH_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+                "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -68,15 +69,10 @@ def make_operands(dtype: str, n: int, device, gen: Optional[torch.Generator] = N
     a row-major; b column-major for int8/fp8, the layout cuBLASLt's int8/fp8 kernels take."""
     kw = {"device": device, "generator": gen}
     if dtype == "int8":
-        a = torch.randint(-128, 128, (n, n), dtype=torch.int8, **kw)
-        bt = torch.randint(-128, 128, (n, n), dtype=torch.int8, **kw)
-        return a, bt.t()
-    a = torch.randn(n, n, **kw)
-    b = torch.randn(n, n, **kw)
-    if dtype == "fp8":
-        return a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-    dt = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    return a.to(dt), b.to(dt)
+        a, b = (torch.randint(-128, 128, (n, n), dtype=torch.int8, **kw) for _ in range(2))
+    else:
+        a, b = (torch.randn(n, n, **kw).to(_TORCH_DTYPE[dtype]) for _ in range(2))
+    return (a, b.t()) if dtype in ("int8", "fp8") else (a, b)
 
 
 def gemm_fn(dtype: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -124,7 +120,8 @@ def _time_case(dtype: str, n: int, capability, device, gen, timer) -> dict:
         return {**row, "status": f"unsupported: {why}"}
     try:
         fn, reps = gemm_fn(dtype), products_per_call(n)
-        sets = itertools.cycle(input_sets(lambda: make_operands(dtype, n, device, gen), 2 * n * n * _BYTES[dtype]))
+        set_bytes = 2 * n * n * _TORCH_DTYPE[dtype].itemsize
+        sets = itertools.cycle(input_sets(lambda: make_operands(dtype, n, device, gen), set_bytes))
 
         def call():
             for _ in range(reps):

@@ -36,17 +36,14 @@ def step_ms(step: Callable[[object], object], sets: Sequence[object], rep_ms: fl
     """Milliseconds per ``step(set)``, and the method used ("graph xN" or "eager xN")."""
     steps = len(sets) * max(1, -(-min_steps // len(sets)))
 
+    def run_steps():
+        return [step(sets[i % len(sets)]) for i in range(steps)]
+
     try:
-        graph, _ = capture_graph(lambda: [step(sets[i % len(sets)]) for i in range(steps)],
-                                 warmup=lambda: [step(inp) for inp in sets])
+        graph, _ = capture_graph(run_steps, warmup=lambda: [step(inp) for inp in sets])
     except Exception as e:  # noqa: BLE001 - any capture failure falls back, and is reported
         torch.cuda.synchronize()
-
-        def loop():
-            for i in range(steps):
-                step(sets[i % len(sets)])
-
-        return median_ms(loop, rep_ms=rep_ms) / steps, f"eager x{steps} ({type(e).__name__})"
+        return median_ms(run_steps, rep_ms=rep_ms) / steps, f"eager x{steps} ({type(e).__name__})"
     ms = median_ms(graph.replay, rep_ms=rep_ms) / steps
     del graph
     return ms, f"graph x{steps}"

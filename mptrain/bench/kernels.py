@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from mptrain.bench import host_cost
 from mptrain.bench.common import device_meta, format_table, parse_csv, write_json
 
 FAMILIES = {name: f"mptrain.bench.cases_{name}" for name in ("optim", "norm", "softmax", "lstm")}
@@ -41,8 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.json}")
     if args.no_host:
         return 0
-    from mptrain.bench import host_cost
-
     print("\n== host cost per eager call ==", flush=True)
     host_json = str(Path(args.json).with_name(Path(args.json).stem + "_host.json"))
     return host_cost.main(["--json", host_json] + (["--quick"] if args.quick else []))

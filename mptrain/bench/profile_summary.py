@@ -4,17 +4,17 @@ top operators by GPU and by host time.  Used by ``mptrain bench ddp --profile``.
 from __future__ import annotations
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def _union(intervals: list[tuple[float, float]]) -> list[list[float]]:
     out: list[list[float]] = []
     for a, b in sorted(intervals):
         if out and a <= out[-1][1]:
             out[-1][1] = max(out[-1][1], b)
         else:
             out.append([a, b])
-    return [(a, b) for a, b in out]
+    return out
 
 
-def _length(intervals: list[tuple[float, float]]) -> float:
+def _length(intervals) -> float:
     return sum(b - a for a, b in intervals)
 
 
@@ -23,12 +23,10 @@ def kernel_breakdown(events, steps: int, wall_s: float) -> dict:
     import torch
 
     cuda = torch.autograd.DeviceType.CUDA
-    compute, comm = [], []
-    for e in events:
-        if getattr(e, "device_type", None) != cuda:
-            continue
-        iv = (e.time_range.start, e.time_range.end)
-        (comm if "nccl" in e.name.lower() else compute).append(iv)
+    kernels = [(e.time_range.start, e.time_range.end, "nccl" in e.name.lower()) for e in events
+               if e.device_type == cuda]
+    compute = [(a, b) for a, b, nccl in kernels if not nccl]
+    comm = [(a, b) for a, b, nccl in kernels if nccl]
     cu, co = _union(compute), _union(comm)
     both = _union(compute + comm)
     span = (both[-1][1] - both[0][0]) if both else 0.0
