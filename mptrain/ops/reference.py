@@ -134,9 +134,7 @@ def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, 
     for i, p in enumerate(params):
         w_t = masters[i] if masters else p
         s = steps[i].reshape(()).double() + 1
-        one = torch.ones((), dtype=torch.float64, device=s.device)
-        bc1 = (-torch.expm1(s * _mt_log(beta1)) if bias_correction else one).float()
-        bc2 = (-torch.expm1(s * _mt_log(beta2)) if bias_correction else one).float()
+        bc1, bc2 = ((-torch.expm1(s * _mt_log(b))).float() if bias_correction else 1.0 for b in (beta1, beta2))
         g = _mt_grad(grads[i], inv, maximize)
         w = _upcast(w_t)
         m = _upcast(exp_avgs[i])
@@ -244,16 +242,6 @@ def layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms):
     return dx, dw, db
 
 
-def softmax_mask(x, mask=None, causal=False):
-    """The effective boolean mask (True = masked out), broadcastable to ``x``, or None. ``causal`` masks key k > query
-    q, top-left aligned as in ``scaled_dot_product_attention(is_causal=True)``; q indexes ``x``'s second-to-last dim."""
-    check_softmax_mask(x, mask, causal)
-    if causal:
-        tri = torch.ones(x.shape[-2], x.shape[-1], dtype=torch.bool, device=x.device).triu(1)
-        mask = tri if mask is None else (mask | tri)
-    return mask
-
-
 def check_softmax_mask(x, mask, causal):
     """Raise naming what is wrong with ``mask`` (dtype, device, shape) or ``causal`` for the input ``x``."""
     if mask is not None:
@@ -269,15 +257,19 @@ def check_softmax_mask(x, mask, causal):
 
 
 def scaled_masked_softmax(x, mask=None, scale=1.0, causal=False):
-    """softmax(masked_fill(scale * x, mask, -inf)) over the last dim in fp32, result in
-    ``x``'s dtype; a fully masked row gives zeros (and zero gradient). Differentiable."""
+    """softmax(masked_fill(scale * x, mask, -inf)) over the last dim in fp32, result in ``x``'s dtype; a fully masked
+    row gives zeros (and zero gradient). ``causal`` also masks key k > query q, top-left aligned as in
+    ``scaled_dot_product_attention(is_causal=True)``; q indexes ``x``'s second-to-last dim. Differentiable."""
+    check_softmax_mask(x, mask, causal)
     v = _upcast(x) * scale
-    m = softmax_mask(x, mask, causal)
-    if m is None:
+    if causal:
+        tri = torch.ones(x.shape[-2], x.shape[-1], dtype=torch.bool, device=x.device).triu(1)
+        mask = tri if mask is None else (mask | tri)
+    if mask is None:
         return torch.softmax(v, dim=-1).to(x.dtype)
-    v = v.masked_fill(m, float("-inf"))
+    v = v.masked_fill(mask, float("-inf"))
     # Rows with nothing left would be 0/0: give them finite logits, then zero them.
-    dead = m.all(dim=-1, keepdim=True)
+    dead = mask.all(dim=-1, keepdim=True)
     v = v.masked_fill(dead, 0.0)
     return torch.softmax(v, dim=-1).masked_fill(dead, 0.0).to(x.dtype)
 
