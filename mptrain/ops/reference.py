@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 
 def _upcast(t):
-    """``t`` in the dtype the kernels compute in: fp32, or float64 for float64."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    """``t`` in the dtype the kernels compute in: fp32, or float64 for float64 (None stays None)."""
+    return None if t is None else t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 # The multi-tensor kernels (csrc/multi_tensor_*.cu). found_inf skips are done with torch.where on the
@@ -165,9 +165,7 @@ def normalized_dims(x, normalized_shape):
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """``F.layer_norm`` in fp32, result in ``x``'s dtype. Differentiable."""
     shape = normalized_dims(x, normalized_shape)
-    w = None if weight is None else _upcast(weight)
-    b = None if bias is None else _upcast(bias)
-    return F.layer_norm(_upcast(x), shape, w, b, eps).to(x.dtype)
+    return F.layer_norm(_upcast(x), shape, _upcast(weight), _upcast(bias), eps).to(x.dtype)
 
 
 def rms_norm_eps(x, eps):
@@ -196,16 +194,11 @@ def norm_rows(x, normalized_shape):
     return (x.numel() // hidden if hidden else 0), hidden
 
 
-def _stat_shape(x, normalized_shape):
-    return tuple(x.shape[:x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
-
-
 def layer_norm_forward(x, normalized_shape, weight, bias, eps, rms):
     """(y in x's dtype, stats): LayerNorm (rms=False) or RMSNorm over the trailing dims."""
-    w = None if weight is None else _upcast(weight)
+    w = _upcast(weight)
     if not rms:  # torch's own kernel, in the math dtype: few ops on the host
-        y, mean, rstd = torch.native_layer_norm(_upcast(x), normalized_shape, w, None if bias is None else
-                                                _upcast(bias), eps)
+        y, mean, rstd = torch.native_layer_norm(_upcast(x), normalized_shape, w, _upcast(bias), eps)
         return y.to(x.dtype), torch.cat([mean.reshape(-1), rstd.reshape(-1), rstd.new_zeros(1)])
     rows, hidden = norm_rows(x, normalized_shape)
     x2 = _upcast(x).reshape(rows, hidden)
@@ -220,13 +213,13 @@ def layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms):
     """(dx, dweight, dbias) from the forward's stats; an absent parameter's gradient is an
     empty tensor (as the CUDA op returns it)."""
     rows, hidden = norm_rows(x, normalized_shape)
-    w = None if weight is None else _upcast(weight)
+    w = _upcast(weight)
     if not rms:
         st = stats.to(_upcast(x).dtype)
-        shape = _stat_shape(x, normalized_shape)
+        shape = tuple(x.shape[:x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)  # mean/rstd's
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
             _upcast(dy), _upcast(x), normalized_shape, st[:rows].reshape(shape), st[rows:2 * rows].reshape(shape),
-            w, None if bias is None else _upcast(bias), [True, weight is not None, bias is not None])
+            w, _upcast(bias), [True, weight is not None, bias is not None])
     else:
         x2 = _upcast(x).reshape(rows, hidden)
         g = _upcast(dy).reshape(rows, hidden)
@@ -300,8 +293,7 @@ def lstm_cell_pointwise_forward(igates, hgates, c, b_ih=None, b_hh=None):
     """The forward kernel: (h', c', workspace); the workspace is the activated gates (i, f, g, o)
     rounded to the storage dtype, as the kernel saves them."""
     gates, h_new, c_new = _lstm_pointwise(igates, hgates, c, b_ih, b_hh)
-    dtype = igates.dtype
-    return h_new.to(dtype), c_new.to(dtype), torch.cat(gates, dim=-1).to(dtype)
+    return h_new.to(igates.dtype), c_new.to(igates.dtype), torch.cat(gates, dim=-1).to(igates.dtype)
 
 
 def lstm_cell_pointwise_backward(dh, dh2, dc, c_prev, c_new, ws):
