@@ -58,8 +58,8 @@ OPS = {name: getattr(torch.ops.mptrain, name).default for name in SCHEMAS}  # Op
 
 
 def _impl(name):
-    """Register the decorated function as ``name``'s CPU kernel (and CUDA fallback)."""
-    return torch.library.impl(f"{NAMESPACE}::{name}", "CompositeExplicitAutograd", lib=_lib)
+    """Register the decorated function as ``name``'s CPU kernel (and CUDA fallback); the name is bound to None."""
+    return torch.library.impl(f"{NAMESPACE}::{name}", "default", lib=_lib)  # CompositeExplicitAutograd
 
 
 def _fake(name):
