@@ -154,17 +154,16 @@ class FusedLSTM(nn.LSTM):
                     got = tuple(t.shape) if batched else tuple(t.squeeze(1).shape)
                     want = shape if batched else shape[::2]
                     raise ValueError(f"FusedLSTM: expected {name} of shape {want}, got {got}")
-        h_n, c_n = [], []
+        states = []
         for k in range(self.num_layers):
             weights = [getattr(self, name) for name in self._all_weights[k]]
             if not self.bias:
                 weights += [None, None]
             x, h, c = ops.lstm_layer(x, h0[k], c0[k], *weights)
-            h_n.append(h)
-            c_n.append(c)
+            states.append((h, c))
             if self.dropout and self.training and k < self.num_layers - 1:
                 x = nn.functional.dropout(x, self.dropout, training=True)
-        h_n, c_n = torch.stack(h_n), torch.stack(c_n)
+        h_n, c_n = (torch.stack(s) for s in zip(*states))
         if not batched:
             return x.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
         return (x.transpose(0, 1) if self.batch_first else x), (h_n, c_n)

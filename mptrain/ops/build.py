@@ -99,10 +99,9 @@ def get_extension(required: bool = False):
                 _module, build_dir = build()
                 _status = ExtensionStatus("built", build_dir=build_dir, seconds=time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - any failure means "use the reference", with the reason kept
-                if not isinstance(e, ExtensionBuildError):
-                    e = ExtensionBuildError(f"building the mptrain CUDA extension failed: {type(e).__name__}: {e}")
-                _error = e
-                _status = ExtensionStatus("failed", reason=str(e), log_path=e.log_path)
+                _error = e if isinstance(e, ExtensionBuildError) else ExtensionBuildError(
+                    f"building the mptrain CUDA extension failed: {type(e).__name__}: {e}")
+                _status = ExtensionStatus("failed", reason=str(_error), log_path=_error.log_path)
     if _module is None:
         if required:
             raise _error  # type: ignore[misc]
