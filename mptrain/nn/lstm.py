@@ -56,21 +56,16 @@ class FusedLSTMCell(nn.LSTMCell):
                 return ops.lstm_cell(input, h, c, w_ih, w_hh, b_ih, b_hh, fused=self.fused)
         if input.dim() not in (1, 2):
             raise ValueError(f"FusedLSTMCell: expected input to be 1-D or 2-D, got {input.dim()}-D")
-        if hx is not None:
-            for i, t in enumerate(hx):
-                if t.dim() != input.dim():
-                    raise ValueError(f"FusedLSTMCell: hx[{i}] must be {input.dim()}-D like the input, got {t.dim()}-D")
-        batched = input.dim() == 2
-        if not batched:
-            input = input.unsqueeze(0)
         if hx is None:
-            h = c = torch.zeros(input.size(0), self.hidden_size, dtype=input.dtype, device=input.device)
-        else:
-            h, c = (hx[0], hx[1]) if batched else (hx[0].unsqueeze(0), hx[1].unsqueeze(0))
-        h, c = ops.lstm_cell(input, h, c, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh, fused=self.fused)
-        if not batched:
-            h, c = h.squeeze(0), c.squeeze(0)
-        return h, c
+            hx = (input.new_zeros(*input.shape[:-1], self.hidden_size),) * 2
+        for i, t in enumerate(hx):
+            if t.dim() != input.dim():
+                raise ValueError(f"FusedLSTMCell: hx[{i}] must be {input.dim()}-D like the input, got {t.dim()}-D")
+        weights = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        if input.dim() == 2:
+            return ops.lstm_cell(input, hx[0], hx[1], *weights, fused=self.fused)
+        h, c = ops.lstm_cell(input[None], hx[0][None], hx[1][None], *weights, fused=self.fused)  # a batch of one
+        return h[0], c[0]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fused={self.fused!r}"
@@ -159,17 +154,16 @@ class FusedLSTM(nn.LSTM):
                     got = tuple(t.shape) if batched else tuple(t.squeeze(1).shape)
                     want = shape if batched else shape[::2]
                     raise ValueError(f"FusedLSTM: expected {name} of shape {want}, got {got}")
-        h_n, c_n = [], []
+        states = []
         for k in range(self.num_layers):
             weights = [getattr(self, name) for name in self._all_weights[k]]
             if not self.bias:
                 weights += [None, None]
             x, h, c = ops.lstm_layer(x, h0[k], c0[k], *weights)
-            h_n.append(h)
-            c_n.append(c)
+            states.append((h, c))
             if self.dropout and self.training and k < self.num_layers - 1:
                 x = nn.functional.dropout(x, self.dropout, training=True)
-        h_n, c_n = torch.stack(h_n), torch.stack(c_n)
+        h_n, c_n = (torch.stack(s) for s in zip(*states))
         if not batched:
             return x.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
         return (x.transpose(0, 1) if self.batch_first else x), (h_n, c_n)

@@ -99,10 +99,9 @@ def get_extension(required: bool = False):
                 _module, build_dir = build()
                 _status = ExtensionStatus("built", build_dir=build_dir, seconds=time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - any failure means "use the reference", with the reason kept
-                if not isinstance(e, ExtensionBuildError):
-                    e = ExtensionBuildError(f"building the mptrain CUDA extension failed: {type(e).__name__}: {e}")
-                _error = e
-                _status = ExtensionStatus("failed", reason=str(e), log_path=e.log_path)
+                _error = e if isinstance(e, ExtensionBuildError) else ExtensionBuildError(
+                    f"building the mptrain CUDA extension failed: {type(e).__name__}: {e}")
+                _status = ExtensionStatus("failed", reason=str(_error), log_path=_error.log_path)
     if _module is None:
         if required:
             raise _error  # type: ignore[misc]
@@ -152,10 +151,8 @@ def find_cuda_home() -> Optional[Path]:
         if os.environ.get(var) and (Path(os.environ[var]) / "bin" / "nvcc").exists():
             return Path(os.environ[var])
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        home = _nvcc_home(nvcc)
-        if home is not None:
-            return home
+    if nvcc and (home := _nvcc_home(nvcc)) is not None:
+        return home
     default = Path("/usr/local/cuda")
     return default if (default / "bin" / "nvcc").exists() else None
 
@@ -193,12 +190,9 @@ def _extra_include_dirs(cuda_home: Path) -> list[str]:
     missing = [h for h in wanted if not (cuda_home / "include" / h).is_file()]
     if not missing:
         return []
-    dirs: list[str] = []
-    for site in {Path(p) for p in sys.path if p.endswith("site-packages")}:
-        for inc in sorted(site.glob("nvidia/*/include")):
-            if any((inc / h).is_file() for h in missing) and str(inc) not in dirs:
-                dirs.append(str(inc))
-    return dirs
+    sites = {Path(p) for p in sys.path if p.endswith("site-packages")}
+    incs = (inc for site in sites for inc in sorted(site.glob("nvidia/*/include")))
+    return list(dict.fromkeys(str(inc) for inc in incs if any((inc / h).is_file() for h in missing)))
 
 
 def arch_list() -> list[str]:
@@ -239,14 +233,11 @@ def _all_flags(cuda_home: Optional[Path]) -> tuple[list[str], list[str]]:
 
 def _loaded_cublas() -> Optional[Path]:
     """The libcublas.so.<major> this process has mapped (torch's CUDA library loads it), or None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = Path(line.split(maxsplit=5)[-1].strip())
-                if re.fullmatch(r"libcublas\.so\.\d+(\.\d+)*", path.name):
-                    return path
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            path = Path(line.split(maxsplit=5)[-1].strip())
+            if re.fullmatch(r"libcublas\.so\.\d+(\.\d+)*", path.name):
+                return path
     return None
 
 
@@ -293,7 +284,9 @@ def build_lock(build_dir: Path, timeout: Optional[float] = None) -> Iterator[Non
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                holder = _read_pid(path)
+                holder = "?"
+                with contextlib.suppress(OSError):
+                    holder = path.read_text().strip() or "?"
                 waited = time.monotonic() - t0
                 if waited > timeout:
                     raise ExtensionBuildError(
@@ -314,13 +307,6 @@ def build_lock(build_dir: Path, timeout: Optional[float] = None) -> Iterator[Non
         yield
     finally:
         os.close(fd)  # drops the flock
-
-
-def _read_pid(path: Path) -> str:
-    try:
-        return path.read_text().strip() or "?"
-    except OSError:
-        return "?"
 
 
 def build_dir_for(csrc: Path, root: Optional[Path] = None, cuda_home: Optional[Path] = None) -> Path:
@@ -435,11 +421,9 @@ def _compile_error(output: str, srcs: list[Path], log: Path) -> ExtensionBuildEr
             failing = f"{obj} (link step)"
     # The first "file(line): error" or "file:line:col: error" names a header when that is where it is.
     m = re.search(r"^(\S+?\.(?:cu|cuh|cpp|h))(?:\((\d+)\)|:(\d+):\d+): (?:fatal )?error", output, re.M)
-    first_error = None
-    if m:
-        first_error = f"{m.group(1)}:{m.group(2) or m.group(3)}"
-        if failing is None:
-            failing = m.group(1)
+    first_error = f"{m.group(1)}:{m.group(2) or m.group(3)}" if m else None
+    if m and failing is None:
+        failing = m.group(1)
     if "Ninja is required" in output:
         fix = "pip install ninja"
     elif re.search(r"nvcc.*(not found|No such file)", output):

@@ -16,26 +16,18 @@ _layer_norm = OPS["layer_norm"]
 
 def _param_dtypes(x, weight, bias):
     """Params as the kernel takes them: x's dtype or fp32, both the same dtype."""
-    dt = x.dtype
-    if (weight is None or weight.dtype == dt) and (bias is None or bias.dtype == dt):
-        return weight, bias
-    if {p.dtype for p in (weight, bias) if p is not None} == {torch.float32}:
+    dtypes = {p.dtype for p in (weight, bias) if p is not None}
+    if dtypes <= {x.dtype} or dtypes == {torch.float32}:
         return weight, bias
     # Mixed or foreign dtypes (e.g. fp16 params under bf16 input): compute with fp32
     # copies; autograd casts the gradients back to each parameter's dtype.
     return (None if weight is None else weight.float()), (None if bias is None else bias.float())
 
 
-def _autocast_runs_in_fp32(op: str) -> bool:
-    """Whether CUDA autocast runs ``op`` in fp32 (layer_norm always; rms_norm in recent torch)."""
-    try:
-        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA"))
-    except (AttributeError, RuntimeError):
-        return op == "aten::layer_norm"
-
-
-# Looked up once (a plain dict: torch.compile traces it without a graph break).
-_AUTOCAST_FP32 = {op: _autocast_runs_in_fp32(op) for op in ("aten::layer_norm", "aten::rms_norm")}
+# Whether CUDA autocast runs the op in fp32 (layer_norm always; rms_norm in recent torch), looked up once
+# (a plain dict: torch.compile traces it without a graph break).
+_AUTOCAST_FP32 = {op: torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA")
+                  for op in ("aten::layer_norm", "aten::rms_norm")}
 
 
 def _cuda_autocast_upcast(op, x, weight, bias):

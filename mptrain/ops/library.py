@@ -58,13 +58,8 @@ OPS = {name: getattr(torch.ops.mptrain, name).default for name in SCHEMAS}  # Op
 
 
 def _impl(name):
-    """Register the decorated function as ``name``'s CPU kernel (and CUDA fallback)."""
-
-    def register(fn):
-        _lib.impl(name, fn, "CompositeExplicitAutograd")
-        return fn
-
-    return register
+    """Register the decorated function as ``name``'s CPU kernel (and CUDA fallback); the name is bound to None."""
+    return torch.library.impl(f"{NAMESPACE}::{name}", "default", lib=_lib)  # CompositeExplicitAutograd
 
 
 def _fake(name):
@@ -78,6 +73,7 @@ def _new(like, *shape, dtype=None):
 
 # CPU kernels that are the reference's op forms as they are (the others check their inputs first, below).
 for _name, _kernel in (("layer_norm_backward", R.layer_norm_backward),
+                       ("scaled_masked_softmax", R.scaled_masked_softmax),
                        ("scaled_masked_softmax_backward", R.scaled_masked_softmax_backward),
                        ("lstm_cell", R.lstm_cell_forward), ("lstm_cell_backward", R.lstm_cell_backward),
                        ("lstm_layer_backward", R.lstm_layer_backward), ("multi_tensor_scale_", R.multi_tensor_scale)):
@@ -128,12 +124,6 @@ torch.library.register_autograd(f"{NAMESPACE}::layer_norm", _norm_backward, setu
 
 
 # Scaled masked softmax
-@_impl("scaled_masked_softmax")
-def _softmax_cpu(x, mask, scale, causal):
-    R.check_softmax_mask(x, mask, causal)
-    return R.scaled_masked_softmax(x, mask, scale, causal)
-
-
 @_fake("scaled_masked_softmax")
 def _softmax_fake(x, mask, scale, causal):
     R.check_softmax_mask(x, mask, causal)

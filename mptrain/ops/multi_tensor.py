@@ -24,9 +24,7 @@ def _use_op(op: str, tensors: Sequence[torch.Tensor], fused) -> bool:
     # Lists reach here split by dtype (src first, dst last): checking both ends covers
     # every dtype in the call; the C++ side checks every tensor and names a stray one.
     last = tensors[-1]
-    if last.is_cuda and last.dtype not in KERNEL_DTYPES:
-        return use_op(op, last, fused)
-    return use_op(op, tensors[0], fused)
+    return use_op(op, last if last.is_cuda and last.dtype not in KERNEL_DTYPES else tensors[0], fused)
 
 
 def _device_scalar(value: Optional[Scalar], device: torch.device, what: str, op: str) -> Optional[torch.Tensor]:
@@ -137,7 +135,7 @@ def multi_tensor_l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = Fals
         if per_tensor:
             for j, i in enumerate(idx):  # views, gathered by one stack below: no host-to-device copy
                 per[i] = norms[j]
-    total = sq_parts[0].sqrt().float() if len(sq_parts) == 1 else torch.stack(sq_parts).sum().sqrt().float()
+    total = torch.stack(sq_parts).sum().sqrt().float()  # several groups: the one-group case returned above
     return (total, torch.stack(per)) if per_tensor else total
 
 
@@ -150,9 +148,7 @@ def _l2norm(tensors, per_tensor, fused):
 def _lr_for_kernel(lr: Scalar, device: torch.device):
     """(float lr, lr tensor or None): an lr tensor on the params' device is read there (no host
     read: a compiled step keeps one graph); a CPU lr tensor for CUDA params is a float."""
-    if torch.is_tensor(lr):
-        if lr.device.type == "cpu" and device.type != "cpu":
-            return float(lr), None
+    if torch.is_tensor(lr) and (lr.device.type != "cpu" or device.type == "cpu"):
         return 0.0, lr.to(device=device, dtype=torch.float32).reshape(())
     return float(lr), None
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 
 def _upcast(t):
-    """``t`` in the dtype the kernels compute in: fp32, or float64 for float64."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    """``t`` in the dtype the kernels compute in: fp32, or float64 for float64 (None stays None)."""
+    return None if t is None else t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 # The multi-tensor kernels (csrc/multi_tensor_*.cu). found_inf skips are done with torch.where on the
@@ -134,9 +134,7 @@ def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, 
     for i, p in enumerate(params):
         w_t = masters[i] if masters else p
         s = steps[i].reshape(()).double() + 1
-        one = torch.ones((), dtype=torch.float64, device=s.device)
-        bc1 = (-torch.expm1(s * _mt_log(beta1)) if bias_correction else one).float()
-        bc2 = (-torch.expm1(s * _mt_log(beta2)) if bias_correction else one).float()
+        bc1, bc2 = ((-torch.expm1(s * _mt_log(b))).float() if bias_correction else 1.0 for b in (beta1, beta2))
         g = _mt_grad(grads[i], inv, maximize)
         w = _upcast(w_t)
         m = _upcast(exp_avgs[i])
@@ -167,9 +165,7 @@ def normalized_dims(x, normalized_shape):
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """``F.layer_norm`` in fp32, result in ``x``'s dtype. Differentiable."""
     shape = normalized_dims(x, normalized_shape)
-    w = None if weight is None else _upcast(weight)
-    b = None if bias is None else _upcast(bias)
-    return F.layer_norm(_upcast(x), shape, w, b, eps).to(x.dtype)
+    return F.layer_norm(_upcast(x), shape, _upcast(weight), _upcast(bias), eps).to(x.dtype)
 
 
 def rms_norm_eps(x, eps):
@@ -198,16 +194,11 @@ def norm_rows(x, normalized_shape):
     return (x.numel() // hidden if hidden else 0), hidden
 
 
-def _stat_shape(x, normalized_shape):
-    return tuple(x.shape[:x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
-
-
 def layer_norm_forward(x, normalized_shape, weight, bias, eps, rms):
     """(y in x's dtype, stats): LayerNorm (rms=False) or RMSNorm over the trailing dims."""
-    w = None if weight is None else _upcast(weight)
+    w = _upcast(weight)
     if not rms:  # torch's own kernel, in the math dtype: few ops on the host
-        y, mean, rstd = torch.native_layer_norm(_upcast(x), normalized_shape, w, None if bias is None else
-                                                _upcast(bias), eps)
+        y, mean, rstd = torch.native_layer_norm(_upcast(x), normalized_shape, w, _upcast(bias), eps)
         return y.to(x.dtype), torch.cat([mean.reshape(-1), rstd.reshape(-1), rstd.new_zeros(1)])
     rows, hidden = norm_rows(x, normalized_shape)
     x2 = _upcast(x).reshape(rows, hidden)
@@ -222,13 +213,13 @@ def layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms):
     """(dx, dweight, dbias) from the forward's stats; an absent parameter's gradient is an
     empty tensor (as the CUDA op returns it)."""
     rows, hidden = norm_rows(x, normalized_shape)
-    w = None if weight is None else _upcast(weight)
+    w = _upcast(weight)
     if not rms:
         st = stats.to(_upcast(x).dtype)
-        shape = _stat_shape(x, normalized_shape)
+        shape = tuple(x.shape[:x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)  # mean/rstd's
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
             _upcast(dy), _upcast(x), normalized_shape, st[:rows].reshape(shape), st[rows:2 * rows].reshape(shape),
-            w, None if bias is None else _upcast(bias), [True, weight is not None, bias is not None])
+            w, _upcast(bias), [True, weight is not None, bias is not None])
     else:
         x2 = _upcast(x).reshape(rows, hidden)
         g = _upcast(dy).reshape(rows, hidden)
@@ -242,16 +233,6 @@ def layer_norm_backward(dy, x, stats, weight, bias, normalized_shape, rms):
     dw = x.new_empty(0) if weight is None else dw.to(weight.dtype).reshape(weight.shape)
     db = x.new_empty(0) if bias is None else db.to(bias.dtype).reshape(bias.shape)
     return dx, dw, db
-
-
-def softmax_mask(x, mask=None, causal=False):
-    """The effective boolean mask (True = masked out), broadcastable to ``x``, or None. ``causal`` masks key k > query
-    q, top-left aligned as in ``scaled_dot_product_attention(is_causal=True)``; q indexes ``x``'s second-to-last dim."""
-    check_softmax_mask(x, mask, causal)
-    if causal:
-        tri = torch.ones(x.shape[-2], x.shape[-1], dtype=torch.bool, device=x.device).triu(1)
-        mask = tri if mask is None else (mask | tri)
-    return mask
 
 
 def check_softmax_mask(x, mask, causal):
@@ -269,15 +250,19 @@ def check_softmax_mask(x, mask, causal):
 
 
 def scaled_masked_softmax(x, mask=None, scale=1.0, causal=False):
-    """softmax(masked_fill(scale * x, mask, -inf)) over the last dim in fp32, result in
-    ``x``'s dtype; a fully masked row gives zeros (and zero gradient). Differentiable."""
+    """softmax(masked_fill(scale * x, mask, -inf)) over the last dim in fp32, result in ``x``'s dtype; a fully masked
+    row gives zeros (and zero gradient). ``causal`` also masks key k > query q, top-left aligned as in
+    ``scaled_dot_product_attention(is_causal=True)``; q indexes ``x``'s second-to-last dim. Differentiable."""
+    check_softmax_mask(x, mask, causal)
     v = _upcast(x) * scale
-    m = softmax_mask(x, mask, causal)
-    if m is None:
+    if causal:
+        tri = torch.ones(x.shape[-2], x.shape[-1], dtype=torch.bool, device=x.device).triu(1)
+        mask = tri if mask is None else (mask | tri)
+    if mask is None:
         return torch.softmax(v, dim=-1).to(x.dtype)
-    v = v.masked_fill(m, float("-inf"))
+    v = v.masked_fill(mask, float("-inf"))
     # Rows with nothing left would be 0/0: give them finite logits, then zero them.
-    dead = m.all(dim=-1, keepdim=True)
+    dead = mask.all(dim=-1, keepdim=True)
     v = v.masked_fill(dead, 0.0)
     return torch.softmax(v, dim=-1).masked_fill(dead, 0.0).to(x.dtype)
 
@@ -308,8 +293,7 @@ def lstm_cell_pointwise_forward(igates, hgates, c, b_ih=None, b_hh=None):
     """The forward kernel: (h', c', workspace); the workspace is the activated gates (i, f, g, o)
     rounded to the storage dtype, as the kernel saves them."""
     gates, h_new, c_new = _lstm_pointwise(igates, hgates, c, b_ih, b_hh)
-    dtype = igates.dtype
-    return h_new.to(dtype), c_new.to(dtype), torch.cat(gates, dim=-1).to(dtype)
+    return h_new.to(igates.dtype), c_new.to(igates.dtype), torch.cat(gates, dim=-1).to(igates.dtype)
 
 
 def lstm_cell_pointwise_backward(dh, dh2, dc, c_prev, c_new, ws):

@@ -127,9 +127,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if self.uses_master(p):
                     self.master_param(p)
                     st = self.state[p]
-                    for name in self._buffers(group):
-                        if name in st:
-                            st[name] = st[name].float()
+                    st.update({name: st[name].float() for name in self._buffers(group) if name in st})
 
     @torch.no_grad()
     def disable_master_weights(self) -> None:
@@ -147,10 +145,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         st = self.state[p]
         if "step" not in st:
             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        master = self.uses_master(p)
-        if master:
-            self.master_param(p)
-        dtype = torch.float32 if master else p.dtype
+        dtype = self.master_param(p).dtype  # creates the master if p needs one: fp32 then, else p's dtype
         for name in self._buffers(group):
             if name not in st:
                 st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)

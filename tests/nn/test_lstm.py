@@ -44,8 +44,14 @@ def test_cell_unbatched_and_default_state():
     xb = torch.randn(6, 3)
     for a, b in zip(ours(xb), ref(xb)):
         torch.testing.assert_close(a, b)
+    hx = (torch.randn(2), torch.randn(2))
+    for a, b in zip(ours(x, hx), ref(x, hx)):
+        assert a.shape == (2,)
+        torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="1-D or 2-D"):
         ours(torch.randn(2, 2, 3))
+    with pytest.raises(ValueError, match=r"hx\[1\] must be 1-D like the input, got 2-D"):
+        ours(x, (hx[0], torch.randn(1, 2)))
 
 
 def test_cell_state_dict_and_from_module():

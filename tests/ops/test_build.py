@@ -140,6 +140,21 @@ def test_cuda_home_found_through_an_nvcc_wrapper(tmp_path, monkeypatch):
     assert build.find_cuda_home() == real
 
 
+def test_headers_the_toolkit_lacks_come_from_the_nvidia_wheels(tmp_path, monkeypatch):
+    site = tmp_path / "site-packages"
+    for pkg, header in (("cublas", "cublas_v2.h"), ("cusparse", "cusparse.h"), ("nccl", "nccl.h")):
+        (site / "nvidia" / pkg / "include").mkdir(parents=True)
+        (site / "nvidia" / pkg / "include" / header).write_text("")
+    monkeypatch.setattr(sys, "path", [str(site), str(site)])
+    toolkit = tmp_path / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    want = [str(site / "nvidia" / pkg / "include") for pkg in ("cublas", "cusparse")]
+    assert build._extra_include_dirs(toolkit) == want
+    for header in ("cusparse.h", "cublas_v2.h", "cusolverDn.h", "cublasLt.h", "curand.h"):
+        (toolkit / "include" / header).write_text("")
+    assert build._extra_include_dirs(toolkit) == []
+
+
 def test_build_dir_hash_follows_the_sources(tmp_path):
     csrc = _broken_csrc(tmp_path, cu=False)
     h1 = build.build_hash(csrc, ["-O3"], None)
