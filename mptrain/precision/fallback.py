@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 log = logging.getLogger("mptrain")
 
@@ -85,29 +86,18 @@ def _say_cpu_rnn_policy() -> None:
                 "(torch's oneDNN bf16 LSTM crashes there); GPU runs are unaffected", " / ".join(_NATIVE_BF16_FLAGS))
 
 
-def _has_cpu_half(obj) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return obj.dtype in _HALF and obj.device.type == "cpu"
-    if isinstance(obj, (list, tuple)):
-        return any(_has_cpu_half(o) for o in obj)
-    return False
+def _half_dtypes(obj, device_type: Optional[str] = None) -> list[torch.dtype]:
+    """The dtypes of the half tensors in ``obj`` (nested; on ``device_type`` only if given), in order."""
+    return [t.dtype for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.dtype in _HALF
+            and device_type in (None, t.device.type)]
 
 
-def _upcast(obj, dtype_seen: list):
-    if isinstance(obj, torch.Tensor) and obj.dtype in _HALF:
-        dtype_seen.append(obj.dtype)
-        return obj.float()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_upcast(o, dtype_seen) for o in obj)
-    return obj
+def _upcast(obj):
+    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in _HALF else t, obj)
 
 
 def _downcast(obj, dtype: torch.dtype):
-    if isinstance(obj, torch.Tensor) and obj.dtype == torch.float32:
-        return obj.to(dtype)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_downcast(o, dtype) for o in obj)
-    return obj
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.dtype == torch.float32 else t, obj)
 
 
 def _batch_norm_fp32(func, args, kwargs):
@@ -143,7 +133,7 @@ class _Fp32OpsMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         if name in CPU_RNN_OPS:
-            if not _has_cpu_half(args):
+            if not _half_dtypes(args, "cpu"):
                 return func(*args, **kwargs)
             _say_cpu_rnn_policy()  # once per process, when it first applies
         # The handler runs with this mode popped, so the inner call is not re-intercepted.
@@ -157,11 +147,10 @@ def _fp32_call(name: str, func, args, kwargs):
     """``func`` on fp32 copies of its half tensors, the result in the first one's dtype."""
     if name == "batch_norm":
         return _batch_norm_fp32(func, args, kwargs)
-    seen: list = []
-    up_args = _upcast(tuple(args), seen)
-    up_kwargs = {k: _upcast(v, seen) for k, v in kwargs.items()}
+    seen = _half_dtypes((args, kwargs))
     if not seen:
         return func(*args, **kwargs)
+    up_args, up_kwargs = _upcast((args, kwargs))
     return _downcast(func(*up_args, **up_kwargs), seen[0])  # "the input's dtype": the first half tensor's
 
 
@@ -208,8 +197,7 @@ def run_module_in_fp32(module: nn.Module) -> list:
             # cuDNN batch norm: half in, fp32 weights/stats, fp32 math, half out; no upcast copy.
             mod._mpt_in_dtype = None
             return None
-        seen: list = []
-        return _upcast(tuple(args), seen), {k: _upcast(v, seen) for k, v in kwargs.items()}
+        return _upcast((args, kwargs))
 
     def post(mod, args, kwargs, out):
         dt = getattr(mod, "_mpt_in_dtype", None)
@@ -230,13 +218,10 @@ class AutoFallback:
 
     _NONE = 2**30
 
-    def __init__(self, module: nn.Module, skip: Optional[Callable[[nn.Module], bool]] = None):
-        self.names: list[str] = []
-        self.modules: list[nn.Module] = []
-        for name, m in module.named_modules():
-            if name and not list(m.children()) and not (skip and skip(m)):
-                self.names.append(name)
-                self.modules.append(m)
+    def __init__(self, module: nn.Module):
+        leaves = [(name, m) for name, m in module.named_modules() if name and not list(m.children())]
+        self.names: list[str] = [name for name, _ in leaves]
+        self.modules: list[nn.Module] = [m for _, m in leaves]
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self.first_bad = torch.full((len(self.modules),), self._NONE, dtype=torch.int32, device=device)
         self._calls = 0
