@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from mptrain import ops
+
 
 def is_mptrain_fused(optimizer: torch.optim.Optimizer) -> bool:
     """mptrain's fused optimizers take grad_scale/found_inf and master weights in one kernel."""
@@ -25,8 +27,6 @@ def accepts_device_found_inf(optimizer: torch.optim.Optimizer) -> bool:
 def unscale_and_check_(grads: list[torch.Tensor], inv_scale: Optional[torch.Tensor], found_inf: torch.Tensor,
                        fused="auto") -> None:
     """``grads *= inv_scale`` in place (``None``: only check); ``found_inf`` becomes 1 on any inf/NaN."""
-    from mptrain import ops
-
     by_device: dict = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)

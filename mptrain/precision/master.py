@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
+from mptrain import ops
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module, run_module_in_fp32
 from mptrain.precision.plugin import HALF, MptrainPrecision, _unwrap_optimizer
@@ -148,8 +149,6 @@ class MasterPrecision(MptrainPrecision):
                 src.append(p.grad)
                 dst.append(m.grad)
             if dst:
-                from mptrain import ops
-
                 ops.multi_tensor_copy_(dst, src, fused=self.fused)
         return super().main_grads(optimizer)
 
@@ -161,8 +160,6 @@ class MasterPrecision(MptrainPrecision):
             return found
         # Fused path: one read of the scaled half grads gives the inf check and the clipping norm;
         # they are never unscaled in place in half precision (small values would flush to zero).
-        from mptrain import ops
-
         grads = super().main_grads(optimizer)
         dev = grads[0].device if grads else self._device()
         scale = self._scale(dev)

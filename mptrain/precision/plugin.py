@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
 from torch import nn
 
+from mptrain import ops
 from mptrain.ops.dispatch import check_fused
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import AutoFallback, Fp32Fallback, run_module_in_fp32
@@ -166,8 +167,6 @@ class MptrainPrecision(_LightningPrecision):
         """Before any training: bf16 on a GPU without it, ``fused=True`` without a built extension."""
         check_device_supports(self.initial_precision, device)
         if self.fused is True and device.type == "cuda":
-            from mptrain import ops
-
             ops.get_extension(required=True)  # raises naming the failing source, the log and the fix
 
     def _release_fp32_init(self) -> None:
