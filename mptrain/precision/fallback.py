@@ -128,10 +128,9 @@ class _Fp32OpsMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Every torch call of the forward passes here: the path of an unlisted op is one dict lookup.
-        name = self.funcs.get(func)
+        name, kwargs = self.funcs.get(func), kwargs or {}
         if name is None:
-            return func(*args, **(kwargs or {}))
-        kwargs = kwargs or {}
+            return func(*args, **kwargs)
         if name in CPU_RNN_OPS:
             if not _half_dtypes(args, "cpu"):
                 return func(*args, **kwargs)

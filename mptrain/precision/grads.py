@@ -17,11 +17,8 @@ def is_mptrain_fused(optimizer: torch.optim.Optimizer) -> bool:
 def accepts_device_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours ``found_inf`` on the device: mptrain's fused optimizers and torch's
     ``fused=True`` ones (the ``grad_scale`` / ``found_inf`` attributes of torch.amp.GradScaler's protocol)."""
-    if is_mptrain_fused(optimizer):
-        return True
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return False
-    return all(g.get("fused", False) for g in optimizer.param_groups)
+    return is_mptrain_fused(optimizer) or (bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+                                           and all(g.get("fused", False) for g in optimizer.param_groups))
 
 
 def unscale_and_check_(grads: list[torch.Tensor], inv_scale: Optional[torch.Tensor], found_inf: torch.Tensor,

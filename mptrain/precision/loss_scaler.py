@@ -104,7 +104,7 @@ class DynamicLossScaler:
         return int(self._hysteresis_tracker.item())
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self._scale.to(loss.dtype) if loss.dtype == torch.float32 else loss.float() * self._scale
+        return loss.float() * self._scale
 
     def inv_scale(self) -> torch.Tensor:
         return (1.0 / self._scale).to(torch.float32)

@@ -142,9 +142,7 @@ class MptrainPrecision(_LightningPrecision):
         bad = (~torch.isfinite(tensor.detach())).any().reshape(1).float()
         self._loss_bad = bad if self._loss_bad is None else torch.maximum(self._loss_bad, bad)
         if self.loss_scaler is not None:
-            if self.loss_scaler.device != tensor.device:
-                self.loss_scaler.to(tensor.device)
-            tensor = self.loss_scaler.scale_loss(tensor)
+            tensor = self.loss_scaler.to(tensor.device).scale_loss(tensor)
         if self._lightning:  # lightning.Trainer: (tensor, model, optimizer, *args) -> LightningModule.backward
             super().backward(tensor, model, *args, **kwargs)
         else:  # Fabric: (tensor, module, *args)
