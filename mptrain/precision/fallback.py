@@ -29,7 +29,7 @@ DEFAULT_FP32_OPS: tuple[str, ...] = ("softmax", "log_softmax", "layer_norm", "gr
                                      "cross_entropy", "nll_loss", "binary_cross_entropy_with_logits", "mse_loss",
                                      "kl_div", "logsumexp")
 
-_HALF = (torch.float16, torch.bfloat16)
+HALF = (torch.float16, torch.bfloat16)
 
 
 def _callables_for(name: str) -> list[Callable]:
@@ -88,12 +88,12 @@ def _say_cpu_rnn_policy() -> None:
 
 def _half_dtypes(obj, device_type: Optional[str] = None) -> list[torch.dtype]:
     """The dtypes of the half tensors in ``obj`` (nested; on ``device_type`` only if given), in order."""
-    return [t.dtype for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.dtype in _HALF
+    return [t.dtype for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.dtype in HALF
             and device_type in (None, t.device.type)]
 
 
 def _upcast(obj):
-    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in _HALF else t, obj)
+    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in HALF else t, obj)
 
 
 def _downcast(obj, dtype: torch.dtype):
@@ -111,14 +111,14 @@ def _batch_norm_fp32(func, args, kwargs):
     keep_half_input = isinstance(x, torch.Tensor) and x.is_cuda
     for k in names:
         v = bound.get(k)
-        upcast = isinstance(v, torch.Tensor) and v.dtype in _HALF and not (k == "input" and keep_half_input)
+        upcast = isinstance(v, torch.Tensor) and v.dtype in HALF and not (k == "input" and keep_half_input)
         call[k] = v.float() if upcast else v
     out = func(*[call[k] for k in names], *args[len(names):], **rest_kwargs)
     for k in ("running_mean", "running_var"):
         if isinstance(bound.get(k), torch.Tensor) and bound[k] is not call[k]:
             with torch.no_grad():
                 bound[k].copy_(call[k])
-    return out.to(x.dtype) if x.dtype in _HALF else out
+    return out.to(x.dtype) if x.dtype in HALF else out
 
 
 class _Fp32OpsMode(TorchFunctionMode):
@@ -200,7 +200,7 @@ def run_module_in_fp32(module: nn.Module) -> list:
 
     def post(mod, args, kwargs, out):
         dt = getattr(mod, "_mpt_in_dtype", None)
-        return _downcast(out, dt) if dt in _HALF else out
+        return _downcast(out, dt) if dt in HALF else out
 
     return [
         module.register_forward_pre_hook(pre, with_kwargs=True),
@@ -232,7 +232,7 @@ class AutoFallback:
             if getattr(mod, "_mpt_promoted", False):
                 return
             t = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype in _HALF:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype in HALF:
                 self._calls += 1
                 bad = (~torch.isfinite(t.detach())).any()
                 seq = torch.where(bad, self._calls, self._NONE).to(torch.int32).reshape(1)

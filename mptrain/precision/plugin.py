@@ -24,13 +24,11 @@ from torch import nn
 from mptrain import ops
 from mptrain.ops.dispatch import check_fused
 from mptrain.precision import grads as G
-from mptrain.precision.fallback import AutoFallback, Fp32Fallback, run_module_in_fp32
+from mptrain.precision.fallback import HALF, AutoFallback, Fp32Fallback, run_module_in_fp32
 from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
 from mptrain.precision.nonfinite import NonFiniteGuard
 
 log = logging.getLogger("mptrain")
-
-HALF = (torch.float16, torch.bfloat16)
 
 
 class MptrainPrecision(_LightningPrecision):
