@@ -28,9 +28,7 @@ class DynamicLossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, hysteresis: int = 2, min_scale: float = 1.0, max_scale: float = 2.0**24,
                  max_consecutive_skips: int = 100):
-        config = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                      growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
-                      max_scale=max_scale, max_consecutive_skips=max_consecutive_skips)
+        config = {k: v for k, v in locals().items() if k != "self"}  # the arguments by name
         checks = [
             ("init_scale", init_scale > 0, "> 0"),
             ("growth_factor", growth_factor >= 1.0, ">= 1.0"),

@@ -267,11 +267,9 @@ class MptrainPrecision(_LightningPrecision):
             return
         optimizer = self._ensure_ready(optimizer)
         self._prepare(optimizer)
-        params = [p for p in self.main_params(optimizer) if p.grad is not None]
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            torch.nn.utils.clip_grad_value_(params, clip_val)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, clip_val)
+        by_value = gradient_clip_algorithm == GradClipAlgorithmType.VALUE
+        clip = torch.nn.utils.clip_grad_value_ if by_value else torch.nn.utils.clip_grad_norm_
+        clip(self.main_params(optimizer), clip_val)  # both skip params without a grad
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Fabric's clip_gradients: main grads unscaled; a step to be skipped gets finite (zeroed) grads

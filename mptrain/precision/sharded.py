@@ -142,9 +142,7 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: Any = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         """Clip the unscaled fp32 grad shards; the norm is the full model's (FSDP reduces it across ranks)."""
-        if clip_val is None or clip_val <= 0:
-            return
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE or self._root is None:
+        if self._root is None or gradient_clip_algorithm == GradClipAlgorithmType.VALUE or not clip_val or clip_val < 0:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
         self._prepare(self._ensure_ready(optimizer))
         self._root.clip_grad_norm_(clip_val)
