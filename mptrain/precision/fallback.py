@@ -42,10 +42,8 @@ def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
     if spec is None or spec == "default":
         return DEFAULT_FP32_OPS
     if isinstance(spec, str):
-        raise ValueError(
-            f"fp32_fallback={spec!r}: expected 'default', a list of op names or []; "
-            f"e.g. fp32_fallback=['softmax', 'layer_norm']"
-        )
+        raise ValueError(f"fp32_fallback={spec!r}: expected 'default', a list of op names or []; "
+                         f"e.g. fp32_fallback=['softmax', 'layer_norm']")
     names = list(spec)
     if any(isinstance(n, str) and n[:1] in "+-" for n in names):
         base = list(DEFAULT_FP32_OPS)
@@ -57,10 +55,8 @@ def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
         names = base
     for n in names:
         if not isinstance(n, str) or not _callables_for(n):
-            raise ValueError(
-                f"fp32_fallback: unknown op {n!r}; names are torch functional names such as "
-                f"{list(DEFAULT_FP32_OPS)}"
-            )
+            raise ValueError(f"fp32_fallback: unknown op {n!r}; names are torch functional names such as "
+                             f"{list(DEFAULT_FP32_OPS)}")
     return tuple(dict.fromkeys(names))
 
 
@@ -231,8 +227,8 @@ class AutoFallback:
         def hook(mod, args, out):
             if getattr(mod, "_mpt_promoted", False):
                 return
-            t = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype in HALF:
+            t = out[0] if isinstance(out, (tuple, list)) and out else out
+            if isinstance(t, torch.Tensor) and t.dtype in HALF:
                 self._calls += 1
                 bad = (~torch.isfinite(t.detach())).any()
                 seq = torch.where(bad, self._calls, self._NONE).to(torch.int32).reshape(1)
