@@ -56,10 +56,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if _is_remote(path):
             return super().load_checkpoint(path, map_location, weights_only=True)
         if weights_only is False:
-            raise CheckpointError(
-                f"refused to load {str(path)!r} with weights_only=False: AtomicCheckpointIO only unpickles tensors "
-                "and plain containers (register extra types with torch.serialization.add_safe_globals)"
-            )
+            raise CheckpointError(f"refused to load {str(path)!r} with weights_only=False: AtomicCheckpointIO only "
+                                  "unpickles tensors and plain containers (register extra types with "
+                                  "torch.serialization.add_safe_globals)")
         path = Path(path)
         if not path.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file; check ckpt_path")
@@ -67,11 +66,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             state = torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise CheckpointError(
-                f"refused to load checkpoint {str(path)!r}: it holds Python objects other than tensors and plain "
-                f"containers, so unpickling it could run code. Load only checkpoints you trust; a type you trust "
-                f"can be allowed with torch.serialization.add_safe_globals. Detail: {_first_line(e)}"
-            ) from None
+            raise CheckpointError(f"refused to load checkpoint {str(path)!r}: it holds Python objects other than "
+                                  f"tensors and plain containers, so unpickling it could run code. Load only "
+                                  f"checkpoints you trust; a type you trust can be allowed with "
+                                  f"torch.serialization.add_safe_globals. Detail: {_first_line(e)}") from None
         except Exception as e:  # noqa: BLE001 - any other failure to read is a damaged file
             raise CheckpointError(f"checkpoint {str(path)!r} cannot be read "
                                   f"({type(e).__name__}: {_first_line(e)})") from None
@@ -105,10 +103,8 @@ def _check_finite(checkpoint: dict[str, Any], path: Path) -> None:
     device = finite[0].device
     bad = [name for name, ok in zip(tensors, torch.stack([f.to(device) for f in finite]).tolist()) if not ok]
     if bad:
-        raise CheckpointError(
-            f"refused to write checkpoint {str(path)!r}: non-finite values in {bad[:5]}"
-            f"{' and more' if len(bad) > 5 else ''}; the previous checkpoint there is kept"
-        )
+        raise CheckpointError(f"refused to write checkpoint {str(path)!r}: non-finite values in {bad[:5]}"
+                              f"{' and more' if len(bad) > 5 else ''}; the previous checkpoint there is kept")
 
 
 def _is_remote(path: _PATH) -> bool:

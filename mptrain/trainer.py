@@ -104,20 +104,17 @@ class Trainer(pl.Trainer):
 
 def _our_callbacks(fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback, checkpoint_every_n_steps,
                    channels_last, compile, cuda_graphs) -> list:
-    callbacks: list = []
-    if fp32_finetune_epochs or fp32_finetune_steps:
-        callbacks.append(Fp32Finetune(epochs=fp32_finetune_epochs, steps=fp32_finetune_steps))
-    if auto_fp32_fallback:
-        callbacks.append(AutoFp32Fallback())
-    if checkpoint_every_n_steps is not None:
-        callbacks.append(ModelCheckpoint(every_n_train_steps=checkpoint_every_n_steps, save_last=True))
-    if channels_last:
-        callbacks.append(ChannelsLast())
-    if compile:
-        callbacks.append(CompileModel(**({} if compile is True else compile)))
-    if cuda_graphs:
-        callbacks.append(CudaGraphs())
-    return callbacks
+    table = [  # (wanted, callback class, its arguments), in the order they run
+        (fp32_finetune_epochs or fp32_finetune_steps, Fp32Finetune,
+         dict(epochs=fp32_finetune_epochs, steps=fp32_finetune_steps)),
+        (auto_fp32_fallback, AutoFp32Fallback, {}),
+        (checkpoint_every_n_steps is not None, ModelCheckpoint,
+         dict(every_n_train_steps=checkpoint_every_n_steps, save_last=True)),
+        (channels_last, ChannelsLast, {}),
+        (compile, CompileModel, compile if isinstance(compile, dict) else {}),
+        (cuda_graphs, CudaGraphs, {}),
+    ]
+    return [cls(**kwargs) for wanted, cls, kwargs in table if wanted]
 
 
 def _as_list(value: Any) -> list:

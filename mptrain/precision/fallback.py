@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 log = logging.getLogger("mptrain")
 
@@ -28,7 +29,7 @@ DEFAULT_FP32_OPS: tuple[str, ...] = ("softmax", "log_softmax", "layer_norm", "gr
                                      "cross_entropy", "nll_loss", "binary_cross_entropy_with_logits", "mse_loss",
                                      "kl_div", "logsumexp")
 
-_HALF = (torch.float16, torch.bfloat16)
+HALF = (torch.float16, torch.bfloat16)
 
 
 def _callables_for(name: str) -> list[Callable]:
@@ -41,10 +42,8 @@ def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
     if spec is None or spec == "default":
         return DEFAULT_FP32_OPS
     if isinstance(spec, str):
-        raise ValueError(
-            f"fp32_fallback={spec!r}: expected 'default', a list of op names or []; "
-            f"e.g. fp32_fallback=['softmax', 'layer_norm']"
-        )
+        raise ValueError(f"fp32_fallback={spec!r}: expected 'default', a list of op names or []; "
+                         f"e.g. fp32_fallback=['softmax', 'layer_norm']")
     names = list(spec)
     if any(isinstance(n, str) and n[:1] in "+-" for n in names):
         base = list(DEFAULT_FP32_OPS)
@@ -56,10 +55,8 @@ def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
         names = base
     for n in names:
         if not isinstance(n, str) or not _callables_for(n):
-            raise ValueError(
-                f"fp32_fallback: unknown op {n!r}; names are torch functional names such as "
-                f"{list(DEFAULT_FP32_OPS)}"
-            )
+            raise ValueError(f"fp32_fallback: unknown op {n!r}; names are torch functional names such as "
+                             f"{list(DEFAULT_FP32_OPS)}")
     return tuple(dict.fromkeys(names))
 
 
@@ -85,29 +82,18 @@ def _say_cpu_rnn_policy() -> None:
                 "(torch's oneDNN bf16 LSTM crashes there); GPU runs are unaffected", " / ".join(_NATIVE_BF16_FLAGS))
 
 
-def _has_cpu_half(obj) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return obj.dtype in _HALF and obj.device.type == "cpu"
-    if isinstance(obj, (list, tuple)):
-        return any(_has_cpu_half(o) for o in obj)
-    return False
+def _half_dtypes(obj, device_type: Optional[str] = None) -> list[torch.dtype]:
+    """The dtypes of the half tensors in ``obj`` (nested; on ``device_type`` only if given), in order."""
+    return [t.dtype for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.dtype in HALF
+            and device_type in (None, t.device.type)]
 
 
-def _upcast(obj, dtype_seen: list):
-    if isinstance(obj, torch.Tensor) and obj.dtype in _HALF:
-        dtype_seen.append(obj.dtype)
-        return obj.float()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_upcast(o, dtype_seen) for o in obj)
-    return obj
+def _upcast(obj):
+    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in HALF else t, obj)
 
 
 def _downcast(obj, dtype: torch.dtype):
-    if isinstance(obj, torch.Tensor) and obj.dtype == torch.float32:
-        return obj.to(dtype)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_downcast(o, dtype) for o in obj)
-    return obj
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.dtype == torch.float32 else t, obj)
 
 
 def _batch_norm_fp32(func, args, kwargs):
@@ -121,14 +107,14 @@ def _batch_norm_fp32(func, args, kwargs):
     keep_half_input = isinstance(x, torch.Tensor) and x.is_cuda
     for k in names:
         v = bound.get(k)
-        upcast = isinstance(v, torch.Tensor) and v.dtype in _HALF and not (k == "input" and keep_half_input)
+        upcast = isinstance(v, torch.Tensor) and v.dtype in HALF and not (k == "input" and keep_half_input)
         call[k] = v.float() if upcast else v
     out = func(*[call[k] for k in names], *args[len(names):], **rest_kwargs)
     for k in ("running_mean", "running_var"):
         if isinstance(bound.get(k), torch.Tensor) and bound[k] is not call[k]:
             with torch.no_grad():
                 bound[k].copy_(call[k])
-    return out.to(x.dtype) if x.dtype in _HALF else out
+    return out.to(x.dtype) if x.dtype in HALF else out
 
 
 class _Fp32OpsMode(TorchFunctionMode):
@@ -138,12 +124,11 @@ class _Fp32OpsMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Every torch call of the forward passes here: the path of an unlisted op is one dict lookup.
-        name = self.funcs.get(func)
+        name, kwargs = self.funcs.get(func), kwargs or {}
         if name is None:
-            return func(*args, **(kwargs or {}))
-        kwargs = kwargs or {}
+            return func(*args, **kwargs)
         if name in CPU_RNN_OPS:
-            if not _has_cpu_half(args):
+            if not _half_dtypes(args, "cpu"):
                 return func(*args, **kwargs)
             _say_cpu_rnn_policy()  # once per process, when it first applies
         # The handler runs with this mode popped, so the inner call is not re-intercepted.
@@ -157,11 +142,10 @@ def _fp32_call(name: str, func, args, kwargs):
     """``func`` on fp32 copies of its half tensors, the result in the first one's dtype."""
     if name == "batch_norm":
         return _batch_norm_fp32(func, args, kwargs)
-    seen: list = []
-    up_args = _upcast(tuple(args), seen)
-    up_kwargs = {k: _upcast(v, seen) for k, v in kwargs.items()}
+    seen = _half_dtypes((args, kwargs))
     if not seen:
         return func(*args, **kwargs)
+    up_args, up_kwargs = _upcast((args, kwargs))
     return _downcast(func(*up_args, **up_kwargs), seen[0])  # "the input's dtype": the first half tensor's
 
 
@@ -208,12 +192,11 @@ def run_module_in_fp32(module: nn.Module) -> list:
             # cuDNN batch norm: half in, fp32 weights/stats, fp32 math, half out; no upcast copy.
             mod._mpt_in_dtype = None
             return None
-        seen: list = []
-        return _upcast(tuple(args), seen), {k: _upcast(v, seen) for k, v in kwargs.items()}
+        return _upcast((args, kwargs))
 
     def post(mod, args, kwargs, out):
         dt = getattr(mod, "_mpt_in_dtype", None)
-        return _downcast(out, dt) if dt in _HALF else out
+        return _downcast(out, dt) if dt in HALF else out
 
     return [
         module.register_forward_pre_hook(pre, with_kwargs=True),
@@ -230,13 +213,10 @@ class AutoFallback:
 
     _NONE = 2**30
 
-    def __init__(self, module: nn.Module, skip: Optional[Callable[[nn.Module], bool]] = None):
-        self.names: list[str] = []
-        self.modules: list[nn.Module] = []
-        for name, m in module.named_modules():
-            if name and not list(m.children()) and not (skip and skip(m)):
-                self.names.append(name)
-                self.modules.append(m)
+    def __init__(self, module: nn.Module):
+        leaves = [(name, m) for name, m in module.named_modules() if name and not list(m.children())]
+        self.names: list[str] = [name for name, _ in leaves]
+        self.modules: list[nn.Module] = [m for _, m in leaves]
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self.first_bad = torch.full((len(self.modules),), self._NONE, dtype=torch.int32, device=device)
         self._calls = 0
@@ -247,8 +227,8 @@ class AutoFallback:
         def hook(mod, args, out):
             if getattr(mod, "_mpt_promoted", False):
                 return
-            t = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype in _HALF:
+            t = out[0] if isinstance(out, (tuple, list)) and out else out
+            if isinstance(t, torch.Tensor) and t.dtype in HALF:
                 self._calls += 1
                 bad = (~torch.isfinite(t.detach())).any()
                 seq = torch.where(bad, self._calls, self._NONE).to(torch.int32).reshape(1)

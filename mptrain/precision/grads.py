@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from mptrain import ops
+
 
 def is_mptrain_fused(optimizer: torch.optim.Optimizer) -> bool:
     """mptrain's fused optimizers take grad_scale/found_inf and master weights in one kernel."""
@@ -15,18 +17,13 @@ def is_mptrain_fused(optimizer: torch.optim.Optimizer) -> bool:
 def accepts_device_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours ``found_inf`` on the device: mptrain's fused optimizers and torch's
     ``fused=True`` ones (the ``grad_scale`` / ``found_inf`` attributes of torch.amp.GradScaler's protocol)."""
-    if is_mptrain_fused(optimizer):
-        return True
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return False
-    return all(g.get("fused", False) for g in optimizer.param_groups)
+    return is_mptrain_fused(optimizer) or (bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+                                           and all(g.get("fused", False) for g in optimizer.param_groups))
 
 
 def unscale_and_check_(grads: list[torch.Tensor], inv_scale: Optional[torch.Tensor], found_inf: torch.Tensor,
                        fused="auto") -> None:
     """``grads *= inv_scale`` in place (``None``: only check); ``found_inf`` becomes 1 on any inf/NaN."""
-    from mptrain import ops
-
     by_device: dict = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)

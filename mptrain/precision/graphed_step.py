@@ -15,7 +15,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from mptrain.precision.graph_capture import CudaGraphError, capture
-from mptrain.precision.plugin import _unwrap_optimizer
 
 log = logging.getLogger("mptrain")
 
@@ -58,8 +57,7 @@ class GraphedStep:
                 f"with {'no closure (Fabric?)' if closure is None else f'arguments {sorted(kwargs)}'}. Call "
                 "optimizer.step() without arguments from LightningModule.optimizer_step, or use cuda_graphs=False")
         plugin = self.plugin
-        optimizer = _unwrap_optimizer(optimizer)  # as the plugin's own optimizer_step
-        plugin._ensure_ready(optimizer)
+        optimizer = plugin._ensure_ready(optimizer)  # unwrapped, as in the plugin's own optimizer_step
         if self.optimizer is None:
             self.optimizer = optimizer
         elif optimizer is not self.optimizer:

@@ -28,9 +28,7 @@ class DynamicLossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, hysteresis: int = 2, min_scale: float = 1.0, max_scale: float = 2.0**24,
                  max_consecutive_skips: int = 100):
-        config = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                      growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
-                      max_scale=max_scale, max_consecutive_skips=max_consecutive_skips)
+        config = {k: v for k, v in locals().items() if k != "self"}  # the arguments by name
         checks = [
             ("init_scale", init_scale > 0, "> 0"),
             ("growth_factor", growth_factor >= 1.0, ">= 1.0"),
@@ -69,19 +67,18 @@ class DynamicLossScaler:
         raise TypeError(f"loss_scaler must be None, a DynamicLossScaler or a dict of its arguments, "
                         f"got {type(spec).__name__}")
 
-    # -- device state: name in the state dict -> (attribute, dtype) ----------
-    _STATE = {"scale": ("_scale", torch.float32), "growth_tracker": ("_growth_tracker", torch.int32),
-              "hysteresis_tracker": ("_hysteresis_tracker", torch.int32)}
+    # -- device state: name in the state dict -> attribute ----------
+    _STATE = {"scale": "_scale", "growth_tracker": "_growth_tracker", "hysteresis_tracker": "_hysteresis_tracker"}
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled in a spawned process (ddp_spawn): torch shares pickled CPU tensors through shared
         # memory, which would make every rank update the same scale. Each rank gets its own copy.
         self.__dict__.update(state)
-        for attr, _ in self._STATE.values():
+        for attr in self._STATE.values():
             setattr(self, attr, getattr(self, attr).clone())
 
     def to(self, device: torch.device | str) -> "DynamicLossScaler":
-        for attr, _ in self._STATE.values():
+        for attr in self._STATE.values():
             setattr(self, attr, getattr(self, attr).to(device))
         return self
 
@@ -104,7 +101,7 @@ class DynamicLossScaler:
         return int(self._hysteresis_tracker.item())
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self._scale.to(loss.dtype) if loss.dtype == torch.float32 else loss.float() * self._scale
+        return loss.float() * self._scale
 
     def inv_scale(self) -> torch.Tensor:
         return (1.0 / self._scale).to(torch.float32)
@@ -129,7 +126,7 @@ class DynamicLossScaler:
         self._growth_tracker.copy_(torch.where(inf | grow, torch.zeros_like(growth_after_clean), growth_after_clean))
 
     def state_dict(self) -> dict:
-        state = {key: getattr(self, attr).detach().cpu().clone() for key, (attr, _) in self._STATE.items()}
+        state = {key: getattr(self, attr).detach().cpu().clone() for key, attr in self._STATE.items()}
         config = {k: getattr(self, k) for k in _DEFAULTS if k != "init_scale"} | {"init_scale": self._init_scale}
         return state | {"config": config}
 
@@ -143,8 +140,8 @@ class DynamicLossScaler:
             if unknown:
                 raise KeyError(f"DynamicLossScaler.load_state_dict: unknown config key(s) {unknown}")
             self._configure(config)
-        for key, (attr, dtype) in self._STATE.items():
-            setattr(self, attr, state[key].to(self.device, dtype).clone())
+        for key, attr in self._STATE.items():
+            setattr(self, attr, state[key].to(self.device, getattr(self, attr).dtype).clone())
 
     def __repr__(self) -> str:
         return (f"DynamicLossScaler(scale={self._scale.item():g}, growth_interval={self.growth_interval}, "

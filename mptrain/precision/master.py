@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
+from mptrain import ops
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module, run_module_in_fp32
 from mptrain.precision.plugin import HALF, MptrainPrecision, _unwrap_optimizer
@@ -137,20 +138,15 @@ class MasterPrecision(MptrainPrecision):
 
     def main_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """Generic path: half grads copied up into the masters' fp32 grads (one multi-tensor copy)."""
-        if id(optimizer) in self._pairs:
-            src, dst = [], []
-            for p, m in zip(*self._pairs[id(optimizer)]):
-                if p.grad is None:
-                    m.grad = None
-                    continue
-                if m.grad is None:
-                    m.grad = torch.empty_like(m)
-                src.append(p.grad)
-                dst.append(m.grad)
-            if dst:
-                from mptrain import ops
-
-                ops.multi_tensor_copy_(dst, src, fused=self.fused)
+        pairs = list(zip(*self._pairs.get(id(optimizer), ((), ()))))  # (half param, master)
+        for p, m in pairs:
+            if p.grad is None:
+                m.grad = None
+            elif m.grad is None:
+                m.grad = torch.empty_like(m)
+        with_grad = [(p, m) for p, m in pairs if p.grad is not None]
+        if with_grad:
+            ops.multi_tensor_copy_([m.grad for _, m in with_grad], [p.grad for p, _ in with_grad], fused=self.fused)
         return super().main_grads(optimizer)
 
     def _prepare(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -161,8 +157,6 @@ class MasterPrecision(MptrainPrecision):
             return found
         # Fused path: one read of the scaled half grads gives the inf check and the clipping norm;
         # they are never unscaled in place in half precision (small values would flush to zero).
-        from mptrain import ops
-
         grads = super().main_grads(optimizer)
         dev = grads[0].device if grads else self._device()
         scale = self._scale(dev)

@@ -29,9 +29,7 @@ class NonFiniteGuard:
 
     def update(self, found_inf: torch.Tensor) -> None:
         """After a step: count it as skipped when ``found_inf`` is set (device ops only)."""
-        if self.consecutive.device != found_inf.device:
-            self.consecutive = self.consecutive.to(found_inf.device)
-            self.total = self.total.to(found_inf.device)
+        self.consecutive, self.total = self.consecutive.to(found_inf.device), self.total.to(found_inf.device)
         bad = found_inf.reshape(()) != 0
         self.consecutive.copy_(torch.where(bad, self.consecutive + 1, torch.zeros_like(self.consecutive)))
         self.total.add_(bad.to(torch.int64))

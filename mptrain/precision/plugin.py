@@ -15,20 +15,20 @@ import logging
 from typing import Any, Callable, Optional, Union
 
 import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
 from torch import nn
 
+from mptrain import ops
+from mptrain.ops.dispatch import check_fused
 from mptrain.precision import grads as G
-from mptrain.precision.fallback import AutoFallback, Fp32Fallback, run_module_in_fp32
+from mptrain.precision.fallback import HALF, AutoFallback, Fp32Fallback, run_module_in_fp32
 from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
 from mptrain.precision.nonfinite import NonFiniteGuard
 
 log = logging.getLogger("mptrain")
-
-HALF = (torch.float16, torch.bfloat16)
-FUSED_CHOICES = ("auto", True, False)
 
 
 class MptrainPrecision(_LightningPrecision):
@@ -55,13 +55,11 @@ class MptrainPrecision(_LightningPrecision):
         if precision not in self.MODES:
             raise ValueError(f"{type(self).__name__}(precision={precision!r}) is not supported. "
                              f"Valid values: {', '.join(map(repr, self.MODES))}")
-        if fused not in FUSED_CHOICES:
-            raise ValueError(f"fused={fused!r} is not supported. Valid values: 'auto', True, False")
         self.precision = self.initial_precision = precision
         self.compute_dtype = dtype = self.MODES[precision]
         self.param_dtype = torch.float32 if self.FP32_PARAMS else dtype
         self.autocast_dtype: Optional[torch.dtype] = dtype if precision.endswith("-mixed") else None
-        self.fused = fused
+        self.fused = check_fused(type(self).__name__, fused)
         self.loss_scaler = self._build_scaler(loss_scaler)
         fallback = Fp32Fallback(fp32_fallback)  # checks the list in every mode
         self.fallback: Optional[Fp32Fallback] = fallback if dtype in HALF else None
@@ -119,7 +117,7 @@ class MptrainPrecision(_LightningPrecision):
     def convert_input(self, data: Any) -> Any:
         if self.param_dtype not in HALF:
             return data
-        return apply_to_collection(data, torch.Tensor, _to_dtype, self.param_dtype)
+        return apply_to_collection(data, torch.Tensor, _convert_fp_tensor, self.param_dtype)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Autocast (``*-mixed``) and the fp32 fallback of listed ops, around every forward."""
@@ -142,9 +140,7 @@ class MptrainPrecision(_LightningPrecision):
         bad = (~torch.isfinite(tensor.detach())).any().reshape(1).float()
         self._loss_bad = bad if self._loss_bad is None else torch.maximum(self._loss_bad, bad)
         if self.loss_scaler is not None:
-            if self.loss_scaler.device != tensor.device:
-                self.loss_scaler.to(tensor.device)
-            tensor = self.loss_scaler.scale_loss(tensor)
+            tensor = self.loss_scaler.to(tensor.device).scale_loss(tensor)
         if self._lightning:  # lightning.Trainer: (tensor, model, optimizer, *args) -> LightningModule.backward
             super().backward(tensor, model, *args, **kwargs)
         else:  # Fabric: (tensor, module, *args)
@@ -167,8 +163,6 @@ class MptrainPrecision(_LightningPrecision):
         """Before any training: bf16 on a GPU without it, ``fused=True`` without a built extension."""
         check_device_supports(self.initial_precision, device)
         if self.fused is True and device.type == "cuda":
-            from mptrain import ops
-
             ops.get_extension(required=True)  # raises naming the failing source, the log and the fix
 
     def _release_fp32_init(self) -> None:
@@ -177,9 +171,11 @@ class MptrainPrecision(_LightningPrecision):
     def _forget_optimizers(self) -> None:
         self._optimizers = []
 
-    def _ensure_ready(self, optimizer: torch.optim.Optimizer) -> None:
+    def _ensure_ready(self, optimizer: Any) -> torch.optim.Optimizer:
+        """The torch optimizer inside ``optimizer``'s wrapper, prepared on first use."""
+        optimizer = _unwrap_optimizer(optimizer)
         if any(o is optimizer for o in self._optimizers):
-            return
+            return optimizer
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(f"{self!r} does not support torch.optim.LBFGS: it re-evaluates the closure inside "
                              "step(), where the loss scale and the non-finite skip cannot apply. Use another "
@@ -188,6 +184,7 @@ class MptrainPrecision(_LightningPrecision):
             self.check_device(self._device())
         self._setup_optimizer(optimizer)
         self._optimizers.append(optimizer)
+        return optimizer
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Subclasses swap in masters here."""
@@ -195,8 +192,7 @@ class MptrainPrecision(_LightningPrecision):
     def optimizer_step(self, optimizer: Any, model: Any = None, closure: Optional[Callable[[], Any]] = None,
                        **kwargs: Any) -> Any:
         """lightning.Trainer passes the closure (training_step + backward); Fabric calls after backward."""
-        optimizer = _unwrap_optimizer(optimizer)
-        self._ensure_ready(optimizer)
+        optimizer = self._ensure_ready(optimizer)
         if closure is None:  # Fabric
             return self._step(optimizer, **kwargs)
         closure_result = closure()
@@ -214,10 +210,10 @@ class MptrainPrecision(_LightningPrecision):
         return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def _found_inf(self, device: torch.device) -> torch.Tensor:
-        found = torch.zeros(1, dtype=torch.float32, device=device)
-        if self._loss_bad is not None:
-            found.copy_(self._loss_bad.to(device))
-        return found
+        """A new flag on ``device``: set when the window's loss was non-finite."""
+        if self._loss_bad is None:
+            return torch.zeros(1, dtype=torch.float32, device=device)
+        return self._loss_bad.to(device, copy=True)
 
     def _prepare(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Grads up, unscaled and checked, once per step: the found_inf flag (device tensor)."""
@@ -269,20 +265,16 @@ class MptrainPrecision(_LightningPrecision):
         """lightning.Trainer's ``gradient_clip_val``: clips the unscaled (master) grads."""
         if clip_val is None or clip_val <= 0:
             return
-        optimizer = _unwrap_optimizer(optimizer)
-        self._ensure_ready(optimizer)
+        optimizer = self._ensure_ready(optimizer)
         self._prepare(optimizer)
-        params = [p for p in self.main_params(optimizer) if p.grad is not None]
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            torch.nn.utils.clip_grad_value_(params, clip_val)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, clip_val)
+        by_value = gradient_clip_algorithm == GradClipAlgorithmType.VALUE
+        clip = torch.nn.utils.clip_grad_value_ if by_value else torch.nn.utils.clip_grad_norm_
+        clip(self.main_params(optimizer), clip_val)  # both skip params without a grad
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Fabric's clip_gradients: main grads unscaled; a step to be skipped gets finite (zeroed) grads
         so that torch's ``error_if_nonfinite`` does not pre-empt the skip."""
-        optimizer = _unwrap_optimizer(optimizer)
-        self._ensure_ready(optimizer)
+        optimizer = self._ensure_ready(optimizer)
         self._prepare(optimizer)
         for p in self.main_params(optimizer):
             if p.grad is not None:  # inf/NaN -> 0 in a step that is skipped anyway
@@ -305,10 +297,8 @@ class MptrainPrecision(_LightningPrecision):
     def _culprit(self, optimizer: torch.optim.Optimizer) -> str:
         if self._module is None:
             return "unknown (no module)"
-        for name, g in self.unscaled_grads().items():
-            if not bool(torch.isfinite(g).all()):
-                return repr(name)
-        return "none (the gradients are finite: the loss itself is non-finite)"
+        bad = (repr(name) for name, g in self.unscaled_grads().items() if not bool(torch.isfinite(g).all()))
+        return next(bad, "none (the gradients are finite: the loss itself is non-finite)")
 
     # -- automatic fp32 fallback -------------------------------------------------------
     def enable_auto_fallback(self, module: nn.Module) -> None:
@@ -351,9 +341,8 @@ class MptrainPrecision(_LightningPrecision):
         if self.phase == "fp32":
             return
         self._module = self._module or model
-        for opt in map(_unwrap_optimizer, optimizers):
-            self._ensure_ready(opt)
-            self._to_fp32(model, opt)
+        for opt in optimizers:
+            self._to_fp32(model, self._ensure_ready(opt))
         model.float()
         for h in self._hooks:
             h.remove()
@@ -437,10 +426,6 @@ def float_state_(state: dict) -> None:
     for k, v in state.items():
         if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" and v.dim() > 0:
             state[k] = v.float()
-
-
-def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.is_floating_point() else t
 
 
 __all__ = ["MptrainPrecision", "HALF"]

@@ -19,11 +19,12 @@ from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision as FSDPMixedPrecision
+from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
 
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module
 from mptrain.precision.loss_scaler import NonFiniteError
-from mptrain.precision.plugin import HALF, MptrainPrecision, _unwrap_optimizer
+from mptrain.precision.plugin import HALF, MptrainPrecision
 
 #: Callbacks whose work FSDP cannot do: they change parameter dtypes after wrapping.
 _REFUSED_CALLBACKS = {
@@ -97,9 +98,10 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         return super().connect(model, optimizers, lr_schedulers)
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Fabric never calls ``connect``: its first step checks that the optimizer holds FSDP's shards."""
+        """Fabric never calls ``connect``: its first step checks that the optimizer holds FSDP's shards
+        (flat parameters, or with ``use_orig_params`` views into them)."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        if self._root is None and not all(map(_is_fsdp_param, params)):
+        if self._root is None and not all(map(_is_fsdp_flattened, params)):
             raise ValueError(f"{self!r} runs under Lightning's FSDPStrategy, but {type(optimizer).__name__} holds "
                              f"parameters FSDP does not manage. Use strategy='fsdp' and set up the module before "
                              f"the optimizer, or mptrain.MasterPrecision({self.initial_precision!r}) unsharded")
@@ -140,13 +142,9 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: Any = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         """Clip the unscaled fp32 grad shards; the norm is the full model's (FSDP reduces it across ranks)."""
-        if clip_val is None or clip_val <= 0:
-            return
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE or self._root is None:
+        if self._root is None or gradient_clip_algorithm == GradClipAlgorithmType.VALUE or not clip_val or clip_val < 0:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-        optimizer = _unwrap_optimizer(optimizer)
-        self._ensure_ready(optimizer)
-        self._prepare(optimizer)
+        self._prepare(self._ensure_ready(optimizer))
         self._root.clip_grad_norm_(clip_val)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -162,15 +160,6 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
             return
         raise NonFiniteError(f"refusing to save a checkpoint: a weight holds inf/NaN at step {self._step_number()} "
                              f"(precision={self.precision!r}); the previous checkpoint is the last good one")
-
-
-def _is_fsdp_param(p: torch.Tensor) -> bool:
-    """A parameter FSDP manages: a flat parameter, or (``use_orig_params``) a view into one."""
-    try:
-        from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
-    except ImportError:  # a torch without the helper: nothing to check against
-        return True
-    return _is_fsdp_flattened(p)
 
 
 def _local(value: Any) -> Optional[torch.Tensor]:
