@@ -66,19 +66,18 @@ class LSTMLanguageModel(L.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
-    def _loss(self, batch, reduction: str = "mean") -> torch.Tensor:
+    def _loss(self, batch) -> torch.Tensor:
         x, y = batch
         logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction=reduction)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
     def training_step(self, batch, batch_idx):
         return log_train_loss(self, self._loss(batch))
 
     def validation_step(self, batch, batch_idx):
-        loss_sum = self._loss(batch, "sum").detach()
-        n = batch[1].numel()
-        self.log("val/loss", loss_sum / n)
-        self.val_loss.update(loss_sum / n, weight=n)
+        loss = self._loss(batch).detach()
+        self.log("val/loss", loss)
+        self.val_loss.update(loss, weight=batch[1].numel())
 
     def on_validation_epoch_end(self):
         """Perplexity over every token of the epoch: exp of the mean loss (a mean of exps would overstate it)."""
