@@ -40,9 +40,7 @@ class ResumeState(Callback):
         if self._trainer is not None and isinstance(layout, dict) and set(_LAYOUT_KEYS) <= set(layout):
             # Refused before Lightning hands the loader state to a sampler of another kind (1 process ->
             # DistributedSampler), which fails with a bare AssertionError; batches per epoch come at on_train_start.
-            now = {"world_size": self._trainer.world_size,
-                   "accumulate_grad_batches": self._trainer.accumulate_grad_batches}
-            _check_layout(layout, now, tuple(now))
+            _check_layout(layout, _layout(self._trainer), ("world_size", "accumulate_grad_batches"))
 
     def on_train_start(self, trainer, pl_module) -> None:
         if not self._loaded:
