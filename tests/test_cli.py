@@ -201,6 +201,8 @@ def test_tools_share_the_flag_style(workdir, capsys):
     line = assert_config_error(capsys, workdir, ["numerics", "--config", QUICK, "--max_sampels=3"], "max_sampels")
     assert "max_samples" in line
     assert_config_error(capsys, workdir, ["bench", "nope"], "nope", "gemm")
+    rc, out, _ = run(capsys, "bench", "gemm", "--help")  # the benchmark's own parser
+    assert rc == 0 and "--json" in out
 
 
 def test_python_dash_m_is_the_same_program(workdir):

@@ -41,17 +41,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except SystemExit as e:  # --help, --print_config
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    finally:
-        _close_process_group()
+    finally:  # tear the process group down now: gloo's threads left to the interpreter's teardown abort it
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
-
-
-def _close_process_group() -> None:
-    """Tear the process group down now: gloo's threads left to the interpreter's teardown abort it."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def wandb_offline_without_key() -> None:

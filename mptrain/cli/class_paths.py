@@ -72,13 +72,10 @@ def check_class_paths(config: dict, trainer_class: type) -> None:
     Trainer arguments outside the table above take the kind their annotation names
     (``Trainer(loss_scaler: Optional[DynamicLossScaler | dict])`` -> DynamicLossScaler)."""
     bases = _expected_bases()
-    hints: dict[str, Any] = {}
-    for klass in reversed(trainer_class.__mro__):
-        if "__init__" in vars(klass):
-            hints.update(_init_hints(klass))
+    hints = {key: hint for klass in reversed(trainer_class.__mro__) if "__init__" in vars(klass)
+             for key, hint in _init_hints(klass).items()}  # a subclass's annotation wins
     for key, hint in hints.items():
-        classes = _classes_in(hint)
-        if classes:
+        if classes := _classes_in(hint):
             bases.setdefault(f"trainer.{key}", classes)
     _walk(config, "", None, bases)
 
@@ -101,8 +98,7 @@ def _walk(node: Any, path: str, hint_bases: Optional[tuple[type, ...]], bases: d
             _walk(value, f"{path}.init_args.{key}", _classes_in(hints.get(key)) or None, bases)
         return
     for key, value in node.items():
-        sub = f"{path}.{key}" if path else key
-        _walk(value, sub, None, bases)
+        _walk(value, f"{path}.{key}" if path else key, None, bases)
 
 
 def _init_hints(cls: type) -> dict[str, Any]:

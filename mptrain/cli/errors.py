@@ -73,20 +73,16 @@ def explain_parse_error(message: str, valid_keys: Optional[dict[str, list[str]]]
     """jsonargparse's ArgumentError as "key, value, expected": ``valid_keys`` maps a group
     ("trainer", "model", ...) to its keys, for the did-you-mean of an unknown key."""
     valid_keys = valid_keys or {}
-    unrec = re.search(r"nrecognized arguments: (\S+)", message)
-    if unrec:
+    if unrec := re.search(r"nrecognized arguments: (\S+)", message):
         key, _, value = unrec.group(1).lstrip("-").partition("=")
         return _unknown(key, valid_keys, value or None)
     parser_key = re.search(r'Parser key "([^"]+)"', message)
     path = parser_key.group(1) if parser_key else ""
-    option = re.search(r"Option '([^']+)' is not accepted", message) or re.search(r"[Kk]ey '([^']+)' is not expected", message)
-    if option:
-        group = path.split(".")[0]
+    if option := re.search(r"(?:Option|[Kk]ey) '([^']+)' is not (?:accepted|expected)", message):
         cls = re.search(r"Problem with given class_path '([^']+)'", message)
-        valid = _init_params(cls.group(1)) if cls else valid_keys.get(group, [])
+        valid = _init_params(cls.group(1)) if cls else valid_keys.get(path.split(".")[0], [])
         return str(unknown_key(f"{path}.{option.group(1)}" if path else option.group(1), valid))
-    unknown = re.search(r"does not accept option '([^']+)'", message) or re.search(r'No action for key "([^"]+)"', message)
-    if unknown:
+    if unknown := re.search(r"(?:does not accept option '|No action for key \")([^'\"]+)", message):
         return _unknown(unknown.group(1), valid_keys)
     given = re.search(r"Given value: (.*)", message)
     expected = re.search(r"Expected a (.*?)(?:\. Got value: (.*))?$", message, re.M)
