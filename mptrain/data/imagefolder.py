@@ -1,6 +1,7 @@
 """ImageNet-layout image folders (``root/{train,val}/<class>/*.jpg``) with the standard ResNet augmentations."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -49,12 +50,10 @@ class SeededImageFolder(Dataset):
         return len(self.folder)
 
     def __getitem__(self, index: int):
-        seed = sample_seed(self.seed, self.epoch, index)
-        if torch.utils.data.get_worker_info() is not None:
-            torch.manual_seed(seed)  # a worker's RNG is its own: reseed it directly
-            return self.folder[index]
-        with torch.random.fork_rng(devices=[]):  # main process: leave the training RNG untouched
-            torch.manual_seed(seed)
+        # a worker's RNG is its own: reseed it directly; in the main process leave the training RNG untouched
+        in_worker = torch.utils.data.get_worker_info() is not None
+        with contextlib.nullcontext() if in_worker else torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, self.epoch, index))
             return self.folder[index]
 
 
