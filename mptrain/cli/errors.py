@@ -37,11 +37,9 @@ def innermost_error(message: str) -> str:
     """The useful part of a jsonargparse message: the error a class's ``__init__`` raised,
     without the "Does not validate against any of the Union subtypes" wrapping."""
     items = re.findall(r"^\s*- (.+)$", message, re.M)
-    useful = [i for i in items if "Expected a <class 'NoneType'>" not in i and not i.startswith("Problem with")]
-    if useful:
+    if useful := [i for i in items if "Expected a <class 'NoneType'>" not in i and not i.startswith("Problem with")]:
         return useful[0]
-    problem = re.search(r"Problem with given class_path '([^']+)':\s*(.+)", message, re.S)
-    if problem:
+    if problem := re.search(r"Problem with given class_path '([^']+)':\s*(.+)", message, re.S):
         return f"{problem.group(1)}: {problem.group(2)}"
     return message
 
@@ -88,12 +86,9 @@ def explain_parse_error(message: str, valid_keys: Optional[dict[str, list[str]]]
     expected = re.search(r"Expected a (.*?)(?:\. Got value: (.*))?$", message, re.M)
     subtypes = re.search(r"Subtypes: \[(.*?)\]", message, re.S)
     value = (given.group(1) if given else expected.group(2) if expected and expected.group(2) else "").strip()
-    if subtypes:
-        wanted = "one of " + _clean_types(subtypes.group(1))
-    elif expected:
-        wanted = _clean_types(expected.group(1))
-    else:
+    if not (subtypes or expected):
         return f"{path or 'config'}: {one_line(innermost_error(message))}"
+    wanted = "one of " + _clean_types(subtypes.group(1)) if subtypes else _clean_types(expected.group(1))
     inner = innermost_error(message)
     detail = f" ({one_line(inner)})" if inner != message and "Expected a" not in inner else ""
     return f"invalid value for {path!r}: {value!r}. Expected {wanted}{detail}"

@@ -11,9 +11,6 @@ from torch.utils.data import Dataset
 from mptrain.data.module import MPTDataModule, require_data_dir
 from mptrain.data.sampling import sample_seed
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
 
 def _torchvision():
     try:
@@ -27,7 +24,7 @@ def standard_transforms(train: bool, image_size: int = 224):
     """RandomResizedCrop + horizontal flip for training; resize to 8/7 then center crop for
     validation; both normalized with the ImageNet statistics."""
     T = _torchvision().transforms
-    norm = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # ImageNet's per-channel mean and std
     if train:
         return T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ToTensor(), norm])
     return T.Compose([T.Resize(int(image_size * 8 / 7)), T.CenterCrop(image_size), T.ToTensor(), norm])
@@ -77,12 +74,10 @@ class ImageFolderDataModule(MPTDataModule):
 
     @property
     def num_classes(self) -> int:
-        if self._num_classes is None:
-            if self.synthetic:
-                return 1000
+        if self._num_classes is None and not self.synthetic:
             self.setup("fit")
             self._num_classes = len(self.train_set.classes)
-        return self._num_classes
+        return 1000 if self._num_classes is None else self._num_classes
 
     def make_synthetic_batch(self, g, device):
         x = torch.randn(self.batch_size, 3, self.image_size, self.image_size, generator=g, device=device)
