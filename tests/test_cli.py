@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mptrain.cli import main
+from mptrain.cli import ConfigError, main
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "recipes" / "quickstart.yaml")
@@ -211,3 +211,17 @@ def test_python_dash_m_is_the_same_program(workdir):
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("mptrain fit: error: invalid value for 'trainer.max_steps'")
+
+
+def test_class_paths_are_checked_in_lists_init_args_and_by_annotation():
+    from mptrain import Trainer
+    from mptrain.cli.class_paths import check_class_paths
+
+    early_stop = {"class_path": "lightning.pytorch.callbacks.EarlyStopping", "init_args": {"monitor": "val/loss"}}
+    check_class_paths({"trainer": {"callbacks": [early_stop], "max_time": {"class_path": "datetime.timedelta"}}}, Trainer)
+    with pytest.raises(ConfigError, match=r"trainer.max_time.class_path='os.system' is refused.*datetime.timedelta"):
+        check_class_paths({"trainer": {"max_time": {"class_path": "os.system"}}}, Trainer)
+    lambda_cb = {"class_path": "lightning.pytorch.callbacks.LambdaCallback",
+                 "init_args": {"on_fit_start": {"class_path": "os.system"}}}  # typed Callable: no class expected
+    with pytest.raises(ConfigError, match=r"callbacks\[0\].init_args.on_fit_start' does not declare"):
+        check_class_paths({"trainer": {"callbacks": [lambda_cb]}}, Trainer)

@@ -55,10 +55,9 @@ class ResumeState(Callback):
             raise CheckpointError(f"checkpoint {trainer.ckpt_path!r}: its ResumeState entry is damaged (keys "
                                   f"{sorted(saved)}; expected a non-empty 'rng' list and a 'layout' dict with "
                                   f"{list(_LAYOUT_KEYS)})")
-        _check_layout(saved["layout"], _layout(trainer))
-        _warn_if_order_not_restorable(trainer, saved["layout"])
-        rngs = saved["rng"]
-        set_rng_state(rngs[trainer.global_rank % len(rngs)])
+        _check_layout(layout, _layout(trainer))
+        _warn_if_order_not_restorable(trainer, layout)
+        set_rng_state(saved["rng"][trainer.global_rank % len(saved["rng"])])
 
 
 _LAYOUT_KEYS = ("world_size", "accumulate_grad_batches", "num_training_batches", "batch_in_epoch")

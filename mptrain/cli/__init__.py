@@ -21,7 +21,6 @@ __all__ = ["TOOLS", "ConfigError", "main"]
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one subcommand; returns the exit status (2 for a config mistake)."""
-    from_sys = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     wandb_offline_without_key()
     try:
@@ -34,7 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         for path in config_paths(argv):
             check_config_file(path)
-        MptrainCLI(args=None if from_sys else argv)
+        MptrainCLI(args=argv)
     except ConfigError as e:
         cmd = f"mptrain {argv[0]}" if argv and not argv[0].startswith("-") else "mptrain"
         print(f"{cmd}: error: {one_line(e)}", file=sys.stderr)
