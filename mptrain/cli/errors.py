@@ -16,12 +16,12 @@ class ConfigError(ValueError):
 def unknown_key(path: str, valid: Iterable[str], value: Any = None) -> ConfigError:
     """``path`` is not a key; suggest the closest valid one and list them all."""
     valid = sorted(set(valid))
-    name = path.rsplit(".", 1)[-1]
+    where, _, name = path.rpartition(".")
     near = difflib.get_close_matches(name, valid, n=1)
     hint = f" Did you mean {near[0]!r}?" if near else ""
     shown = "" if value is None else f" (value {value!r})"
-    where = path.rsplit(".", 1)[0] if "." in path else "the top level"
-    return ConfigError(f"unknown key {path!r}{shown}.{hint} Valid keys under {where}: {', '.join(valid)}")
+    return ConfigError(f"unknown key {path!r}{shown}.{hint} Valid keys under {where or 'the top level'}: "
+                       f"{', '.join(valid)}")
 
 
 def bad_value(path: str, value: Any, valid: str) -> ConfigError:
