@@ -61,7 +61,3 @@ def wandb_offline_without_key() -> None:
         has_login = False
     if not has_login:
         os.environ["WANDB_MODE"] = "offline"
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
