@@ -65,8 +65,8 @@ class MLMDataModule(MPTDataModule):
 
     Args:
         data_dir: folder of text files (ignored when ``synthetic``).
-        tokenizer_path: a ``tokenizers`` ``tokenizer.json``; ``None``: ``<data_dir>/.mptrain/tokenizer.json``,
-            trained on the training files at start when missing.
+        tokenizer_path: a ``tokenizers`` ``tokenizer.json``; ``None``: ``.mptrain/wordpiece<vocab_size>.json`` under
+            ``data_dir``, trained on the training files at start when missing.
         vocab_size: size of a trained tokenizer's vocabulary, and of synthetic data's.
         seq_len: tokens per sequence, [CLS] and [SEP] included.
         mlm_probability: share of tokens masked.
