@@ -24,7 +24,8 @@ def load_or_train(path: str, files: Sequence[str], vocab_size: int, timeout_s: f
         tok.normalizer = tk.normalizers.BertNormalizer(lowercase=True)
         tok.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
         tok.decoder = tk.decoders.WordPiece()
-        trainer = tk.trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
+        trainer = tk.trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                               show_progress=False)
         tok.train([str(f) for f in files], trainer)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
