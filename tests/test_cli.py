@@ -140,7 +140,7 @@ CODE_FROM_YAML = {
 @pytest.mark.parametrize("case", list(CODE_FROM_YAML))
 def test_class_path_of_the_wrong_kind_never_runs(case, workdir, capsys):
     recipe = workdir / "evil.yaml"
-    recipe.write_text(Path(QUICK).read_text() + f"\n# appended\n")
+    recipe.write_text(Path(QUICK).read_text() + "\n# appended\n")
     evil = workdir / "evil_override.yaml"
     evil.write_text(f"trainer:\n  callbacks:\n  - {CODE_FROM_YAML[case]}\n")
     line = assert_config_error(capsys, workdir, ["fit", "--config", str(recipe), "--config", str(evil), *TINY],
