@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mptrain.cli import main
+from mptrain.cli import ConfigError, main
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "recipes" / "quickstart.yaml")
@@ -140,7 +140,7 @@ CODE_FROM_YAML = {
 @pytest.mark.parametrize("case", list(CODE_FROM_YAML))
 def test_class_path_of_the_wrong_kind_never_runs(case, workdir, capsys):
     recipe = workdir / "evil.yaml"
-    recipe.write_text(Path(QUICK).read_text() + f"\n# appended\n")
+    recipe.write_text(Path(QUICK).read_text() + "\n# appended\n")
     evil = workdir / "evil_override.yaml"
     evil.write_text(f"trainer:\n  callbacks:\n  - {CODE_FROM_YAML[case]}\n")
     line = assert_config_error(capsys, workdir, ["fit", "--config", str(recipe), "--config", str(evil), *TINY],
@@ -201,6 +201,8 @@ def test_tools_share_the_flag_style(workdir, capsys):
     line = assert_config_error(capsys, workdir, ["numerics", "--config", QUICK, "--max_sampels=3"], "max_sampels")
     assert "max_samples" in line
     assert_config_error(capsys, workdir, ["bench", "nope"], "nope", "gemm")
+    rc, out, _ = run(capsys, "bench", "gemm", "--help")  # the benchmark's own parser
+    assert rc == 0 and "--json" in out
 
 
 def test_python_dash_m_is_the_same_program(workdir):
@@ -209,3 +211,17 @@ def test_python_dash_m_is_the_same_program(workdir):
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("mptrain fit: error: invalid value for 'trainer.max_steps'")
+
+
+def test_class_paths_are_checked_in_lists_init_args_and_by_annotation():
+    from mptrain import Trainer
+    from mptrain.cli.class_paths import check_class_paths
+
+    early_stop = {"class_path": "lightning.pytorch.callbacks.EarlyStopping", "init_args": {"monitor": "val/loss"}}
+    check_class_paths({"trainer": {"callbacks": [early_stop], "max_time": {"class_path": "datetime.timedelta"}}}, Trainer)
+    with pytest.raises(ConfigError, match=r"trainer.max_time.class_path='os.system' is refused.*datetime.timedelta"):
+        check_class_paths({"trainer": {"max_time": {"class_path": "os.system"}}}, Trainer)
+    lambda_cb = {"class_path": "lightning.pytorch.callbacks.LambdaCallback",
+                 "init_args": {"on_fit_start": {"class_path": "os.system"}}}  # typed Callable: no class expected
+    with pytest.raises(ConfigError, match=r"callbacks\[0\].init_args.on_fit_start' does not declare"):
+        check_class_paths({"trainer": {"callbacks": [lambda_cb]}}, Trainer)

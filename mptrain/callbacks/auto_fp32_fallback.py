@@ -31,8 +31,7 @@ class AutoFp32Fallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         promoted = self._plugin.promoted  # host-side list: no device read
-        if promoted != self._seen:
-            new = [n for n in promoted if n not in self._seen]
+        if new := [n for n in promoted if n not in self._seen]:
             log.info("auto_fp32_fallback: %s now in fp32 (step %d)", ", ".join(map(repr, new)), trainer.global_step)
-            self._seen = promoted
+        self._seen = promoted
         pl_module.log("auto_fp32_promoted", float(len(promoted)), on_step=True, on_epoch=False)

@@ -48,18 +48,10 @@ class Fp32Finetune(Callback):
             raise ValueError(f"Fp32Finetune({what}={self.epochs or self.steps}) is more than the whole run "
                              f"(max_{what}={total}); use at most max_{what}, or precision='32-true'")
 
-    def _due(self, trainer) -> bool:
+    def _due(self, trainer) -> bool:  # setup checked that the window fits in the run
         if self.epochs:
-            return trainer.current_epoch >= max(0, trainer.max_epochs - self.epochs)
-        if self.steps:
-            return trainer.global_step >= max(0, trainer.max_steps - self.steps)
-        return False
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._maybe_switch(trainer, pl_module)  # a resume past the switch point
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._maybe_switch(trainer, pl_module)
+            return trainer.current_epoch >= trainer.max_epochs - self.epochs
+        return bool(self.steps) and trainer.global_step >= trainer.max_steps - self.steps
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.log("precision_is_fp32", float(self._plugin.phase == "fp32"), on_step=True, on_epoch=False)
@@ -73,6 +65,8 @@ class Fp32Finetune(Callback):
         _rewrap_ddp(trainer)
         log.info("epoch %d, step %d: switched to 32-true for the rest of the run", trainer.current_epoch,
                  trainer.global_step)
+
+    on_train_start = on_train_epoch_start = _maybe_switch  # on_train_start: a resume past the switch point
 
 
 def _rewrap_ddp(trainer) -> None:

@@ -44,7 +44,7 @@ class OverflowMonitor(Callback):
         self._plugin = None
         self._handles: list = []
         self._out_names: list[str] = []
-        self._grad_names: list[str] = []
+        self._grad_names: dict[str, int] = {}  # module owning parameters -> its row
         self._out_acc: Optional[torch.Tensor] = None  # [modules, 3]: nonfinite, near-max, numel
         self._grad_acc: Optional[torch.Tensor] = None  # [modules, 4]: nonfinite, near-max, underflow, numel
         self._last_step = -1
@@ -54,7 +54,8 @@ class OverflowMonitor(Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         device = next((p.device for p in pl_module.parameters()), torch.device("cpu"))
-        self._grad_names = [n for n, m in pl_module.named_modules() if any(True for _ in m.parameters(recurse=False))]
+        owners = [n for n, m in pl_module.named_modules() if any(True for _ in m.parameters(recurse=False))]
+        self._grad_names = {n: i for i, n in enumerate(owners)}
         self._grad_acc = torch.zeros(len(self._grad_names), 4, dtype=torch.float64, device=device)
         leaves = [(n, m) for n, m in pl_module.named_modules() if n and next(iter(m.children()), None) is None]
         self._out_names = [n for n, _ in leaves] if self.watch_outputs else []
@@ -81,19 +82,12 @@ class OverflowMonitor(Callback):
         return hook
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        grads = self._plugin.unscaled_grads()
         scaler = self._plugin.loss_scaler
         scale = scaler.scale_tensor if scaler is not None else None
-        rows = []
-        for mod in self._grad_names:
-            prefix = f"{mod}." if mod else ""
-            row = torch.zeros(4, dtype=torch.float64, device=self._grad_acc.device)
-            for name, g in grads.items():  # by pl_module's parameter names
-                if name.startswith(prefix) and "." not in name[len(prefix):]:
-                    row += self._grad_counts(g, scale).to(row.device)
-            rows.append(row)
-        if rows:
-            self._grad_acc += torch.stack(rows)
+        for name, g in self._plugin.unscaled_grads().items():  # by pl_module's parameter names
+            row = self._grad_names.get(name.rpartition(".")[0])  # the module that owns the parameter
+            if row is not None:
+                self._grad_acc[row] += self._grad_counts(g, scale).to(self._grad_acc.device)
 
     def _grad_counts(self, g: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
         dtype = self._plugin.compute_dtype  # where the grads are (or were) computed
@@ -120,9 +114,7 @@ class OverflowMonitor(Callback):
                                  (self._grad_names, self._grad_acc, _GRAD_KEYS)):
             if acc is None:
                 continue
-            for name, row in zip(names, acc.cpu().tolist()):
-                numel = max(row[-1], 1.0)
-                for k, key in enumerate(keys):
-                    out[f"overflow/{name or '<root>'}/{key}"] = row[k] / numel
+            for name, row in zip(names, acc.cpu().tolist()):  # a row: the counts, then numel
+                out.update({f"overflow/{name or '<root>'}/{key}": n / max(row[-1], 1.0) for key, n in zip(keys, row)})
             acc.zero_()
         return out

@@ -137,9 +137,7 @@ def to_resumable(loader: Any, epoch: Optional[Callable[[], int]] = None) -> Any:
         common["in_order"] = False
     dataset = WorkerRngDataset(loader.dataset) if loader.num_workers > 0 else loader.dataset
     batches = loader.batch_sampler
-    if batches is None:  # automatic batching off
-        return ResumableDataLoader(dataset, batch_size=None, sampler=sampler, epoch=epoch, **common)
-    if type(batches) is BatchSampler and batches.sampler is loader.sampler:  # the loader's own batching
+    if batches is None or type(batches) is BatchSampler and batches.sampler is loader.sampler:  # no batching, or own
         return ResumableDataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, sampler=sampler,
                                    epoch=epoch, **common)
     return ResumableDataLoader(dataset, batch_sampler=batches, epoch=epoch, **common)

@@ -40,9 +40,7 @@ class ResumeState(Callback):
         if self._trainer is not None and isinstance(layout, dict) and set(_LAYOUT_KEYS) <= set(layout):
             # Refused before Lightning hands the loader state to a sampler of another kind (1 process ->
             # DistributedSampler), which fails with a bare AssertionError; batches per epoch come at on_train_start.
-            now = {"world_size": self._trainer.world_size,
-                   "accumulate_grad_batches": self._trainer.accumulate_grad_batches}
-            _check_layout(layout, now, tuple(now))
+            _check_layout(layout, _layout(self._trainer), ("world_size", "accumulate_grad_batches"))
 
     def on_train_start(self, trainer, pl_module) -> None:
         if not self._loaded:
@@ -57,10 +55,9 @@ class ResumeState(Callback):
             raise CheckpointError(f"checkpoint {trainer.ckpt_path!r}: its ResumeState entry is damaged (keys "
                                   f"{sorted(saved)}; expected a non-empty 'rng' list and a 'layout' dict with "
                                   f"{list(_LAYOUT_KEYS)})")
-        _check_layout(saved["layout"], _layout(trainer))
-        _warn_if_order_not_restorable(trainer, saved["layout"])
-        rngs = saved["rng"]
-        set_rng_state(rngs[trainer.global_rank % len(rngs)])
+        _check_layout(layout, _layout(trainer))
+        _warn_if_order_not_restorable(trainer, layout)
+        set_rng_state(saved["rng"][trainer.global_rank % len(saved["rng"])])
 
 
 _LAYOUT_KEYS = ("world_size", "accumulate_grad_batches", "num_training_batches", "batch_in_epoch")

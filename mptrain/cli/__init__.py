@@ -21,7 +21,6 @@ __all__ = ["TOOLS", "ConfigError", "main"]
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one subcommand; returns the exit status (2 for a config mistake)."""
-    from_sys = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     wandb_offline_without_key()
     try:
@@ -34,24 +33,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         for path in config_paths(argv):
             check_config_file(path)
-        MptrainCLI(args=None if from_sys else argv)
+        MptrainCLI(args=argv)
     except ConfigError as e:
         cmd = f"mptrain {argv[0]}" if argv and not argv[0].startswith("-") else "mptrain"
         print(f"{cmd}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help, --print_config
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    finally:
-        _close_process_group()
+    finally:  # tear the process group down now: gloo's threads left to the interpreter's teardown abort it
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
-
-
-def _close_process_group() -> None:
-    """Tear the process group down now: gloo's threads left to the interpreter's teardown abort it."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def wandb_offline_without_key() -> None:
@@ -67,7 +61,3 @@ def wandb_offline_without_key() -> None:
         has_login = False
     if not has_login:
         os.environ["WANDB_MODE"] = "offline"
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

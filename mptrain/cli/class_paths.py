@@ -70,39 +70,31 @@ def check_class(class_path: str, bases: tuple[type, ...], where: str) -> type:
 def check_class_paths(config: dict, trainer_class: type) -> None:
     """Walk a parsed config (plain dicts/lists) and check every ``class_path`` it holds.
     Trainer arguments outside the table above take the kind their annotation names
-    (``Trainer(loss_scaler: Optional[DynamicLossScaler | dict])`` -> DynamicLossScaler)."""
+    (``max_time: Union[str, timedelta, dict, None]`` -> timedelta)."""
     bases = _expected_bases()
-    hints: dict[str, Any] = {}
-    for klass in reversed(trainer_class.__mro__):
-        if "__init__" in vars(klass):
-            hints.update(_init_hints(klass))
+    hints = {key: hint for klass in reversed(trainer_class.__mro__) if "__init__" in vars(klass)
+             for key, hint in _init_hints(klass).items()}  # a subclass's annotation wins
     for key, hint in hints.items():
-        classes = _classes_in(hint)
-        if classes:
+        if classes := _classes_in(hint):
             bases.setdefault(f"trainer.{key}", classes)
     _walk(config, "", None, bases)
 
 
 def _walk(node: Any, path: str, hint_bases: Optional[tuple[type, ...]], bases: dict) -> None:
+    expected = bases.get(path) or hint_bases  # what a class_path here, or in a list here, must be
     if isinstance(node, list):
         for i, item in enumerate(node):
-            _walk(item, f"{path}[{i}]", bases.get(path) or hint_bases, bases)
-        return
-    if not isinstance(node, dict):
-        return
-    if "class_path" in node and isinstance(node["class_path"], str):
-        expected = bases.get(path) or hint_bases
+            _walk(item, f"{path}[{i}]", expected, bases)
+    elif isinstance(node, dict) and isinstance(node.get("class_path"), str):
         if not expected:
             raise ConfigError(f"{path}.class_path={node['class_path']!r} is refused: {path!r} does not declare what "
                               "kind of class it takes (untyped argument); pass a plain value")
-        cls = check_class(node["class_path"], expected, path)
-        hints = _init_hints(cls)
+        hints = _init_hints(check_class(node["class_path"], expected, path))
         for key, value in (node.get("init_args") or {}).items():
             _walk(value, f"{path}.init_args.{key}", _classes_in(hints.get(key)) or None, bases)
-        return
-    for key, value in node.items():
-        sub = f"{path}.{key}" if path else key
-        _walk(value, sub, None, bases)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            _walk(value, f"{path}.{key}" if path else key, None, bases)
 
 
 def _init_hints(cls: type) -> dict[str, Any]:

@@ -34,8 +34,7 @@ def check_config_file(path: str) -> None:
         data = Path(path).read_bytes()
     except OSError as e:
         raise ConfigError(f"--config {path!r}: cannot read the recipe ({e.strerror or e})") from None
-    nul = data.find(b"\x00")
-    if nul >= 0:
+    if (nul := data.find(b"\x00")) >= 0:
         raise ConfigError(f"--config {path!r}: binary content (byte {nul} is NUL); a recipe is a YAML text file")
     try:
         text = data.decode("utf-8")

@@ -16,12 +16,12 @@ class ConfigError(ValueError):
 def unknown_key(path: str, valid: Iterable[str], value: Any = None) -> ConfigError:
     """``path`` is not a key; suggest the closest valid one and list them all."""
     valid = sorted(set(valid))
-    name = path.rsplit(".", 1)[-1]
+    where, _, name = path.rpartition(".")
     near = difflib.get_close_matches(name, valid, n=1)
     hint = f" Did you mean {near[0]!r}?" if near else ""
     shown = "" if value is None else f" (value {value!r})"
-    where = path.rsplit(".", 1)[0] if "." in path else "the top level"
-    return ConfigError(f"unknown key {path!r}{shown}.{hint} Valid keys under {where}: {', '.join(valid)}")
+    return ConfigError(f"unknown key {path!r}{shown}.{hint} Valid keys under {where or 'the top level'}: "
+                       f"{', '.join(valid)}")
 
 
 def bad_value(path: str, value: Any, valid: str) -> ConfigError:
@@ -37,11 +37,9 @@ def innermost_error(message: str) -> str:
     """The useful part of a jsonargparse message: the error a class's ``__init__`` raised,
     without the "Does not validate against any of the Union subtypes" wrapping."""
     items = re.findall(r"^\s*- (.+)$", message, re.M)
-    useful = [i for i in items if "Expected a <class 'NoneType'>" not in i and not i.startswith("Problem with")]
-    if useful:
+    if useful := [i for i in items if "Expected a <class 'NoneType'>" not in i and not i.startswith("Problem with")]:
         return useful[0]
-    problem = re.search(r"Problem with given class_path '([^']+)':\s*(.+)", message, re.S)
-    if problem:
+    if problem := re.search(r"Problem with given class_path '([^']+)':\s*(.+)", message, re.S):
         return f"{problem.group(1)}: {problem.group(2)}"
     return message
 
@@ -73,31 +71,24 @@ def explain_parse_error(message: str, valid_keys: Optional[dict[str, list[str]]]
     """jsonargparse's ArgumentError as "key, value, expected": ``valid_keys`` maps a group
     ("trainer", "model", ...) to its keys, for the did-you-mean of an unknown key."""
     valid_keys = valid_keys or {}
-    unrec = re.search(r"nrecognized arguments: (\S+)", message)
-    if unrec:
+    if unrec := re.search(r"nrecognized arguments: (\S+)", message):
         key, _, value = unrec.group(1).lstrip("-").partition("=")
         return _unknown(key, valid_keys, value or None)
     parser_key = re.search(r'Parser key "([^"]+)"', message)
     path = parser_key.group(1) if parser_key else ""
-    option = re.search(r"Option '([^']+)' is not accepted", message) or re.search(r"[Kk]ey '([^']+)' is not expected", message)
-    if option:
-        group = path.split(".")[0]
+    if option := re.search(r"(?:Option|[Kk]ey) '([^']+)' is not (?:accepted|expected)", message):
         cls = re.search(r"Problem with given class_path '([^']+)'", message)
-        valid = _init_params(cls.group(1)) if cls else valid_keys.get(group, [])
+        valid = _init_params(cls.group(1)) if cls else valid_keys.get(path.split(".")[0], [])
         return str(unknown_key(f"{path}.{option.group(1)}" if path else option.group(1), valid))
-    unknown = re.search(r"does not accept option '([^']+)'", message) or re.search(r'No action for key "([^"]+)"', message)
-    if unknown:
+    if unknown := re.search(r"(?:does not accept option '|No action for key \")([^'\"]+)", message):
         return _unknown(unknown.group(1), valid_keys)
     given = re.search(r"Given value: (.*)", message)
     expected = re.search(r"Expected a (.*?)(?:\. Got value: (.*))?$", message, re.M)
     subtypes = re.search(r"Subtypes: \[(.*?)\]", message, re.S)
     value = (given.group(1) if given else expected.group(2) if expected and expected.group(2) else "").strip()
-    if subtypes:
-        wanted = "one of " + _clean_types(subtypes.group(1))
-    elif expected:
-        wanted = _clean_types(expected.group(1))
-    else:
+    if not (subtypes or expected):
         return f"{path or 'config'}: {one_line(innermost_error(message))}"
+    wanted = "one of " + _clean_types(subtypes.group(1)) if subtypes else _clean_types(expected.group(1))
     inner = innermost_error(message)
     detail = f" ({one_line(inner)})" if inner != message and "Expected a" not in inner else ""
     return f"invalid value for {path!r}: {value!r}. Expected {wanted}{detail}"

@@ -7,8 +7,7 @@ from jsonargparse import ArgumentError
 
 from mptrain.cli.errors import ConfigError, explain_parse_error
 
-BENCHES = {"gemm": "mptrain.bench.gemm", "kernels": "mptrain.bench.kernels", "e2e": "mptrain.bench.e2e",
-           "ddp": "mptrain.bench.ddp"}
+BENCHES = ("gemm", "kernels", "e2e", "ddp")  # each is mptrain.bench.<name>
 
 
 def tool_parser(name: str):
@@ -22,8 +21,8 @@ def tool_parser(name: str):
     parser = ArgumentParser(prog="mptrain bench", exit_on_error=False,
                             description="Benchmarks; each prints its own options with `mptrain bench NAME --help`.")
     parser.add_argument("benchmark", choices=list(BENCHES),
-                        help="gemm: GEMM throughput per dtype; kernels: fused kernels vs PyTorch; "
-                             "e2e: ResNet-50 / BERT-base training per precision vs Lightning; ddp: scaling under torchrun")
+                        help="gemm: GEMM throughput per dtype; kernels: fused kernels vs PyTorch; e2e: ResNet-50 / "
+                             "BERT-base training per precision vs Lightning; ddp: scaling under torchrun")
     return parser
 
 
@@ -47,5 +46,4 @@ def _bench(argv: list[str]) -> int:
         return 0 if argv else 2
     if argv[0] not in BENCHES:
         raise ConfigError(f"unknown benchmark {argv[0]!r}. Valid: {', '.join(BENCHES)}")
-    main = getattr(importlib.import_module(BENCHES[argv[0]]), "main")
-    return int(main(argv[1:]) or 0)
+    return int(importlib.import_module(f"mptrain.bench.{argv[0]}").main(argv[1:]) or 0)

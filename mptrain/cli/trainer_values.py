@@ -19,11 +19,12 @@ _RULES = {
     "check_val_every_n_epoch": (lambda v: v >= 1, "an int >= 1 or null"),
     "num_nodes": (lambda v: v >= 1, "an int >= 1"),
     "num_sanity_val_steps": (lambda v: v >= -1, "an int >= 0, or -1 (the whole validation set)"),
+    **dict.fromkeys(("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"),
+                    (lambda v: v >= 0 and (isinstance(v, int) or v <= 1.0),
+                     "a fraction in [0.0, 1.0] or a batch count >= 0")),
 }
 # mptrain's own Trainer arguments are not listed: mptrain.Trainer.__init__ refuses bad values before
 # anything is created, and the CLI turns that ValueError into the same one line.
-_FRACTION_OR_COUNT = "a fraction in [0.0, 1.0] or a batch count >= 0"
-_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")
 
 
 def check_trainer_values(trainer: dict[str, Any]) -> None:
@@ -31,10 +32,6 @@ def check_trainer_values(trainer: dict[str, Any]) -> None:
         value = trainer.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not ok(value):
             raise bad_value(f"trainer.{key}", value, valid)
-    for key in _LIMITS:
-        value = trainer.get(key)
-        if isinstance(value, float) and not 0.0 <= value <= 1.0 or isinstance(value, int) and value < 0:
-            raise bad_value(f"trainer.{key}", value, _FRACTION_OR_COUNT)
     epochs, steps = trainer.get("max_epochs"), trainer.get("max_steps")
     if epochs == -1 and steps in (None, -1) and not trainer.get("max_time"):
         raise ConfigError("trainer.max_epochs=-1 (no epoch limit) with trainer.max_steps=-1 would train forever: "
@@ -58,11 +55,9 @@ def _check_accelerator(accelerator: Any) -> None:
 def check_ckpt_path(ckpt_path: Any, subcommand: str) -> None:
     """A checkpoint path that does not exist fails now, not after the log dir was made.
     Lightning's keywords ("last", "best", "hpc", "registry") and URLs are left to it."""
-    if ckpt_path is None or not isinstance(ckpt_path, str):
+    if (not isinstance(ckpt_path, str) or ckpt_path in ("last", "best", "hpc") or ckpt_path.startswith("registry")
+            or "://" in ckpt_path or os.path.isfile(ckpt_path)):
         return
-    if ckpt_path in ("last", "best", "hpc") or ckpt_path.startswith("registry") or "://" in ckpt_path:
-        return
-    if not os.path.isfile(ckpt_path):
-        what = "is a directory" if os.path.isdir(ckpt_path) else "does not exist"
-        raise ConfigError(f"{subcommand} --ckpt_path={ckpt_path!r}: the file {what}. Valid: an existing .ckpt file, "
-                          "'last' (the newest last.ckpt of this run's ModelCheckpoint), 'best', or null")
+    what = "is a directory" if os.path.isdir(ckpt_path) else "does not exist"
+    raise ConfigError(f"{subcommand} --ckpt_path={ckpt_path!r}: the file {what}. Valid: an existing .ckpt file, "
+                      "'last' (the newest last.ckpt of this run's ModelCheckpoint), 'best', or null")

@@ -9,7 +9,7 @@ def fill_vocab_size(config: Any) -> None:
     config leaves it null; a model without that argument is left alone (an argument link would add
     the key to every model)."""
     model, data = config.get("model"), config.get("data")
-    init = getattr(model, "init_args", None) if model is not None else None
+    init = getattr(model, "init_args", None)
     if data is None or init is None or "vocab_size" not in init or init["vocab_size"] is not None:
         return
     import lightning.pytorch as pl

@@ -1,6 +1,7 @@
 """ImageNet-layout image folders (``root/{train,val}/<class>/*.jpg``) with the standard ResNet augmentations."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -9,9 +10,6 @@ from torch.utils.data import Dataset
 
 from mptrain.data.module import MPTDataModule, require_data_dir
 from mptrain.data.sampling import sample_seed
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def _torchvision():
@@ -26,7 +24,7 @@ def standard_transforms(train: bool, image_size: int = 224):
     """RandomResizedCrop + horizontal flip for training; resize to 8/7 then center crop for
     validation; both normalized with the ImageNet statistics."""
     T = _torchvision().transforms
-    norm = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # ImageNet's per-channel mean and std
     if train:
         return T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ToTensor(), norm])
     return T.Compose([T.Resize(int(image_size * 8 / 7)), T.CenterCrop(image_size), T.ToTensor(), norm])
@@ -49,12 +47,10 @@ class SeededImageFolder(Dataset):
         return len(self.folder)
 
     def __getitem__(self, index: int):
-        seed = sample_seed(self.seed, self.epoch, index)
-        if torch.utils.data.get_worker_info() is not None:
-            torch.manual_seed(seed)  # a worker's RNG is its own: reseed it directly
-            return self.folder[index]
-        with torch.random.fork_rng(devices=[]):  # main process: leave the training RNG untouched
-            torch.manual_seed(seed)
+        # a worker's RNG is its own: reseed it directly; in the main process leave the training RNG untouched
+        in_worker = torch.utils.data.get_worker_info() is not None
+        with contextlib.nullcontext() if in_worker else torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, self.epoch, index))
             return self.folder[index]
 
 
@@ -78,12 +74,10 @@ class ImageFolderDataModule(MPTDataModule):
 
     @property
     def num_classes(self) -> int:
-        if self._num_classes is None:
-            if self.synthetic:
-                return 1000
+        if self._num_classes is None and not self.synthetic:
             self.setup("fit")
             self._num_classes = len(self.train_set.classes)
-        return self._num_classes
+        return 1000 if self._num_classes is None else self._num_classes
 
     def make_synthetic_batch(self, g, device):
         x = torch.randn(self.batch_size, 3, self.image_size, self.image_size, generator=g, device=device)

@@ -65,8 +65,8 @@ class MLMDataModule(MPTDataModule):
 
     Args:
         data_dir: folder of text files (ignored when ``synthetic``).
-        tokenizer_path: a ``tokenizers`` ``tokenizer.json``; ``None``: ``<data_dir>/.mptrain/tokenizer.json``,
-            trained on the training files at start when missing.
+        tokenizer_path: a ``tokenizers`` ``tokenizer.json``; ``None``: ``.mptrain/wordpiece<vocab_size>.json`` under
+            ``data_dir``, trained on the training files at start when missing.
         vocab_size: size of a trained tokenizer's vocabulary, and of synthetic data's.
         seq_len: tokens per sequence, [CLS] and [SEP] included.
         mlm_probability: share of tokens masked.
@@ -116,8 +116,7 @@ class MLMDataModule(MPTDataModule):
         else:
             cut = int(len(train_ids) * (1 - self.val_fraction))
             train_ids, val_ids = train_ids[:cut], train_ids[cut:]
-        vocab = tok.get_vocab_size()
         special = torch.tensor([tok.token_to_id(t) for t in SPECIAL_TOKENS])
         make = lambda ids: MLMBlocks(to_blocks(ids, self.seq_len, cls_id, sep_id),  # noqa: E731
-                                     vocab, mask_id, self.mlm_probability, self.seed, special)
+                                     tok.get_vocab_size(), mask_id, self.mlm_probability, self.seed, special)
         self.train_set, self.val_set = make(train_ids), make(val_ids)

@@ -60,10 +60,8 @@ class ShardedSampler(DistributedSampler):
 
     def indices(self, epoch: int) -> list[int]:
         world, rank = world_and_rank()
-        if self.shuffle:
-            order = torch.randperm(self.total, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-        else:
-            order = list(range(self.total))
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(self.total, generator=g).tolist() if self.shuffle else list(range(self.total))
         if self.total < world:
             return [order[rank % self.total]] if self.total else []
         if self.drop_last:

@@ -11,7 +11,7 @@ from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
 from mptrain.models.checks import check_args
-from mptrain.models.optim import build_optimizer, decay_groups
+from mptrain.models.optim import build_optimizer
 from mptrain.models.schedules import per_step, run_length, warmup_linear
 from mptrain.models.train_loss import log_train_loss
 from mptrain.nn import fuse_modules
@@ -100,11 +100,11 @@ class BertMLM(L.LightningModule):
         super().__init__()
         if vocab_size is None:
             raise ValueError("model.vocab_size is not set: give it, or let the CLI take it from data.vocab_size")
-        check_args(vocab_size=(vocab_size, ">=1"), hidden_size=(hidden_size, ">=1"), num_layers=(num_layers, ">=1"),
-                   num_heads=(num_heads, ">=1"), intermediate_size=(intermediate_size, ">=1"),
-                   dropout=(dropout, "[0,1)"), lr=(lr, ">0"), weight_decay=(weight_decay, ">=0"), eps=(eps, ">0"),
-                   warmup_steps=(warmup_steps, ">=0"), total_steps=(total_steps, ">=1"),
-                   max_predictions=(max_predictions, ">=1"))
+        check_args(vocab_size=(vocab_size, ">= 1"), hidden_size=(hidden_size, ">= 1"),
+                   num_layers=(num_layers, ">= 1"), num_heads=(num_heads, ">= 1"),
+                   intermediate_size=(intermediate_size, ">= 1"), dropout=(dropout, "in [0, 1)"), lr=(lr, "> 0"),
+                   weight_decay=(weight_decay, ">= 0"), eps=(eps, "> 0"), warmup_steps=(warmup_steps, ">= 0"),
+                   total_steps=(total_steps, ">= 1"), max_predictions=(max_predictions, ">= 1"))
         self.save_hyperparameters()
         self.model = MaskedLMNet(build_bert_mlm(vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
                                                 max_position_embeddings, dropout, attn_implementation), max_predictions)
@@ -123,9 +123,7 @@ class BertMLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss_sum, _, _, count = self(batch)
-        loss = loss_sum / count.clamp_min(1)
-        log_train_loss(self, loss)
-        return loss
+        return log_train_loss(self, loss_sum / count.clamp_min(1))
 
     def validation_step(self, batch, batch_idx):
         loss_sum, logits, target, count = self(batch)
@@ -141,8 +139,7 @@ class BertMLM(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        opt = build_optimizer("adamw", decay_groups(self, hp.weight_decay), next(self.parameters()).is_cuda,
-                              lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
+        opt = build_optimizer("adamw", self, hp.weight_decay, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
         sched = warmup_linear(opt, hp.warmup_steps, run_length(self, hp.total_steps))
         return {"optimizer": opt, "lr_scheduler": per_step(sched)}
 

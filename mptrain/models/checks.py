@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+_RULES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "in [0, 1)": lambda v: 0 <= v < 1}
+
 
 def check_args(group: str = "model", **rules: tuple[Any, str]) -> None:
-    """``name=(value, rule)`` with rule ``">0"``, ``">=0"``, ``">=1"`` or ``"[0,1)"``;
-    ValueError naming ``group.name``, the value and what is valid."""
+    """``name=(value, rule)`` with a rule of ``_RULES`` (None values pass); ValueError naming ``group.name``, the
+    value and what is valid."""
     for name, (value, rule) in rules.items():
-        if value is None:
-            continue
-        ok = {">0": value > 0, ">=0": value >= 0, ">=1": value >= 1, "[0,1)": 0 <= value < 1}[rule]
-        if not ok:
-            valid = {">0": "> 0", ">=0": ">= 0", ">=1": ">= 1", "[0,1)": "in [0, 1)"}[rule]
-            raise ValueError(f"{group}.{name}={value!r} is invalid: it must be {valid}")
+        if value is not None and not _RULES[rule](value):
+            raise ValueError(f"{group}.{name}={value!r} is invalid: it must be {rule}")

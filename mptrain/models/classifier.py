@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torchmetrics.functional.classification import multiclass_accuracy
 
 from mptrain.models.checks import check_args
-from mptrain.models.optim import build_optimizer, decay_groups
+from mptrain.models.optim import build_optimizer
 from mptrain.models.schedules import per_step, run_length, warmup_cosine
 from mptrain.models.vision import build_image_model
 from mptrain.models.train_loss import log_train_loss
@@ -35,10 +35,10 @@ class ImageClassifier(L.LightningModule):
         super().__init__()
         if optimizer not in ("sgd", "adamw"):
             raise ValueError(f"model.optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
-        check_args(num_classes=(num_classes, ">=1"), lr=(lr, ">0"), momentum=(momentum, ">=0"),
-                   weight_decay=(weight_decay, ">=0"), label_smoothing=(label_smoothing, "[0,1)"),
-                   warmup_steps=(warmup_steps, ">=0"), min_lr_ratio=(min_lr_ratio, ">=0"),
-                   total_steps=(total_steps, ">=1"))
+        check_args(num_classes=(num_classes, ">= 1"), lr=(lr, "> 0"), momentum=(momentum, ">= 0"),
+                   weight_decay=(weight_decay, ">= 0"), label_smoothing=(label_smoothing, "in [0, 1)"),
+                   warmup_steps=(warmup_steps, ">= 0"), min_lr_ratio=(min_lr_ratio, ">= 0"),
+                   total_steps=(total_steps, ">= 1"))
         self.save_hyperparameters()
         self.model = build_image_model(arch, num_classes)
 
@@ -51,9 +51,7 @@ class ImageClassifier(L.LightningModule):
         return F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing), logits, y
 
     def training_step(self, batch, batch_idx):
-        loss, _, _ = self._loss(batch)
-        log_train_loss(self, loss)
-        return loss
+        return log_train_loss(self, self._loss(batch)[0])
 
     def validation_step(self, batch, batch_idx):
         # Per-batch values: both Lightning and mptrain average them over the epoch (and ranks).
@@ -68,7 +66,6 @@ class ImageClassifier(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         kwargs = {"momentum": hp.momentum, "nesterov": hp.nesterov} if hp.optimizer == "sgd" else {}
-        opt = build_optimizer(hp.optimizer, decay_groups(self, hp.weight_decay), next(self.parameters()).is_cuda,
-                              lr=hp.lr, **kwargs)
+        opt = build_optimizer(hp.optimizer, self, hp.weight_decay, lr=hp.lr, **kwargs)
         sched = warmup_cosine(opt, hp.warmup_steps, run_length(self, hp.total_steps), hp.min_lr_ratio)
         return {"optimizer": opt, "lr_scheduler": per_step(sched)}

@@ -11,7 +11,7 @@ from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
 from mptrain.models.checks import check_args
-from mptrain.models.optim import build_optimizer, decay_groups
+from mptrain.models.optim import build_optimizer
 from mptrain.models.schedules import per_step, run_length, warmup_cosine
 from mptrain.models.train_loss import log_train_loss
 from mptrain.nn import FusedLSTM
@@ -55,10 +55,10 @@ class LSTMLanguageModel(L.LightningModule):
             raise ValueError("model.vocab_size is not set: give it, or let the CLI take it from data.vocab_size")
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"model.optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
-        check_args(vocab_size=(vocab_size, ">=1"), embedding_dim=(embedding_dim, ">=1"),
-                   hidden_size=(hidden_size, ">=1"), num_layers=(num_layers, ">=1"), dropout=(dropout, "[0,1)"),
-                   lr=(lr, ">0"), weight_decay=(weight_decay, ">=0"), warmup_steps=(warmup_steps, ">=0"),
-                   total_steps=(total_steps, ">=1"))
+        check_args(vocab_size=(vocab_size, ">= 1"), embedding_dim=(embedding_dim, ">= 1"),
+                   hidden_size=(hidden_size, ">= 1"), num_layers=(num_layers, ">= 1"),
+                   dropout=(dropout, "in [0, 1)"), lr=(lr, "> 0"), weight_decay=(weight_decay, ">= 0"),
+                   warmup_steps=(warmup_steps, ">= 0"), total_steps=(total_steps, ">= 1"))
         self.save_hyperparameters()
         self.model = LSTMNet(vocab_size, embedding_dim, hidden_size, num_layers, dropout, tie_weights, fused)
         self.val_loss = MeanMetric()  # token-weighted over the epoch (and the ranks), for the perplexity
@@ -66,21 +66,18 @@ class LSTMLanguageModel(L.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
-    def _loss(self, batch, reduction: str = "mean") -> torch.Tensor:
+    def _loss(self, batch) -> torch.Tensor:
         x, y = batch
         logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction=reduction)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
     def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        log_train_loss(self, loss)
-        return loss
+        return log_train_loss(self, self._loss(batch))
 
     def validation_step(self, batch, batch_idx):
-        loss_sum = self._loss(batch, "sum").detach()
-        n = batch[1].numel()
-        self.log("val/loss", loss_sum / n)
-        self.val_loss.update(loss_sum / n, weight=n)
+        loss = self._loss(batch).detach()
+        self.log("val/loss", loss)
+        self.val_loss.update(loss, weight=batch[1].numel())
 
     def on_validation_epoch_end(self):
         """Perplexity over every token of the epoch: exp of the mean loss (a mean of exps would overstate it)."""
@@ -90,7 +87,6 @@ class LSTMLanguageModel(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         kwargs = {"momentum": 0.9} if hp.optimizer == "sgd" else {}
-        opt = build_optimizer(hp.optimizer, decay_groups(self, hp.weight_decay), next(self.parameters()).is_cuda,
-                              lr=hp.lr, **kwargs)
+        opt = build_optimizer(hp.optimizer, self, hp.weight_decay, lr=hp.lr, **kwargs)
         sched = warmup_cosine(opt, hp.warmup_steps, run_length(self, hp.total_steps))
         return {"optimizer": opt, "lr_scheduler": per_step(sched)}

@@ -20,12 +20,13 @@ def decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(kind: str, groups: list[dict], params_on_cuda: bool, **kwargs):
-    """SGD or AdamW over ``groups``: mptrain's fused multi-tensor version when the params are
-    on CUDA (one kernel per step; with ``*-master`` it also owns the fp32 masters), torch's
-    otherwise (the CPU path of the fused classes is a reference, not tuned for speed).  ``kind``: "sgd" or "adamw"
-    (the models check it when they are built)."""
-    if params_on_cuda:
+def build_optimizer(kind: str, module: nn.Module, weight_decay: float, **kwargs):
+    """SGD or AdamW over ``decay_groups(module, weight_decay)``: mptrain's fused multi-tensor version when the params
+    are on CUDA (one kernel per step; with ``*-master`` it also owns the fp32 masters), torch's otherwise (the CPU
+    path of the fused classes is a reference, not tuned for speed).  ``kind``: "sgd" or "adamw" (the models check it
+    when they are built)."""
+    groups = decay_groups(module, weight_decay)
+    if next(module.parameters()).is_cuda:
         from mptrain.optim import FusedAdamW, FusedSGD
 
         return (FusedSGD if kind == "sgd" else FusedAdamW)(groups, **kwargs)

@@ -136,3 +136,17 @@ def test_resume_with_a_sampler_without_state_warns(tmp_path):
     fit(SAVE_AT)
     with pytest.warns(UserWarning, match="resuming mid-epoch with WeightedRandomSampler: it keeps no state"):
         fit(SAVE_AT + 1, ckpt_path="last")
+
+
+@pytest.mark.parametrize("make", [
+    lambda ds: torch.utils.data.DataLoader(ds, batch_size=None),  # automatic batching off
+    lambda ds: torch.utils.data.DataLoader(ds, batch_size=3, drop_last=True),
+    lambda ds: torch.utils.data.DataLoader(ds, batch_sampler=[[4, 1], [0, 2, 3]]),  # the user's batch sampler
+])
+def test_to_resumable_yields_what_the_plain_loader_yields(make):
+    from mptrain.callbacks.resumable_loader import ResumableDataLoader, to_resumable
+
+    ds = torch.utils.data.TensorDataset(torch.arange(5))
+    converted = to_resumable(make(ds))
+    assert isinstance(converted, ResumableDataLoader)
+    assert [b[0].tolist() for b in converted] == [b[0].tolist() for b in make(ds)]

@@ -104,6 +104,9 @@ def test_image_folder_with_standard_augmentations(tmp_path):
     assert torch.equal(a, b) and torch.equal(state, torch.get_rng_state())
     dm.train_set.epoch = 1
     assert dm.val_set[0][0].shape == (3, 32, 32)
+    # a loader worker draws the same augmentation as the main process
+    in_worker = next(iter(torch.utils.data.DataLoader(dm.train_set, batch_size=None, sampler=[1], num_workers=1)))
+    assert torch.equal(in_worker[0], dm.train_set[1][0])
 
 
 @pytest.mark.parametrize("cls", [ImageFolderDataModule, LMTextDataModule, MLMDataModule])
@@ -150,6 +153,21 @@ def test_mlm_trains_a_tokenizer_and_masks_reproducibly(tmp_path):
     # a second module reuses the saved tokenizer
     dm2 = MLMDataModule(data_dir=str(tmp_path), vocab_size=200, seq_len=16, batch_size=4, val_fraction=0.2)
     assert dm2.vocab_size == dm.vocab_size
+
+
+def test_other_ranks_wait_for_the_tokenizer_rank_0_writes(tmp_path, monkeypatch):
+    pytest.importorskip("tokenizers")
+    from mptrain.data import tokenizer
+
+    files = [str(write_corpus(tmp_path) / "a.txt")]
+    path = str(tmp_path / "tok" / "wordpiece.json")
+    monkeypatch.setattr(tokenizer, "world_and_rank", lambda: (2, 1))
+    with pytest.raises(TimeoutError, match="rank 1: rank 0 did not write the tokenizer"):
+        tokenizer.load_or_train(path, files, 100, timeout_s=0.0)
+    monkeypatch.setattr(tokenizer, "world_and_rank", lambda: (2, 0))
+    written = tokenizer.load_or_train(path, files, 100)
+    monkeypatch.setattr(tokenizer, "world_and_rank", lambda: (2, 1))
+    assert tokenizer.load_or_train(path, files, 100).get_vocab() == written.get_vocab()
 
 
 @pytest.mark.parametrize("level", ["char", "word"])
