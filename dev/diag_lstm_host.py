@@ -12,7 +12,7 @@ from torch import nn
 
 from mptrain.bench.common import host_us as _host_us
 from mptrain.nn.lstm import FusedLSTMCell
-from mptrain.ops import lstm as lstm_ops
+from mptrain.ops.build import get_extension
 
 B, H = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (256, 1024)
 BF16 = torch.bfloat16
@@ -71,7 +71,7 @@ with torch.no_grad():
     rows["nn.LSTMCell fwd no_grad"] = fwd(ref)
 # Run 8e: the pieces of our step called directly (no autograd, no module), so that
 # fwd+grad minus these is the autograd engine's share.
-_ext = lstm_ops._extension()
+_ext = get_extension(required=True)
 _w = [t.detach() for t in ours.parameters()]
 _hd, _cd = h.detach(), c.detach()
 _h1, _c1, _ws = _ext.lstm_cell_forward(xd, _hd, _cd, *_w)
@@ -117,7 +117,7 @@ def gpu_us(fns, n=40, rounds=5, sleep_cycles=int(2e7)):
 
 
 # Run 8: the bias gradient summed inside the backward kernel vs the plain kernel + at::sum.
-ext = lstm_ops._extension()
+ext = get_extension(required=True)
 print("\nGPU time of the pointwise backward (us per call, bf16, inputs rotated over 4 sets)")
 for b in (256, 1024):
     sets = []
