@@ -58,8 +58,13 @@ OPS = {name: getattr(torch.ops.mptrain, name).default for name in SCHEMAS}  # Op
 
 
 def _impl(name):
-    """Register the decorated function as ``name``'s CPU kernel (and CUDA fallback); the name is bound to None."""
-    return torch.library.impl(f"{NAMESPACE}::{name}", "default", lib=_lib)  # CompositeExplicitAutograd
+    """Register the decorated function as ``name``'s CPU kernel (and CUDA fallback)."""
+
+    def register(fn):
+        _lib.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+
+    return register
 
 
 def _fake(name):
