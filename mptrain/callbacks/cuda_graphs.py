@@ -15,6 +15,7 @@ outputs, ``zero_grad``, clipping, LR schedulers and checkpoints stay eager.
 transformers builds an all-true ``attention_mask`` while a graph captures (SDPA then takes its fp32 math path): see
 ``mptrain.models.bert.MaskedLMNet``.  What the graphs cannot follow is refused before the first step (the checks
 below) or at capture (:mod:`.graph_safety`, input changes), each error naming the reason and the fix.
+The whole design, step by step, and the list of refusals: docs/cuda_graphs.md.
 """
 from __future__ import annotations
 
