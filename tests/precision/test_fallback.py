@@ -54,6 +54,21 @@ def test_direct_functional_calls_are_exact(precision):
         assert torch.equal(out, REF[name](h)), name
 
 
+@pytest.mark.parametrize("autocast", [True, False])
+def test_listed_ops_compile_fullgraph_with_the_fallback_on(autocast):
+    """Dynamo traces the mode's handler (its compiling branch under autocast) in one graph, same results."""
+    def f(x, w):
+        return F.layer_norm(torch.softmax(x @ w, -1), (8,))
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    if not autocast:
+        x, w = x.bfloat16(), w.bfloat16()
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), Fp32Fallback("default").context():
+        out, ref = compiled(x, w), f(x, w)
+    assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
 def test_fallback_off_is_really_off():
     prec = build_precision("bf16-true", fp32_fallback=[])
     assert prec.fallback.ops == ()
