@@ -69,6 +69,17 @@ def test_listed_ops_compile_fullgraph_with_the_fallback_on(autocast):
     assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)
 
 
+def test_autocast_is_back_on_after_a_listed_call():
+    """The listed op runs with autocast off; the next unlisted op is autocast's again (bf16 matmul)."""
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Fallback("default").context():
+        h = x @ w
+        p = torch.softmax(h, -1)
+        after = p @ w
+    assert h.dtype == p.dtype == after.dtype == torch.bfloat16
+    assert torch.equal(p, torch.softmax(h.float(), -1).bfloat16())
+
+
 def test_fallback_off_is_really_off():
     prec = build_precision("bf16-true", fp32_fallback=[])
     assert prec.fallback.ops == ()
