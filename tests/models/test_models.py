@@ -230,11 +230,8 @@ def test_bad_hyperparameters_fail_at_construction(kwargs, match):
         ImageClassifier(**kwargs)
 
 
-def test_bert_compiled_model_is_the_whole_network_in_one_graph():
-    """compile=True compiles ``BertMLM.model``: its forward must be the encoder, the gather and the
-    head, with no mask built in the graph (an all-true mask sends SDPA to the fp32 math path)."""
-    torch.manual_seed(0)
-    m = tiny_bert(fused_layernorm=False, max_predictions=4)
+def _compile_fullgraph_matches_eager(m):
+    """``m.model`` compiled fullgraph on a masked batch: its output (checked against eager) and the graphs."""
     ids = torch.randint(5, 60, (3, 16))
     labels = torch.full_like(ids, -100)
     labels[:, 3:7] = ids[:, 3:7]
@@ -243,6 +240,15 @@ def test_bert_compiled_model_is_the_whole_network_in_one_graph():
     graphs = []
     out = torch.compile(m.model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, fullgraph=True)(ids, labels)
     torch.testing.assert_close(out[0], eager[0])
+    return out, graphs
+
+
+def test_bert_compiled_model_is_the_whole_network_in_one_graph():
+    """compile=True compiles ``BertMLM.model``: its forward must be the encoder, the gather and the
+    head, with no mask built in the graph (an all-true mask sends SDPA to the fp32 math path)."""
+    torch.manual_seed(0)
+    m = tiny_bert(fused_layernorm=False, max_predictions=4)
+    out, graphs = _compile_fullgraph_matches_eager(m)
     assert len(graphs) == 1
     code = graphs[0].code
     assert "scaled_dot_product_attention" in code and "topk" in code and "cross_entropy" in code
@@ -257,14 +263,7 @@ def test_bert_recipe_network_with_fused_layernorm_and_softmax_compiles_in_one_gr
 
     torch.manual_seed(0)
     m = tiny_bert(fused_layernorm=True, max_predictions=4, attn_implementation=ATTENTION_NAME)
-    ids = torch.randint(5, 60, (3, 16))
-    labels = torch.full_like(ids, -100)
-    labels[:, 3:7] = ids[:, 3:7]
-    eager = m.model(ids, labels)
-    torch._dynamo.reset()
-    graphs = []
-    out = torch.compile(m.model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, fullgraph=True)(ids, labels)
-    torch.testing.assert_close(out[0], eager[0])
+    out, graphs = _compile_fullgraph_matches_eager(m)
     out[0].backward()
     assert len(graphs) == 1
     assert "mptrain.layer_norm" in graphs[0].code and "mptrain.scaled_masked_softmax" in graphs[0].code
