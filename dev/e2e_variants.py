@@ -1,6 +1,6 @@
 """Ablations of the BERT e2e step (lab tool, not shipped): which part of mptrain's step costs what.
 
-    python3 dev/e2e_variants.py [--steps 20] [--profile]
+    python3 dev/e2e_variants.py [--steps 20] [--profile] [--only REGEX] [--repeat N]
 
 Each variant trains BERT-base MLM (batch 128, seq 128) on the e2e harness's device batches and
 prints ms/step (wall, --steps after --warmup), and with --profile the GPU kernel time per step
@@ -10,6 +10,7 @@ mode off, torch's LayerNorm instead of the fused one, Lightning's own Trainer wi
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -80,13 +81,18 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="also the GPU kernel time per step (second run)")
+    p.add_argument("--only", default="", help="the variants whose name matches this regex")
+    p.add_argument("--repeat", type=int, default=1, help="passes over the variants, alternating their order")
     a = p.parse_args(argv)
+    names = [n for n in VARIANTS if re.search(a.only, n)]
     rows = []
-    for name in VARIANTS:
-        w = run(name, a.warmup, a.steps, False)
-        g = run(name, a.warmup, 5, True).gpu_ms if a.profile else None
-        rows.append((name, w.ms, g))
-        print(f"[variant] {name}: {w.ms:.2f} ms/step" + (f", GPU kernels {g:.2f} ms/step" if g else ""), flush=True)
+    for r in range(a.repeat):
+        for name in names if r % 2 == 0 else names[::-1]:  # host drift moves every variant alike
+            w = run(name, a.warmup, a.steps, False)
+            g = run(name, a.warmup, 5, True).gpu_ms if a.profile else None
+            rows.append((name, w.ms, g))
+            print(f"[variant] {name}: {w.ms:.2f} ms/step" + (f", GPU kernels {g:.2f} ms/step" if g else ""), flush=True)
+    rows.sort(key=lambda row: names.index(row[0]))
     print(f"\n{'variant':<52} {'ms/step':>8} {'GPU ms':>8}")
     for name, ms, g in rows:
         print(f"{name:<52} {ms:8.2f} {g if g is None else f'{g:8.2f}'}")

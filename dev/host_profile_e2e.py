@@ -42,7 +42,7 @@ def run(model, name, warmup, steps, rows):
     if spec.trainer == "lightning" and model == "resnet50":
         module = module.to(memory_format=torch.channels_last)
     cb = HostProfile(warmup, steps)
-    trainer = e2e._trainer(spec, spec.precision, model, e2e.StepTimer(warmup, steps), warmup + steps, False)
+    trainer = e2e._trainer(spec, spec.precision, model, e2e.StepTimer(warmup, steps, sync_steps=0), warmup + steps, False)
     trainer.callbacks.append(cb)
     trainer.fit(module, train_dataloaders=batches)
     s = io.StringIO()

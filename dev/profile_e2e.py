@@ -70,7 +70,7 @@ def run(model, name, warmup, steps, rows, classes=False):
     if spec.trainer == "lightning" and spec.compile:
         module = compile_lightning_module(module)
     cb = Prof(warmup, steps)
-    timer = e2e.StepTimer(warmup, steps)
+    timer = e2e.StepTimer(warmup, steps, sync_steps=0)
     trainer = e2e._trainer(spec, prec, model, timer, warmup + steps, False)
     trainer.callbacks.append(cb)
     trainer.fit(module, train_dataloaders=batches)

@@ -4,7 +4,8 @@ seq 128) in one process: ``mptrain.Trainer`` in each mode (eager, compiled, CUDA
 mptrain's fused master-weight optimizer.
 
 Each case trains a fresh model and trainer on the same synthetic device batches and times ``--steps``
-steps after ``--warmup`` (``StepTimer``: wall and GPU time, host-device syncs; peak memory per case).
+steps after ``--warmup`` (``StepTimer``: wall and GPU time; then host-device syncs over a few more steps;
+peak memory per case).
 All step AdamW at a constant learning rate (torch's fused one for Lightning, mptrain's FusedAdamW);
 the Lightning cases train the stock model (torch's LayerNorm), the mptrain cases its fused modules.
 
@@ -90,15 +91,21 @@ class Result:
 
 
 class StepTimer(L.Callback):
-    """Times the steps after ``warmup`` (synchronizing only at the two window edges) and counts the
-    host-device syncs inside the window with ``torch.cuda.set_sync_debug_mode("warn")`` (the master
-    modes must make none)."""
+    """Times ``steps`` steps after ``warmup`` (synchronizing only at the window's two edges), then counts
+    the host-device syncs of the next ``sync_steps`` steps with ``torch.cuda.set_sync_debug_mode("warn")``
+    (the master modes must make none).  The two windows are apart so that the debug mode and the warning
+    capture it needs (every warning of the step recorded) cost the timed steps nothing."""
 
-    def __init__(self, warmup: int, steps: int):
-        self.warmup, self.steps, self.count = warmup, steps, 0
+    def __init__(self, warmup: int, steps: int, sync_steps: int = 5):
+        self.warmup, self.steps, self.sync_steps, self.count = warmup, steps, sync_steps, 0
         self.cuda = torch.cuda.is_available()
         self.t0 = self.t1 = self.gpu_ms = self.syncs = self.sync_sites = None
         self._events = self._caught = self._catcher = None
+
+    @property
+    def total(self) -> int:
+        """Steps the trainer must run: warmup, the timed window, the sync-count window (CUDA only)."""
+        return self.warmup + self.steps + (self.sync_steps if self.cuda else 0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.count += 1
@@ -106,29 +113,36 @@ class StepTimer(L.Callback):
             self._open()
         elif self.count == self.warmup + self.steps:
             self._close()
+        elif self.count == self.warmup + self.steps + self.sync_steps:
+            self._count_syncs()
 
     def _open(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
-            self._catcher = warnings.catch_warnings(record=True)
-            self._caught = self._catcher.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
         self.t0 = time.perf_counter()
 
     def _close(self) -> None:
-        if self.cuda and self._catcher is not None:
-            self.abandon()
-            # the debug mode's own "prototype feature" warning is not a synchronization
-            syncs = [w for w in self._caught if "called a synchronizing CUDA operation" in str(w.message)]
-            self.syncs = len(syncs)
-            self.sync_sites = dict(Counter(f"{w.filename}:{w.lineno}" for w in syncs))
+        if self.cuda:
             self._events[1].record()
             torch.cuda.synchronize()
             self.gpu_ms = self._events[0].elapsed_time(self._events[1]) / self.steps
         self.t1 = time.perf_counter()
+        if self.cuda and self.sync_steps:
+            self._catcher = warnings.catch_warnings(record=True)
+            self._caught = self._catcher.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def _count_syncs(self) -> None:
+        if self._catcher is None:
+            return
+        self.abandon()
+        # the debug mode's own "prototype feature" warning is not a synchronization
+        syncs = [w for w in self._caught if "called a synchronizing CUDA operation" in str(w.message)]
+        self.syncs = len(syncs)
+        self.sync_sites = dict(Counter(f"{w.filename}:{w.lineno}" for w in syncs))
 
     def abandon(self) -> None:
         """Leave the debug mode and the warning capture (at the window's end, or if the run died in it)."""
@@ -156,9 +170,9 @@ def _trainer(spec: CaseSpec, precision: str, model: str, timer: StepTimer, total
 
 def run_case(model: str, name: str, precision: str, warmup: int, steps: int, quick: bool) -> Result:
     spec = CASES[name]
-    total = warmup + steps
     res = Result(model, name, precision, batch=0)
     timer = StepTimer(warmup, steps)
+    total = timer.total
     gc.collect()  # the last case's trainer and module (reference cycles) are freed before the peak is reset
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -185,12 +199,12 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
 
 
 def _record(res: Result, timer: StepTimer, steps: int, skipped) -> None:
-    if timer.t1 is None:
-        raise RuntimeError(f"only {timer.count} steps ran; expected {timer.warmup + steps}")
+    if timer.t1 is None or (timer.cuda and timer.sync_steps and timer.syncs is None):
+        raise RuntimeError(f"only {timer.count} steps ran; expected {timer.total}")
     elapsed = timer.t1 - timer.t0
     res.step_ms, res.samples_per_s = 1e3 * elapsed / steps, steps * res.batch / elapsed
     res.gpu_step_ms = timer.gpu_ms
-    res.syncs_per_step = None if timer.syncs is None else timer.syncs / steps
+    res.syncs_per_step = None if timer.syncs is None else timer.syncs / timer.sync_steps
     res.sync_sites = timer.sync_sites
     res.skipped_steps = skipped
     res.peak_mem_gb = torch.cuda.max_memory_allocated() / 2**30 if timer.cuda else None

@@ -53,7 +53,8 @@ def test_needs_a_gpu_without_quick(monkeypatch, capsys):
 
 
 def test_sync_counter_counts_synchronizing_calls_in_the_window(monkeypatch):
-    """The window logic on a fake CUDA: warnings raised inside it are counted, outside are not."""
+    """The window logic on a fake CUDA: syncs are counted in the steps after the timed ones, which run
+    without the debug mode and the warning capture."""
     import warnings
 
     calls = []
@@ -71,18 +72,21 @@ def test_sync_counter_counts_synchronizing_calls_in_the_window(monkeypatch):
             return 6.0
 
     monkeypatch.setattr(e2e.torch.cuda, "Event", Event)
-    timer = e2e.StepTimer(warmup=1, steps=2)
+    timer = e2e.StepTimer(warmup=1, steps=2, sync_steps=2)
     timer.cuda = True
-    for step in range(3):
-        if step > 0:
+    assert timer.total == 5
+    for step in range(timer.total):
+        if step > 0:  # the timed steps sync too: only the sync window's count
             warnings.warn("called a synchronizing CUDA operation")
         warnings.warn("unrelated")
         warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
                       "synchronizing operations")  # what torch says when the mode is set: not a sync
         timer.on_train_batch_end(None, None, None, None, step)
+        if step == 2:  # the timed window is closed before the debug mode goes on
+            assert timer.gpu_ms == 3.0 and timer.syncs is None and calls == ["sync", "sync", "warn"]
     assert timer.syncs == 2 and timer.gpu_ms == 3.0
     assert list(timer.sync_sites.values()) == [2] and __file__ in next(iter(timer.sync_sites))
-    assert calls == ["sync", "warn", "default", "sync"]
+    assert calls == ["sync", "sync", "warn", "default"]
 
 
 def test_repeats_alternate_the_order_and_report_the_median_run():
