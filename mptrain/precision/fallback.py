@@ -128,7 +128,9 @@ def _batch_norm_fp32(func, args, kwargs):
     return out.to(x.dtype) if x.dtype in HALF else out
 
 
-class _Fp32OpsMode(TorchFunctionMode):
+class Fp32OpsMode(TorchFunctionMode):
+    """The op list's mode: ``funcs`` maps each listed callable to its op name (``Fp32Fallback.context()``)."""
+
     def __init__(self, funcs: dict):
         super().__init__()
         self.funcs = funcs  # callable -> op name
@@ -175,7 +177,7 @@ class Fp32Fallback:
             self._funcs.update({getattr(torch, name): name for name in CPU_RNN_OPS})
 
     def context(self):
-        return _Fp32OpsMode(self._funcs) if self._funcs else contextlib.nullcontext()
+        return Fp32OpsMode(self._funcs) if self._funcs else contextlib.nullcontext()
 
     def __repr__(self) -> str:
         return f"Fp32Fallback({list(self.ops)})"
