@@ -16,8 +16,9 @@ _layer_norm = OPS["layer_norm"]
 
 def _param_dtypes(x, weight, bias):
     """Params as the kernel takes them: x's dtype or fp32, both the same dtype."""
-    dtypes = {p.dtype for p in (weight, bias) if p is not None}
-    if dtypes <= {x.dtype} or dtypes == {torch.float32}:
+    # Attribute reads and tuple tests only: this runs for every norm call.
+    w, b = None if weight is None else weight.dtype, None if bias is None else bias.dtype
+    if w in (x.dtype, None) and b in (x.dtype, None) or w in (torch.float32, None) and b in (torch.float32, None):
         return weight, bias
     # Mixed or foreign dtypes (e.g. fp16 params under bf16 input): compute with fp32
     # copies; autograd casts the gradients back to each parameter's dtype.
