@@ -1,4 +1,4 @@
-"""Small models and data shared by the CPU tests."""
+"""Small models, data and helpers shared by the tests."""
 from __future__ import annotations
 
 import lightning as L
@@ -90,3 +90,17 @@ def quiet_trainer(**kw):
     kw.setdefault("accelerator", "cpu")
     kw.setdefault("devices", 1)
     return Trainer(**kw)
+
+
+def counting_fallback_mode(funcs: dict):
+    """An fp32-fallback mode (``mptrain.precision.fallback.Fp32OpsMode``) that counts the calls its handler sees."""
+    from mptrain.precision.fallback import Fp32OpsMode
+
+    class CountingMode(Fp32OpsMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return super().__torch_function__(func, types, args, kwargs)
+
+    return CountingMode(funcs)

@@ -5,7 +5,7 @@ import types
 
 import torch
 import torch.nn.functional as F
-from _models import Classifier, classification_data, mlp, quiet_trainer
+from _models import Classifier, classification_data, counting_fallback_mode, mlp, quiet_trainer
 from torch import nn
 
 from mptrain.callbacks.compile_model import CompileModel
@@ -19,18 +19,6 @@ class _Net(nn.Module):
 
     def forward(self, x):
         return F.softmax(self.b(F.gelu(self.a(x))), -1) + x  # softmax is listed: fp32 inside, bf16 out
-
-
-class _CountingMode(Fp32OpsMode):
-    """The outer mode of a forward context, counting the calls its handler sees."""
-
-    def __init__(self, funcs):
-        super().__init__(funcs)
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return super().__torch_function__(func, types, args, kwargs)
 
 
 def _compiled(graphs: list, **kwargs):
@@ -52,7 +40,7 @@ def test_the_mode_is_entered_inside_the_compiled_call_and_the_graph_is_reused():
         with Fp32OpsMode(funcs):
             ref = model._call_impl(x)  # eager under the mode: the fallback's result
         for _ in range(3):  # a new mode object per forward, as the plugin's forward context makes
-            outer = _CountingMode(funcs)
+            outer = counting_fallback_mode(funcs)
             with outer:
                 out = model(x)
             assert outer.calls == 0  # the compiled code's tensor calls skip the outer mode's handler

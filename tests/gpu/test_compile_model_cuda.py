@@ -3,14 +3,18 @@ region, so the compiled code's own tensor calls never reach the mode's Python ha
 forward context, and the result is the compiled forward's under the mode."""
 from __future__ import annotations
 
+import sys
 import types
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mptrain.callbacks.compile_model import CompileModel
-from mptrain.precision.fallback import Fp32Fallback, Fp32OpsMode
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _models import counting_fallback_mode  # noqa: E402
+from mptrain.callbacks.compile_model import CompileModel  # noqa: E402
+from mptrain.precision.fallback import Fp32Fallback, Fp32OpsMode  # noqa: E402
 
 
 class _Block(nn.Module):
@@ -20,16 +24,6 @@ class _Block(nn.Module):
 
     def forward(self, x):
         return self.ln(x + F.softmax(self.b(F.gelu(self.a(x))), -1))
-
-
-class _CountingMode(Fp32OpsMode):
-    def __init__(self, funcs):
-        super().__init__(funcs)
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return super().__torch_function__(func, types, args, kwargs)
 
 
 def test_compiled_forward_runs_without_the_outer_mode_and_matches_the_compiled_reference():
@@ -48,12 +42,12 @@ def test_compiled_forward_runs_without_the_outer_mode_and_matches_the_compiled_r
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for _ in range(3):  # a new outer mode per forward, as the precision plugin makes them
-            outer = _CountingMode(funcs)
+            outer = counting_fallback_mode(funcs)
             with outer:
                 out = ours(x)
             assert outer.calls == 0
         expected = ref_compiled(x)
-        under = _CountingMode(funcs)
+        under = counting_fallback_mode(funcs)
         with under:
             ref(x)  # eager under the mode, for the count printed below
     assert out.dtype == torch.bfloat16
