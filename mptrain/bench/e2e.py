@@ -88,6 +88,7 @@ class Result:
     wall_s: Optional[float] = None
     message: Optional[str] = None
     sync_sites: Optional[dict] = None  # "file:line" of the Python call that synchronized -> count
+    warning_sites: Optional[dict] = None  # other warnings of the sync-count steps: "file:line: message" -> count
 
 
 class StepTimer(L.Callback):
@@ -99,7 +100,7 @@ class StepTimer(L.Callback):
     def __init__(self, warmup: int, steps: int, sync_steps: int = 5):
         self.warmup, self.steps, self.sync_steps, self.count = warmup, steps, sync_steps, 0
         self.cuda = torch.cuda.is_available()
-        self.t0 = self.t1 = self.gpu_ms = self.syncs = self.sync_sites = None
+        self.t0 = self.t1 = self.gpu_ms = self.syncs = self.sync_sites = self.warning_sites = None
         self._events = self._caught = self._catcher = None
 
     @property
@@ -140,9 +141,14 @@ class StepTimer(L.Callback):
             return
         self.abandon()
         # the debug mode's own "prototype feature" warning is not a synchronization
-        syncs = [w for w in self._caught if "called a synchronizing CUDA operation" in str(w.message)]
+        is_sync = ["called a synchronizing CUDA operation" in str(w.message) for w in self._caught]
+        syncs = [w for w, s in zip(self._caught, is_sync) if s]
         self.syncs = len(syncs)
         self.sync_sites = dict(Counter(f"{w.filename}:{w.lineno}" for w in syncs))
+        # the rest, except the debug mode's own notice: a warning raised on every step is host work too
+        self.warning_sites = dict(Counter(f"{w.filename}:{w.lineno}: {str(w.message)[:100]}"
+                                          for w, s in zip(self._caught, is_sync)
+                                          if not s and "debug mode is a prototype" not in str(w.message)))
 
     def abandon(self) -> None:
         """Leave the debug mode and the warning capture (at the window's end, or if the run died in it)."""
@@ -206,6 +212,7 @@ def _record(res: Result, timer: StepTimer, steps: int, skipped) -> None:
     res.gpu_step_ms = timer.gpu_ms
     res.syncs_per_step = None if timer.syncs is None else timer.syncs / timer.sync_steps
     res.sync_sites = timer.sync_sites
+    res.warning_sites = timer.warning_sites
     res.skipped_steps = skipped
     res.peak_mem_gb = torch.cuda.max_memory_allocated() / 2**30 if timer.cuda else None
 
@@ -313,6 +320,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in results:
         if r.sync_sites:
             print(f"host syncs, {r.model} {r.case}: " + ", ".join(f"{k} x{n}" for k, n in r.sync_sites.items()))
+        if r.warning_sites:
+            print(f"warnings in the sync-count steps, {r.model} {r.case}: "
+                  + "; ".join(f"{k} x{n}" for k, n in r.warning_sites.items()))
     for model in args.models:
         ratios = summarize(results, model)["ratios"]
         print(f"{model}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in ratios.items()))

@@ -86,6 +86,7 @@ def test_sync_counter_counts_synchronizing_calls_in_the_window(monkeypatch):
             assert timer.gpu_ms == 3.0 and timer.syncs is None and calls == ["sync", "sync", "warn"]
     assert timer.syncs == 2 and timer.gpu_ms == 3.0
     assert list(timer.sync_sites.values()) == [2] and __file__ in next(iter(timer.sync_sites))
+    assert list(timer.warning_sites.values()) == [2] and next(iter(timer.warning_sites)).endswith(": unrelated")
     assert calls == ["sync", "sync", "warn", "default"]
 
 
