@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import types
 
 import torch
 from torch import nn
 
+from mptrain.bench.host_cost import per_call_us
 from mptrain.callbacks.compile_model import CompileModel
 from mptrain.precision.fallback import Fp32Fallback
 
@@ -29,17 +29,12 @@ class Block(nn.Module):
 
 
 def best_us(rows, n=300, rounds=7) -> dict:
-    """Best µs per call of each row, the rows interleaved round by round (drift moves every row alike)."""
-    for _, fn in rows:
-        for _ in range(20):
-            fn()
+    """Best µs per call of each row (host_cost's per_call_us, one loop a round), the rows interleaved round by
+    round so that the machine's drift moves every row alike."""
     best = {name: float("inf") for name, _ in rows}
     for _ in range(rounds):
         for name, fn in rows:
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - t) / n * 1e6)
+            best[name] = min(best[name], per_call_us(fn, n, lambda: None, repeats=1))
     return best
 
 
