@@ -55,6 +55,12 @@ VARIANTS = {
     "mptrain bf16-mixed, torch LN, torch AdamW": ("mptrain", "bf16-mixed", "torch-fused", True, {}),
     "lightning bf16-mixed": ("lightning", "bf16-mixed", "torch-fused", True, {}),
     "lightning bf16-mixed, fused LN": ("lightning", "bf16-mixed", "torch-fused", False, {}),
+    "mptrain 16-mixed": ("mptrain", "16-mixed", "mptrain", False, {}),
+    "mptrain 16-mixed, fallback off": ("mptrain", "16-mixed", "mptrain", False, {"fp32_fallback": []}),
+    "mptrain 16-mixed, scaler off": ("mptrain", "16-mixed", "mptrain", False, {"loss_scaler": "off"}),
+    "mptrain 16-mixed, torch LN, torch AdamW": ("mptrain", "16-mixed", "torch-fused", True, {}),
+    "lightning 16-mixed": ("lightning", "16-mixed", "torch-fused", True, {}),
+    "lightning 16-mixed, fused LN, FusedAdamW": ("lightning", "16-mixed", "mptrain", False, {}),
 }
 
 
