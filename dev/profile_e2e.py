@@ -6,7 +6,12 @@ Per case: wall ms/step of the profiled window, then the top ops by self CPU time
 self CUDA time, and the count of aten ops per step (host work is what a host-bound step pays).
 `--classes` prints instead one line per case: GPU kernel time per step by class (GEMM,
 attention, optimizer, other) against the wall time, i.e. how far a step is from its GEMM +
-attention time (the most any change to the rest could gain).
+attention time (the most any change to the rest could gain).  `--diff` (two cases) prints the
+ops whose count or self CPU / GPU time per step differs most between them.  `--precision`
+sets the mode of the "best" cases (default bf16-master), e.g. `--cases mptrain+compile:best
+--precision 16-master`; a case may name its own, as in `--diff --cases
+mptrain+compile:best@16-master,mptrain+compile:best@bf16-master`.  The first case a process profiles pays one-off costs (profiler
+buffers, allocator growth): `--warm` runs one untimed case first.
 """
 from __future__ import annotations
 
@@ -60,9 +65,14 @@ def kernel_classes(ka, steps):
     return out
 
 
-def run(model, name, warmup, steps, rows, classes=False):
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def run(model, name, warmup, steps, rows, classes=False, best="bf16-master", quiet=False):
+    name, _, mode = name.partition("@")  # "mptrain+compile:best@16-master": that mode for this case
+    best = mode or best
     spec = e2e.CASES[name]
-    prec = "bf16-master" if spec.precision == "best" else spec.precision
+    prec = best if spec.precision == "best" else spec.precision
     module, batches, _ = build(model, warmup + steps, "cuda", stock=spec.trainer == "lightning")
     use_optimizer(module, e2e.optimizer_factory(spec.optimizer))
     if spec.trainer == "lightning" and model == "resnet50":
@@ -75,6 +85,8 @@ def run(model, name, warmup, steps, rows, classes=False):
     trainer.callbacks.append(cb)
     trainer.fit(module, train_dataloaders=batches)
     ka = cb.prof.key_averages()
+    if quiet:
+        return per_step(ka, steps), cb.wall_ms, prec
     if classes:
         k = kernel_classes(ka, steps)
         busy = sum(k.values())
@@ -86,9 +98,32 @@ def run(model, name, warmup, steps, rows, classes=False):
     print(f"\n######## {model} {name} ({prec})")
     cpu_total = sum(e.self_cpu_time_total for e in ka) / steps / 1e3
     aten = sum(e.count for e in ka if e.key.startswith("aten::")) / steps
-    print(f"self CPU ms/step (profiled) {cpu_total:.2f}; aten calls/step {aten:.0f}")
+    launches = sum(e.count for e in ka if e.key in LAUNCHES) / steps
+    print(f"wall {cb.wall_ms:.2f} ms/step (profiled); self CPU ms/step {cpu_total:.2f}; aten calls/step {aten:.0f}; "
+          f"kernel launches/step {launches:.0f}")
     print(ka.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
     print(ka.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+
+
+def per_step(ka, steps):
+    """op -> (count, self CPU us, self GPU us) per step."""
+    return {e.key: (e.count / steps, e.self_cpu_time_total / steps,
+                    getattr(e, "self_device_time_total", 0.0) / steps) for e in ka}
+
+
+def diff(model, names, warmup, steps, rows, best):
+    (a, wa, pa), (b, wb, pb) = (run(model, n, warmup, steps, rows, best=best, quiet=True) for n in names)
+    for name, prec, wall, ops in ((names[0], pa, wa, a), (names[1], pb, wb, b)):
+        launches = sum(ops.get(k, (0,))[0] for k in LAUNCHES)
+        print(f"{name} ({prec}): wall {wall:.2f} ms/step (profiled), self CPU {sum(v[1] for v in ops.values()) / 1e3:.2f} "
+              f"ms/step, kernel launches/step {launches:.0f}")
+    zero = (0.0, 0.0, 0.0)
+    for title, col in (("self CPU", 1), ("self GPU", 2)):
+        keys = sorted(set(a) | set(b), key=lambda k: -abs(a.get(k, zero)[col] - b.get(k, zero)[col]))[:rows]
+        print(f"\nlargest {title} differences, per step: count A / B, self CPU us A / B, self GPU us A / B")
+        for k in keys:
+            x, y = a.get(k, zero), b.get(k, zero)
+            print(f"{k[:60]:<60} {x[0]:7.1f} {y[0]:7.1f} {x[1]:8.0f} {y[1]:8.0f} {x[2]:8.0f} {y[2]:8.0f}")
 
 
 def main(argv=None):
@@ -99,9 +134,20 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--classes", action="store_true", help="one line per case: GPU time by kernel class")
+    p.add_argument("--diff", action="store_true", help="two cases: the ops that differ most between them")
+    p.add_argument("--precision", default="bf16-master", help="the mode of the 'best' cases")
+    p.add_argument("--warm", action="store_true", help="profile one case first, untimed, and discard it")
     a = p.parse_args(argv)
-    for name in a.cases.split(","):
-        run(a.model, name, a.warmup, a.steps, a.rows, a.classes)
+    names = a.cases.split(",")
+    if a.warm:
+        run(a.model, names[0], a.warmup, a.steps, a.rows, best=a.precision, quiet=True)
+    if a.diff:
+        if len(names) != 2:
+            p.error(f"--diff compares two cases; got {len(names)}")
+        diff(a.model, names, a.warmup, a.steps, a.rows, a.precision)
+        return 0
+    for name in names:
+        run(a.model, name, a.warmup, a.steps, a.rows, a.classes, best=a.precision)
 
 
 if __name__ == "__main__":
