@@ -13,6 +13,9 @@ the Lightning cases train the stock model (torch's LayerNorm), the mptrain cases
     mptrain bench e2e --models bert --cases mptrain:bf16-master,lightning:bf16-mixed --steps 50
     mptrain bench e2e --models bert --repeat 3   # each case 3 times, alternating order: median
     mptrain bench e2e --quick          # tiny models on the CPU: checks the harness only
+
+With ``--repeat`` the mixed-mode comparisons are also printed pass by pass: the two cases of a
+pass ran seconds apart, while a host-bound step (BERT eager) drifts by tens of percent over minutes.
 """
 from __future__ import annotations
 
@@ -89,6 +92,7 @@ class Result:
     message: Optional[str] = None
     sync_sites: Optional[dict] = None  # "file:line" of the Python call that synchronized -> count
     warning_sites: Optional[dict] = None  # other warnings of the sync-count steps: "file:line: message" -> count
+    repetition: int = 0  # which pass of --repeat measured it
 
 
 class StepTimer(L.Callback):
@@ -252,6 +256,26 @@ def summarize(results: list[Result], model: str) -> dict:
     return out
 
 
+#: the comparisons whose two cases run next to each other in every pass (see CASES' order)
+PAIRED = tuple((f"mptrain:{m}", f"lightning:{m}") for m in ("bf16-mixed", "16-mixed"))
+
+
+def paired_ratios(runs: list[Result], model: str) -> dict:
+    """Each pass's ratio of the neighbouring cases in PAIRED.  A host-bound step drifts by tens of
+    percent over minutes; the two cases of one pass ran seconds apart, the medians of two cases
+    may come from different passes."""
+    out = {}
+    for ours, theirs in PAIRED:
+        by_pass: dict = {}
+        for r in runs:
+            if r.model == model and r.case in (ours, theirs) and r.status == "ok":
+                by_pass.setdefault(r.repetition, {})[r.case] = r.samples_per_s
+        ratios = [p[ours] / p[theirs] for _, p in sorted(by_pass.items()) if len(p) == 2]
+        if ratios:
+            out[f"{ours} / {theirs}"] = ratios
+    return out
+
+
 def format_table(results: list[Result]) -> str:
     head = (f"{'model':<9} {'case':<40} {'precision':<12} {'batch':>5} {'throughput':>14} {'vs L best':>9} "
             f"{'ms/step':>8} {'event ms':>8} {'peak GB':>8} {'syncs/step':>10} {'skips':>5}")
@@ -302,18 +326,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     kernels = fused_kernel_status(args.quick)
     print(f"[e2e] mptrain fused kernels: {kernels}", flush=True)
     results: list[Result] = []
+    pairs: dict = {}
     for model in args.models:
         runs: list[Result] = []
-        for order in case_orders(args.cases, args.repeat):
+        for rep, order in enumerate(case_orders(args.cases, args.repeat)):
             for name in order:
                 spec = CASES[name]
                 precision = best_mptrain_mode(runs, model) if spec.precision == "best" else spec.precision
                 res = run_case(model, name, precision, args.warmup, args.steps, args.quick)
+                res.repetition = rep
                 runs.append(res)
                 done = (f"{res.samples_per_s:.1f}/s" if res.status == "ok"
                         else f"{res.status}: {res.message.splitlines()[0]}")
                 print(f"[e2e] {model} {name} ({precision}): {done} ({res.wall_s:.1f} s)", flush=True)
-                _write_json(args, results + median_runs(runs), kernels)  # a run cut short keeps what it measured
+                pairs[model] = paired_ratios(runs, model)
+                _write_json(args, results + median_runs(runs), kernels, pairs)  # a run cut short keeps what it measured
         results += median_runs(runs)
     print(f"mptrain fused kernels: {kernels}")
     print(format_table(results))
@@ -326,6 +353,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for model in args.models:
         ratios = summarize(results, model)["ratios"]
         print(f"{model}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in ratios.items()))
+        if args.repeat > 1 and pairs.get(model):
+            print(f"{model}, each pass: " + "; ".join(f"{k} = " + ", ".join(f"{x:.3f}x" for x in v)
+                                                     for k, v in pairs[model].items()))
     return 1 if any(r.status == "error" for r in results) else 0
 
 
@@ -362,12 +392,12 @@ def fused_kernel_status(quick: bool) -> str:
     return slow + status.describe()
 
 
-def _write_json(args: argparse.Namespace, results: list[Result], kernels: str) -> None:
+def _write_json(args: argparse.Namespace, results: list[Result], kernels: str, pairs: dict) -> None:
     if args.out:
-        meta = {**device_meta(), "warmup": args.warmup, "steps": args.steps, "quick": args.quick,
-                "fused_kernels": kernels}
-        write_json(args.out, {"meta": meta, "summary": {m: summarize(results, m) for m in args.models},
-                              "results": [asdict(r) for r in results]})
+        meta = {**device_meta(), "warmup": args.warmup, "steps": args.steps, "repeat": args.repeat,
+                "quick": args.quick, "fused_kernels": kernels}
+        summary = {m: {**summarize(results, m), "each_pass": pairs.get(m, {})} for m in args.models}
+        write_json(args.out, {"meta": meta, "summary": summary, "results": [asdict(r) for r in results]})
 
 
 if __name__ == "__main__":

@@ -100,3 +100,16 @@ def test_repeats_alternate_the_order_and_report_the_median_run():
              e2e.Result("bert", "b", "bf16-true", 2, samples_per_s=5.0)]
     med = e2e.median_runs(runs)
     assert [(r.case, r.samples_per_s) for r in med] == [("a", 20.0), ("b", 5.0)]
+
+
+def test_paired_ratios_compare_the_cases_of_each_pass():
+    def res(case, rep, rate, status="ok"):
+        return e2e.Result("bert", case, "x", 2, status=status, samples_per_s=rate, repetition=rep)
+
+    runs = [res("mptrain:16-mixed", 0, 90.0), res("lightning:16-mixed", 0, 100.0),
+            res("lightning:16-mixed", 1, 50.0), res("mptrain:16-mixed", 1, 60.0),
+            res("mptrain:bf16-mixed", 0, 10.0), res("lightning:bf16-mixed", 0, None, status="error"),
+            e2e.Result("resnet50", "mptrain:16-mixed", "x", 2, samples_per_s=1.0)]
+    pairs = e2e.paired_ratios(runs, "bert")
+    # pass by pass: each ratio from two cases run seconds apart (the medians may mix passes)
+    assert pairs == {"mptrain:16-mixed / lightning:16-mixed": [0.9, 1.2]}
