@@ -13,14 +13,12 @@ the Lightning cases train the stock model (torch's LayerNorm), the mptrain cases
     mptrain bench e2e --models bert --cases mptrain:bf16-master,lightning:bf16-mixed --steps 50
     mptrain bench e2e --models bert --repeat 3   # each case 3 times, alternating order: median
     mptrain bench e2e --quick          # tiny models on the CPU: checks the harness only
-
-With ``--repeat`` the mixed-mode comparisons are also printed pass by pass: the two cases of a
-pass ran seconds apart, while a host-bound step (BERT eager) drifts by tens of percent over minutes.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 import traceback
@@ -91,8 +89,6 @@ class Result:
     wall_s: Optional[float] = None
     message: Optional[str] = None
     sync_sites: Optional[dict] = None  # "file:line" of the Python call that synchronized -> count
-    warning_sites: Optional[dict] = None  # other warnings of the sync-count steps: "file:line: message" -> count
-    repetition: int = 0  # which pass of --repeat measured it
 
 
 class StepTimer(L.Callback):
@@ -104,7 +100,7 @@ class StepTimer(L.Callback):
     def __init__(self, warmup: int, steps: int, sync_steps: int = 5):
         self.warmup, self.steps, self.sync_steps, self.count = warmup, steps, sync_steps, 0
         self.cuda = torch.cuda.is_available()
-        self.t0 = self.t1 = self.gpu_ms = self.syncs = self.sync_sites = self.warning_sites = None
+        self.t0 = self.t1 = self.gpu_ms = self.syncs = self.sync_sites = None
         self._events = self._caught = self._catcher = None
 
     @property
@@ -144,15 +140,10 @@ class StepTimer(L.Callback):
         if self._catcher is None:
             return
         self.abandon()
-        # the debug mode's own "prototype feature" warning is not a synchronization
-        is_sync = ["called a synchronizing CUDA operation" in str(w.message) for w in self._caught]
-        syncs = [w for w, s in zip(self._caught, is_sync) if s]
+        # only the synchronizations (the debug mode's own "prototype feature" warning is not one)
+        syncs = [w for w in self._caught if "called a synchronizing CUDA operation" in str(w.message)]
         self.syncs = len(syncs)
         self.sync_sites = dict(Counter(f"{w.filename}:{w.lineno}" for w in syncs))
-        # the rest, except the debug mode's own notice: a warning raised on every step is host work too
-        self.warning_sites = dict(Counter(f"{w.filename}:{w.lineno}: {str(w.message)[:100]}"
-                                          for w, s in zip(self._caught, is_sync)
-                                          if not s and "debug mode is a prototype" not in str(w.message)))
 
     def abandon(self) -> None:
         """Leave the debug mode and the warning capture (at the window's end, or if the run died in it)."""
@@ -216,7 +207,6 @@ def _record(res: Result, timer: StepTimer, steps: int, skipped) -> None:
     res.gpu_step_ms = timer.gpu_ms
     res.syncs_per_step = None if timer.syncs is None else timer.syncs / timer.sync_steps
     res.sync_sites = timer.sync_sites
-    res.warning_sites = timer.warning_sites
     res.skipped_steps = skipped
     res.peak_mem_gb = torch.cuda.max_memory_allocated() / 2**30 if timer.cuda else None
 
@@ -231,8 +221,8 @@ def best_mptrain_mode(results: list[Result], model: str) -> str:
     return best.precision if best else "bf16-master"
 
 
-def summarize(results: list[Result], model: str) -> dict:
-    """The comparisons issues 11 and 12 ask for, as ratios of throughputs measured in this run."""
+def summarize(results: list[Result], model: str, runs: Optional[list[Result]] = None) -> dict:
+    """The comparisons issues 11 and 12 ask for; the mixed modes' as the median of each pass's (``runs``)."""
     def rate(names):
         r = _rate(results, model, names)
         return None if r is None else {"case": r.case, "samples_per_s": r.samples_per_s}
@@ -245,35 +235,22 @@ def summarize(results: list[Result], model: str) -> dict:
            "mptrain_cuda_graphs": rate(["mptrain+cuda_graphs:bf16-master"]),
            "mptrain_bf16_master": rate(["mptrain:bf16-master"]),
            "lightning_best": rate(LIGHTNING_EAGER), "lightning_compile": rate(LIGHTNING_COMPILE),
-           "lightning_fused_master": rate(["lightning:bf16-true+FusedAdamW(master)"])}
+           "lightning_fused_master": rate(["lightning:bf16-true+FusedAdamW(master)"]), "each_pass": {}}
     out["ratios"] = {f"{a} / {b}": ratio(out[a], out[b]) for a, b in (
         ("mptrain_best", "lightning_best"), ("mptrain_best", "lightning_compile"),
         ("mptrain_best", "lightning_fused_master"), ("mptrain_compiled", "mptrain_eager_best"),
         ("mptrain_cuda_graphs", "mptrain_bf16_master"))}
-    for mode in ("bf16-mixed", "16-mixed"):
-        ours, theirs = rate([f"mptrain:{mode}"]), rate([f"lightning:{mode}"])
-        out["ratios"][f"mptrain:{mode} / lightning:{mode}"] = ratio(ours, theirs)
+    for ours, theirs in ((f"mptrain:{m}", f"lightning:{m}") for m in ("bf16-mixed", "16-mixed")):
+        each = out["each_pass"][f"{ours} / {theirs}"] = paired_ratios(runs or results, model, ours, theirs)
+        out["ratios"][f"{ours} / {theirs}"] = statistics.median(each) if each else None
     return out
 
 
-#: the comparisons whose two cases run next to each other in every pass (see CASES' order)
-PAIRED = tuple((f"mptrain:{m}", f"lightning:{m}") for m in ("bf16-mixed", "16-mixed"))
-
-
-def paired_ratios(runs: list[Result], model: str) -> dict:
-    """Each pass's ratio of the neighbouring cases in PAIRED.  A host-bound step drifts by tens of
-    percent over minutes; the two cases of one pass ran seconds apart, the medians of two cases
-    may come from different passes."""
-    out = {}
-    for ours, theirs in PAIRED:
-        by_pass: dict = {}
-        for r in runs:
-            if r.model == model and r.case in (ours, theirs) and r.status == "ok":
-                by_pass.setdefault(r.repetition, {})[r.case] = r.samples_per_s
-        ratios = [p[ours] / p[theirs] for _, p in sorted(by_pass.items()) if len(p) == 2]
-        if ratios:
-            out[f"{ours} / {theirs}"] = ratios
-    return out
+def paired_ratios(runs: list[Result], model: str, ours: str, theirs: str) -> list[float]:
+    """``ours / theirs`` pass by pass (``runs`` in run order): two neighbouring cases ran seconds apart, while a
+    host-bound step drifts by tens of percent over minutes (two cases' medians may come from different passes)."""
+    a, b = ([r for r in runs if r.model == model and r.case == case] for case in (ours, theirs))
+    return [x.samples_per_s / y.samples_per_s for x, y in zip(a, b) if x.status == y.status == "ok"]
 
 
 def format_table(results: list[Result]) -> str:
@@ -306,7 +283,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per case (cuDNN autotuning, compile)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per case")
     p.add_argument("--repeat", type=int, default=1,
-                   help="runs of every case, in alternating order; the table shows each case's median run")
+                   help="runs of every case in alternating order: the median run of each; mixed-mode ratios by pass")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny models on the CPU: checks the harness, not speed")
     args = p.parse_args(argv)
@@ -325,37 +302,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     kernels = fused_kernel_status(args.quick)
     print(f"[e2e] mptrain fused kernels: {kernels}", flush=True)
-    results: list[Result] = []
-    pairs: dict = {}
+    runs: list[Result] = []  # every pass's run of every case
     for model in args.models:
-        runs: list[Result] = []
-        for rep, order in enumerate(case_orders(args.cases, args.repeat)):
+        for order in case_orders(args.cases, args.repeat):
             for name in order:
                 spec = CASES[name]
                 precision = best_mptrain_mode(runs, model) if spec.precision == "best" else spec.precision
                 res = run_case(model, name, precision, args.warmup, args.steps, args.quick)
-                res.repetition = rep
                 runs.append(res)
                 done = (f"{res.samples_per_s:.1f}/s" if res.status == "ok"
                         else f"{res.status}: {res.message.splitlines()[0]}")
                 print(f"[e2e] {model} {name} ({precision}): {done} ({res.wall_s:.1f} s)", flush=True)
-                pairs[model] = paired_ratios(runs, model)
-                _write_json(args, results + median_runs(runs), kernels, pairs)  # a run cut short keeps what it measured
-        results += median_runs(runs)
+                _write_json(args, runs, kernels)  # a run cut short keeps what it measured
+    results = median_runs(runs)
     print(f"mptrain fused kernels: {kernels}")
     print(format_table(results))
     for r in results:
         if r.sync_sites:
             print(f"host syncs, {r.model} {r.case}: " + ", ".join(f"{k} x{n}" for k, n in r.sync_sites.items()))
-        if r.warning_sites:
-            print(f"warnings in the sync-count steps, {r.model} {r.case}: "
-                  + "; ".join(f"{k} x{n}" for k, n in r.warning_sites.items()))
     for model in args.models:
-        ratios = summarize(results, model)["ratios"]
-        print(f"{model}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in ratios.items()))
-        if args.repeat > 1 and pairs.get(model):
-            print(f"{model}, each pass: " + "; ".join(f"{k} = " + ", ".join(f"{x:.3f}x" for x in v)
-                                                     for k, v in pairs[model].items()))
+        summary = summarize(results, model, runs)
+        print(f"{model}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in summary["ratios"].items()))
+        passes = (f"{k} = " + ", ".join(f"{x:.3f}x" for x in v) for k, v in summary["each_pass"].items() if v)
+        print(f"{model}, each pass: " + "; ".join(passes))
     return 1 if any(r.status == "error" for r in results) else 0
 
 
@@ -369,10 +338,10 @@ def case_orders(cases: list[str], repeat: int) -> list[list[str]]:
 
 
 def median_runs(runs: list[Result]) -> list[Result]:
-    """One result per case: the run of median throughput (failed runs only when no run succeeded)."""
+    """One result per model and case: the run of median throughput (failed runs only when no run succeeded)."""
     out = []
-    for case in dict.fromkeys(r.case for r in runs):
-        mine = [r for r in runs if r.case == case]
+    for key in dict.fromkeys((r.model, r.case) for r in runs):
+        mine = [r for r in runs if (r.model, r.case) == key]
         ok = sorted((r for r in mine if r.status == "ok"), key=lambda r: r.samples_per_s)
         out.append(ok[(len(ok) - 1) // 2] if ok else mine[-1])
     return out
@@ -392,12 +361,13 @@ def fused_kernel_status(quick: bool) -> str:
     return slow + status.describe()
 
 
-def _write_json(args: argparse.Namespace, results: list[Result], kernels: str, pairs: dict) -> None:
+def _write_json(args: argparse.Namespace, runs: list[Result], kernels: str) -> None:
     if args.out:
+        results = median_runs(runs)
         meta = {**device_meta(), "warmup": args.warmup, "steps": args.steps, "repeat": args.repeat,
                 "quick": args.quick, "fused_kernels": kernels}
-        summary = {m: {**summarize(results, m), "each_pass": pairs.get(m, {})} for m in args.models}
-        write_json(args.out, {"meta": meta, "summary": summary, "results": [asdict(r) for r in results]})
+        write_json(args.out, {"meta": meta, "summary": {m: summarize(results, m, runs) for m in args.models},
+                              "results": [asdict(r) for r in results]})
 
 
 if __name__ == "__main__":
