@@ -322,9 +322,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"host syncs, {r.model} {r.case}: " + ", ".join(f"{k} x{n}" for k, n in r.sync_sites.items()))
     for model in args.models:
         summary = summarize(results, model, runs)
-        print(f"{model}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in summary["ratios"].items()))
-        passes = (f"{k} = " + ", ".join(f"{x:.3f}x" for x in v) for k, v in summary["each_pass"].items() if v)
-        print(f"{model}, each pass: " + "; ".join(passes))
+        passes = "; ".join(f"{k} = " + ", ".join(f"{x:.3f}x" for x in v) for k, v in summary["each_pass"].items() if v)
+        print(f"{model}: " + "; ".join(f"{k} = {_fmt(v, '{:.3f}x')}" for k, v in summary["ratios"].items())
+              + (f"\n{model}, each pass: {passes}" if passes else ""))
     return 1 if any(r.status == "error" for r in results) else 0
 
 
