@@ -7,11 +7,11 @@ self CUDA time, and the count of aten ops per step (host work is what a host-bou
 `--classes` prints instead one line per case: GPU kernel time per step by class (GEMM,
 attention, optimizer, other) against the wall time, i.e. how far a step is from its GEMM +
 attention time (the most any change to the rest could gain).  `--diff` (two cases) prints the
-ops whose count or self CPU / GPU time per step differs most between them.  `--precision`
-sets the mode of the "best" cases (default bf16-master), e.g. `--cases mptrain+compile:best
---precision 16-master`; a case may name its own, as in `--diff --cases
-mptrain+compile:best@16-master,mptrain+compile:best@bf16-master`.  The first case a process profiles pays one-off costs (profiler
-buffers, allocator growth): `--warm` runs one untimed case first.
+ops whose count or self CPU / GPU time per step differs most between them.  A "best" case runs
+bf16-master unless it names its mode: `--diff --cases
+mptrain+compile:best@16-master,mptrain+compile:best@bf16-master`.  The first case a process
+profiles pays one-off costs (profiler buffers, allocator growth): `--warm` profiles one case
+first and discards it.
 """
 from __future__ import annotations
 
@@ -68,11 +68,10 @@ def kernel_classes(ka, steps):
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
-def run(model, name, warmup, steps, rows, classes=False, best="bf16-master", quiet=False):
-    name, _, mode = name.partition("@")  # "mptrain+compile:best@16-master": that mode for this case
-    best = mode or best
+def run(model, name, warmup, steps, rows, classes=False, quiet=False):
+    name, _, mode = name.partition("@")  # "mptrain+compile:best@16-master": that mode for this "best" case
     spec = e2e.CASES[name]
-    prec = best if spec.precision == "best" else spec.precision
+    prec = (mode or "bf16-master") if spec.precision == "best" else spec.precision
     module, batches, _ = build(model, warmup + steps, "cuda", stock=spec.trainer == "lightning")
     use_optimizer(module, e2e.optimizer_factory(spec.optimizer))
     if spec.trainer == "lightning" and model == "resnet50":
@@ -111,12 +110,13 @@ def per_step(ka, steps):
                     getattr(e, "self_device_time_total", 0.0) / steps) for e in ka}
 
 
-def diff(model, names, warmup, steps, rows, best):
-    (a, wa, pa), (b, wb, pb) = (run(model, n, warmup, steps, rows, best=best, quiet=True) for n in names)
+def diff(model, names, warmup, steps, rows):
+    (a, wa, pa), (b, wb, pb) = (run(model, n, warmup, steps, rows, quiet=True) for n in names)
     for name, prec, wall, ops in ((names[0], pa, wa, a), (names[1], pb, wb, b)):
         launches = sum(ops.get(k, (0,))[0] for k in LAUNCHES)
-        print(f"{name} ({prec}): wall {wall:.2f} ms/step (profiled), self CPU {sum(v[1] for v in ops.values()) / 1e3:.2f} "
-              f"ms/step, kernel launches/step {launches:.0f}")
+        cpu_ms = sum(v[1] for v in ops.values()) / 1e3
+        print(f"{name} ({prec}): wall {wall:.2f} ms/step (profiled), self CPU {cpu_ms:.2f} ms/step, "
+              f"kernel launches/step {launches:.0f}")
     zero = (0.0, 0.0, 0.0)
     for title, col in (("self CPU", 1), ("self GPU", 2)):
         keys = sorted(set(a) | set(b), key=lambda k: -abs(a.get(k, zero)[col] - b.get(k, zero)[col]))[:rows]
@@ -135,19 +135,18 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--classes", action="store_true", help="one line per case: GPU time by kernel class")
     p.add_argument("--diff", action="store_true", help="two cases: the ops that differ most between them")
-    p.add_argument("--precision", default="bf16-master", help="the mode of the 'best' cases")
     p.add_argument("--warm", action="store_true", help="profile one case first, untimed, and discard it")
     a = p.parse_args(argv)
     names = a.cases.split(",")
     if a.warm:
-        run(a.model, names[0], a.warmup, a.steps, a.rows, best=a.precision, quiet=True)
+        run(a.model, names[0], a.warmup, a.steps, a.rows, quiet=True)
     if a.diff:
         if len(names) != 2:
             p.error(f"--diff compares two cases; got {len(names)}")
-        diff(a.model, names, a.warmup, a.steps, a.rows, a.precision)
+        diff(a.model, names, a.warmup, a.steps, a.rows)
         return 0
     for name in names:
-        run(a.model, name, a.warmup, a.steps, a.rows, a.classes, best=a.precision)
+        run(a.model, name, a.warmup, a.steps, a.rows, a.classes)
 
 
 if __name__ == "__main__":
