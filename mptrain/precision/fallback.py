@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -107,10 +108,14 @@ def _downcast(obj, dtype: torch.dtype):
     return obj
 
 
+_F_BATCH_NORM = F.batch_norm  # before any wrapping
+
+
 def _batch_norm_fp32(func, args, kwargs):
     """batch_norm updates running stats in place: run on fp32 copies, write them back.  On CUDA the input
     stays half (cuDNN takes half input with fp32 weights and stats and computes in fp32); on the CPU it is upcast."""
-    names = ["input", "running_mean", "running_var", "weight", "bias"]
+    names = (["input", "running_mean", "running_var", "weight", "bias"] if func is _F_BATCH_NORM
+             else ["input", "weight", "bias", "running_mean", "running_var"])  # torch.batch_norm's order
     bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
     rest_kwargs = {k: v for k, v in kwargs.items() if k not in names}
     x = bound["input"]
@@ -129,29 +134,107 @@ def _batch_norm_fp32(func, args, kwargs):
 
 
 class Fp32OpsMode(TorchFunctionMode):
-    """The op list's mode: ``funcs`` maps each listed callable to its op name (``Fp32Fallback.context()``)."""
+    """The op list as a mode, for compiled code (dynamo traces it; the graph holds the upcasts):
+    ``funcs`` maps each listed callable to its op name.  Eager forwards use :class:`PatchedOps`: a mode
+    costs every torch call of the forward a Python round trip (~1-2 µs; 813 calls in a BERT-base forward)."""
 
     def __init__(self, funcs: dict):
         super().__init__()
         self.funcs = funcs  # callable -> op name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # Every torch call of the forward passes here: the path of an unlisted op is one dict lookup.
         name, kwargs = self.funcs.get(func), kwargs or {}
-        if name is None:
+        if name is None or name in CPU_RNN_OPS and not _has_cpu_half(args):
             return func(*args, **kwargs)
-        if name in CPU_RNN_OPS:
-            if not _has_cpu_half(args):
-                return func(*args, **kwargs)
-            _say_cpu_rnn_policy()  # once per process, when it first applies
-        # The handler runs with this mode popped, so the inner call is not re-intercepted.
-        if not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")):
+        return _in_fp32(name, func, args, kwargs)  # with this mode popped: the inner call is not re-intercepted
+
+
+def _in_fp32(name: str, func, args, kwargs):
+    """A listed call: autocast off, fp32 compute, the input's dtype back."""
+    if name in CPU_RNN_OPS:
+        _say_cpu_rnn_policy()  # once per process, when it first applies
+    if not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")):
+        return _fp32_call(name, func, args, kwargs)
+    if torch.compiler.is_compiling():  # what dynamo traces
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
             return _fp32_call(name, func, args, kwargs)
-        if torch.compiler.is_compiling():  # what dynamo traces
-            with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
-                return _fp32_call(name, func, args, kwargs)
-        with torch._C._DisableAutocast():  # the same in eager mode, at a tenth of the two contexts' host time
-            return _fp32_call(name, func, args, kwargs)
+    with torch._C._DisableAutocast():  # the same in eager mode, at a tenth of the two contexts' host time
+        return _fp32_call(name, func, args, kwargs)
+
+
+# -- eager form: the listed ops' callables wrapped while a forward runs ---------------------------------
+_MISSING = object()
+_OWNERS = (F, torch, torch.Tensor, torch._C._nn, torch._VF)  # torch._VF: what nn.LSTM / nn.LSTMCell call
+#: the C functions torch.nn.functional reaches under another name (a name bound before the forward,
+#: ``from torch.nn.functional import cross_entropy``, calls these)
+_INTERNAL = {"cross_entropy": ("cross_entropy_loss",), "nll_loss": ("nll_loss_nd",)}
+_local = threading.local()  # .ops: op names active in this thread (None: none, or inside a listed call); .prev
+_lock = threading.Lock()
+_installed: dict = {}  # (id(owner), attribute) -> [what owner.__dict__ held, open contexts]
+_wrappers: dict = {}  # (id(owner), attribute) -> (the callable wrapped, its wrapper): made once
+
+
+@functools.lru_cache(maxsize=None)
+def _spots(name: str) -> tuple:
+    """(owner, attribute, op name) of every callable a spelling of op ``name`` ends in."""
+    spots = [(owner, name) for owner in _OWNERS] + [(torch._C._nn, n) for n in _INTERNAL.get(name, ())]
+    return tuple((owner, attr, name) for owner, attr in spots if callable(getattr(owner, attr, None)))
+
+
+def _wrapper(name: str, orig):
+    def fp32_fallback(*args, **kwargs):
+        if torch.compiler.is_compiling():  # a function compiled inside an eager forward: traced as the mode is
+            return _in_fp32(name, orig, args, kwargs)
+        ops = getattr(_local, "ops", None)
+        if ops is None or name not in ops or name in CPU_RNN_OPS and not _has_cpu_half(args):
+            return orig(*args, **kwargs)
+        _local.ops = None  # the wrapped ops the call reaches inside run as they are
+        try:
+            return _in_fp32(name, orig, args, kwargs)
+        finally:
+            _local.ops = ops
+
+    fp32_fallback.__wrapped__ = orig
+    return fp32_fallback
+
+
+class PatchedOps:
+    """The op list of an eager forward: while open, every callable the listed ops' spellings end in
+    (``F.softmax``, ``torch.softmax``, ``Tensor.softmax``, ``torch._C._nn.cross_entropy_loss``, ...) is
+    wrapped; the wrappers act in the threads inside such a context and pass straight through elsewhere.
+    Unlisted ops cost nothing.  Not caught: ``torch.ops.aten`` calls and C functions bound to a name
+    before the forward (``from torch import softmax``)."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = frozenset(names)
+        self.spots = [spot for name in sorted(self.names) for spot in _spots(name)]
+
+    def __enter__(self):
+        with _lock:
+            for owner, attr, name in self.spots:
+                key = (id(owner), attr)
+                if key not in _installed:
+                    held = vars(owner).get(attr, _MISSING)
+                    if _wrappers.get(key, (None,))[0] is not held:
+                        _wrappers[key] = (held, _wrapper(name, getattr(owner, attr)))
+                    setattr(owner, attr, _wrappers[key][1])
+                    _installed[key] = [held, 0]
+                _installed[key][1] += 1
+        _local.prev, _local.ops = (getattr(_local, "ops", None), getattr(_local, "prev", None)), self.names
+        return self
+
+    def __exit__(self, *exc):
+        _local.ops, _local.prev = _local.prev
+        with _lock:
+            for owner, attr, _ in self.spots:
+                entry = _installed[(id(owner), attr)]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _installed[(id(owner), attr)]
+                    if entry[0] is _MISSING:
+                        delattr(owner, attr)
+                    else:
+                        setattr(owner, attr, entry[0])
 
 
 def _fp32_call(name: str, func, args, kwargs):
@@ -175,9 +258,20 @@ class Fp32Fallback:
         self.cpu_rnn = cpu_lacks_native_bf16() if cpu_rnn is None else cpu_rnn
         if self.cpu_rnn:
             self._funcs.update({getattr(torch, name): name for name in CPU_RNN_OPS})
+        self._patched: Optional[PatchedOps] = None  # made at first use, then reused
 
-    def context(self):
-        return Fp32OpsMode(self._funcs) if self._funcs else contextlib.nullcontext()
+    def __getstate__(self) -> dict:  # copies and pickles (ddp_spawn) make their own: it holds torch's modules
+        return {**self.__dict__, "_patched": None}
+
+    def context(self, compiled: bool = False):
+        """Around a forward: the wrapped callables (eager), or the mode when compiled code runs inside."""
+        if not self._funcs:
+            return contextlib.nullcontext()
+        if compiled:
+            return Fp32OpsMode(self._funcs)
+        if self._patched is None:
+            self._patched = PatchedOps(self._funcs.values())
+        return self._patched
 
     def __repr__(self) -> str:
         return f"Fp32Fallback({list(self.ops)})"

@@ -83,17 +83,108 @@ def test_autocast_is_back_on_after_a_listed_call():
 def test_fallback_off_is_really_off():
     prec = build_precision("bf16-true", fp32_fallback=[])
     assert prec.fallback.ops == ()
-    prec.fallback = Fp32Fallback([], cpu_rnn=False)  # the CPU RNN policy (tested below) would keep a mode on
+    prec.fallback = Fp32Fallback([], cpu_rnn=False)  # the CPU RNN policy (tested below) would wrap torch.lstm
     with prec.forward_context():
-        assert not torch._C._is_torch_function_mode_enabled()
+        assert not torch._C._is_torch_function_mode_enabled() and torch.softmax is _TORCH_SOFTMAX
     on = build_precision("bf16-true")
-    with on.forward_context():
-        assert torch._C._is_torch_function_mode_enabled()
+    with on.forward_context():  # eager: the listed ops' callables are wrapped, no mode
+        assert torch.softmax is not _TORCH_SOFTMAX and not torch._C._is_torch_function_mode_enabled()
+    assert torch.softmax is _TORCH_SOFTMAX
     # an op not in the list is passed through untouched (same dtype, same kernel)
     h = torch.randn(8, 8).bfloat16()
     with build_precision("bf16-true", fp32_fallback=["softmax"]).forward_context():
         out = torch.tanh(h)
     assert out.dtype == torch.bfloat16 and torch.equal(out, torch.tanh(h))
+
+
+_TORCH_SOFTMAX, _F_SOFTMAX, _F_CROSS_ENTROPY = torch.softmax, F.softmax, F.cross_entropy  # bound at import
+
+
+def _every_spelling(h, target):
+    """What each spelling of a listed op returns for half ``h`` (the from-imports are bound before any forward)."""
+    return {
+        "F.softmax": F.softmax(h, -1), "torch.softmax": torch.softmax(h, -1), "Tensor.softmax": h.softmax(-1),
+        "from-imported F.softmax": _F_SOFTMAX(h, -1), "F.log_softmax": F.log_softmax(h, dim=-1),
+        "torch.logsumexp": torch.logsumexp(h, -1), "nn.LayerNorm": nn.LayerNorm(12).to(h.dtype)(h),
+        "torch.layer_norm": torch.layer_norm(h, (12,)), "F.cross_entropy": F.cross_entropy(h, target),
+        "from-imported F.cross_entropy": _F_CROSS_ENTROPY(h, target), "F.mse_loss": F.mse_loss(h, h.flip(0)),
+    }
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-wrapped", "mode"])
+def test_every_spelling_of_a_listed_op_computes_in_fp32(compiled):
+    """The eager form (wrapped callables) and the mode (compiled code) catch the same spellings."""
+    torch.manual_seed(0)
+    h, target = (torch.randn(16, 12) * 30).bfloat16(), torch.randint(0, 12, (16,))
+    ref = {k: v.float() for k, v in _every_spelling(h.float(), target).items()}
+    plain = _every_spelling(h, target)
+    with Fp32Fallback("default", cpu_rnn=False).context(compiled=compiled):
+        got = _every_spelling(h, target)
+    assert not all(torch.equal(plain[k].float(), ref[k].to(plain[k].dtype).float()) for k in ref)  # bf16 visibly differs
+    for k, out in got.items():
+        assert out.dtype == torch.bfloat16, k
+        assert torch.equal(out, ref[k].bfloat16()), k
+
+
+def test_wrapped_ops_act_only_in_the_thread_inside_the_context():
+    import threading
+
+    h = (torch.randn(16, 12) * 30).bfloat16()
+    seen = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def other():
+        inside.wait()
+        seen["other"] = F.log_softmax(h, -1)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with Fp32Fallback(["log_softmax"], cpu_rnn=False).context():
+        inside.set()
+        done.wait()
+        seen["this"] = F.log_softmax(h, -1)
+    t.join()
+    assert torch.equal(seen["this"], torch.log_softmax(h.float(), -1).bfloat16())
+    assert torch.equal(seen["other"], torch.log_softmax(h, -1))  # torch's own bf16 kernel
+    assert not torch.equal(seen["this"], seen["other"])
+
+
+def test_wrapped_callables_are_restored_after_nesting_and_errors():
+    before = {(owner, name): vars(owner).get(name) for owner in (F, torch, torch.Tensor, torch._C._nn, torch._VF)
+              for name in ("softmax", "layer_norm", "cross_entropy_loss", "lstm")}
+    a, b = Fp32Fallback("default", cpu_rnn=True), Fp32Fallback(["softmax"], cpu_rnn=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        with a.context():
+            with b.context(), a.context():
+                assert torch.softmax is not _TORCH_SOFTMAX
+            assert torch.softmax is not _TORCH_SOFTMAX  # a is still open
+            raise RuntimeError("boom")
+    after = {key: vars(key[0]).get(key[1]) for key in before}
+    assert after == before and "softmax" not in vars(torch.Tensor) and "lstm" not in vars(torch._VF)
+
+
+def test_direct_torch_batch_norm_keeps_its_argument_order():
+    x = (torch.randn(64, 4) * 3 + 5).bfloat16()
+    w, b, rm, rv = torch.rand(4).bfloat16() + 0.5, torch.randn(4).bfloat16(), torch.zeros(4), torch.ones(4)
+    with Fp32Fallback(["batch_norm"], cpu_rnn=False).context():
+        y = torch.batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5, False)
+    ref = torch.batch_norm(x.float(), w.float(), b.float(), torch.zeros(4), torch.ones(4), True, 0.1, 1e-5, False)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref.bfloat16())
+    assert rm.abs().sum() > 0.1  # the running stats reached the caller's buffers
+
+
+def test_a_compiled_model_gets_the_mode():
+    from mptrain.precision.plugin import has_compiled_parts
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
+    assert not has_compiled_parts(net)
+    net[1].compile(backend="eager")
+    assert has_compiled_parts(net)
+    prec = build_precision("bf16-master")
+    prec.convert_module(net)
+    with prec.forward_context():
+        assert torch._C._is_torch_function_mode_enabled() and torch.softmax is _TORCH_SOFTMAX
 
 
 def test_op_list_is_configurable_and_checked():
