@@ -91,16 +91,3 @@ def quiet_trainer(**kw):
     kw.setdefault("devices", 1)
     return Trainer(**kw)
 
-
-def counting_fallback_mode(funcs: dict):
-    """An fp32-fallback mode (``mptrain.precision.fallback.Fp32OpsMode``) that counts the calls its handler sees."""
-    from mptrain.precision.fallback import Fp32OpsMode
-
-    class CountingMode(Fp32OpsMode):
-        calls = 0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.calls += 1
-            return super().__torch_function__(func, types, args, kwargs)
-
-    return CountingMode(funcs)

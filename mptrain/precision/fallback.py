@@ -1,8 +1,10 @@
 """fp32 fallback: listed ops compute in fp32 whatever the mode and return the input's dtype.
 
-* **op list**: a ``TorchFunctionMode`` (it sees ``F.softmax``, ``torch.softmax`` and ``x.softmax`` alike,
-  only inside the forward context) upcasts the listed ops' half inputs, runs them with autocast off
-  and casts the result back;
+* **op list**: while a forward runs, the callables every spelling of a listed op ends in (``F.softmax``,
+  ``torch.softmax``, ``x.softmax``, ...) are wrapped: the wrapper upcasts half inputs, runs the op with
+  autocast off and casts the result back (dynamo inlines it, so compiled graphs hold the same upcasts);
+  unlisted ops are not touched, where a ``TorchFunctionMode`` would cost each of a forward's hundreds of
+  torch calls a Python round trip;
 * **module policy**: in ``*-master`` norm layers keep fp32 parameters and take/give half tensors;
 * **CPU RNN policy**: torch's oneDNN bf16 LSTM crashes on CPUs without native bf16, so there
   ``torch.lstm`` / ``torch.lstm_cell`` run in fp32 on CPU tensors (GPU tensors untouched);
@@ -20,7 +22,6 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger("mptrain")
 
@@ -133,22 +134,6 @@ def _batch_norm_fp32(func, args, kwargs):
     return out.to(x.dtype) if x.dtype in HALF else out
 
 
-class Fp32OpsMode(TorchFunctionMode):
-    """The op list as a mode, for compiled code (dynamo traces it; the graph holds the upcasts):
-    ``funcs`` maps each listed callable to its op name.  Eager forwards use :class:`PatchedOps`: a mode
-    costs every torch call of the forward a Python round trip (~1-2 µs; 813 calls in a BERT-base forward)."""
-
-    def __init__(self, funcs: dict):
-        super().__init__()
-        self.funcs = funcs  # callable -> op name
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name, kwargs = self.funcs.get(func), kwargs or {}
-        if name is None or name in CPU_RNN_OPS and not _has_cpu_half(args):
-            return func(*args, **kwargs)
-        return _in_fp32(name, func, args, kwargs)  # with this mode popped: the inner call is not re-intercepted
-
-
 def _in_fp32(name: str, func, args, kwargs):
     """A listed call: autocast off, fp32 compute, the input's dtype back."""
     if name in CPU_RNN_OPS:
@@ -183,10 +168,12 @@ def _spots(name: str) -> tuple:
 
 def _wrapper(name: str, orig):
     def fp32_fallback(*args, **kwargs):
-        if torch.compiler.is_compiling():  # a function compiled inside an eager forward: traced as the mode is
+        if name in CPU_RNN_OPS and not _has_cpu_half(args):
+            return orig(*args, **kwargs)
+        if torch.compiler.is_compiling():  # dynamo inlines the wrapper: the graph holds the fp32 path
             return _in_fp32(name, orig, args, kwargs)
         ops = getattr(_local, "ops", None)
-        if ops is None or name not in ops or name in CPU_RNN_OPS and not _has_cpu_half(args):
+        if ops is None or name not in ops:
             return orig(*args, **kwargs)
         _local.ops = None  # the wrapped ops the call reaches inside run as they are
         try:
@@ -254,23 +241,19 @@ class Fp32Fallback:
 
     def __init__(self, ops: "str | Iterable[str] | None" = "default", cpu_rnn: Optional[bool] = None):
         self.ops = resolve_op_list(ops)
-        self._funcs = {fn: name for name in self.ops for fn in _callables_for(name)}
         self.cpu_rnn = cpu_lacks_native_bf16() if cpu_rnn is None else cpu_rnn
-        if self.cpu_rnn:
-            self._funcs.update({getattr(torch, name): name for name in CPU_RNN_OPS})
+        self.names = self.ops + (CPU_RNN_OPS if self.cpu_rnn else ())  # what the context wraps
         self._patched: Optional[PatchedOps] = None  # made at first use, then reused
 
     def __getstate__(self) -> dict:  # copies and pickles (ddp_spawn) make their own: it holds torch's modules
         return {**self.__dict__, "_patched": None}
 
-    def context(self, compiled: bool = False):
-        """Around a forward: the wrapped callables (eager), or the mode when compiled code runs inside."""
-        if not self._funcs:
+    def context(self):
+        """Around a forward: the listed ops' callables wrapped (eager and compiled code alike)."""
+        if not self.names:
             return contextlib.nullcontext()
-        if compiled:
-            return Fp32OpsMode(self._funcs)
         if self._patched is None:
-            self._patched = PatchedOps(self._funcs.values())
+            self._patched = PatchedOps(self.names)
         return self._patched
 
     def __repr__(self) -> str:

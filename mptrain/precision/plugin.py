@@ -69,7 +69,6 @@ class MptrainPrecision(_LightningPrecision):
         self.phase = "fp32" if dtype == torch.float32 else "low"
         self.auto: Optional[AutoFallback] = None
         self._module: Optional[nn.Module] = None
-        self._compiled: Optional[bool] = None  # whether compiled code runs in the forward (looked up once per fit)
         self._optimizers: list[torch.optim.Optimizer] = []  # prepared (masters swapped in)
         self._lightning = False  # True once lightning.Trainer connected us (Fabric never does)
         self._pending: dict[int, torch.Tensor] = {}  # optimizer id -> found_inf of the step in progress
@@ -103,7 +102,7 @@ class MptrainPrecision(_LightningPrecision):
 
     # -- module and data -----------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
-        self._module, self._compiled = module, None
+        self._module = module
         if self.phase == "fp32" and self.precision != self.initial_precision:
             return module.float()
         return self._convert(module)
@@ -126,9 +125,7 @@ class MptrainPrecision(_LightningPrecision):
         if self.autocast_dtype is not None:
             stack.enter_context(torch.autocast(self._device().type, dtype=self.autocast_dtype))
         if self.fallback is not None:
-            if self._compiled is None:
-                self._compiled = has_compiled_parts(self._module)
-            stack.enter_context(self.fallback.context(compiled=self._compiled))
+            stack.enter_context(self.fallback.context())
         return stack
 
     # -- backward -------------------------------------------------------------
@@ -152,7 +149,7 @@ class MptrainPrecision(_LightningPrecision):
     # -- optimizers -------------------------------------------------------------
     def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple:
         """lightning.Trainer's setup: prepare every optimizer (``*-master`` swaps in fp32 masters)."""
-        self._lightning, self._compiled = True, None
+        self._lightning = True
         if self._module is None:
             self._module = getattr(model, "module", model)
         self.check_device(self._device())
@@ -416,15 +413,6 @@ def check_device_supports(name: str, device: torch.device) -> None:
         raise RuntimeError(f"precision={name!r} needs a GPU with bf16 support (compute capability >= 8.0); "
                            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. "
                            f"Use '16-master' or '16-mixed' instead.")
-
-
-def has_compiled_parts(module: Optional[nn.Module]) -> bool:
-    """Whether torch.compile'd code runs in ``module``'s forward, as far as the module shows: a compiled
-    submodule (``nn.Module.compile``, CompileModel, ``torch.compile(child)``) or Lightning's compiled forward."""
-    if module is None:
-        return False
-    return getattr(module, "_compiler_ctx", None) is not None or any(
-        m._compiled_call_impl is not None or "_orig_mod" in m._modules for m in module.modules())
 
 
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
