@@ -1,4 +1,4 @@
-"""Host cost of one call under the fp32-fallback mode, on the CPU (lab tool, not shipped).
+"""Host cost of one call under the fp32-fallback context, on the CPU (lab tool, not shipped).
 
     python3 dev/fallback_host.py
 

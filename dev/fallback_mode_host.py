@@ -1,5 +1,5 @@
-"""Host cost of the fp32-fallback TorchFunctionMode: a tiny 12-layer BERT forward (host-bound) with and
-without the mode active. CPU, one thread.  python dev/fallback_mode_host.py"""
+"""Host cost of the fp32-fallback context: a tiny 12-layer BERT forward (host-bound) with and
+without it. CPU, one thread.  python dev/fallback_mode_host.py"""
 import time, torch
 from mptrain.models.bert import build_bert_mlm
 from mptrain.precision.fallback import Fp32Fallback
@@ -18,7 +18,7 @@ def run(ctx, n=200):
 import contextlib
 for _ in range(2):
     a = run(contextlib.nullcontext); b = run(fb.context)
-    print(f"plain {a:.0f} us/forward, with fp32-fallback mode {b:.0f} us ({b/a:.2f}x)")
+    print(f"plain {a:.0f} us/forward, with the fp32-fallback context {b:.0f} us ({b/a:.2f}x)")
 n = [0]
 class Count(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -23,8 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 import torch
@@ -38,26 +36,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Probe(Callback):
-    """Step timing and a weights digest per rank.  After the timed steps, optionally ``syncs``
-    steps under ``torch.cuda.set_sync_debug_mode("warn")`` (every host-device sync with its Python
-    stack: ``syncs_rank{r}.txt``), then ``profile`` steps under torch.profiler (compute, NCCL and
-    idle GPU time, top operators: ``profile_rank{r}.txt``); ``profile_mode="cuda"`` records GPU
-    activity only, so the profiler does not slow the host and GPU idle time is the real one."""
+    """Step timing and a weights digest per rank: ``steps`` steps timed after ``warmup``."""
 
-    def __init__(self, out_dir: str, warmup: int = 5, steps: int = 20, profile: int = 0,
-                 profile_mode: str = "full", syncs: int = 0):
-        if profile_mode not in ("full", "cuda"):
-            raise ValueError(f"profile_mode={profile_mode!r}; valid: 'full', 'cuda'")
+    def __init__(self, out_dir: str, warmup: int = 5, steps: int = 20):
         self.out_dir, self.warmup, self.steps = out_dir, warmup, steps
-        self.profile, self.profile_mode, self.syncs = profile, profile_mode, syncs
         self.count, self.t0, self.t1 = 0, None, None
         self.batch = None  # the rank's batch size, set by its script (ddp_lightning)
-        self._prof = self._sync_log = self._warn_ctx = self._pt0 = None
 
     @property
     def total_steps(self) -> int:
-        """Optimizer steps the run must last for every phase of this probe."""
-        return self.warmup + self.steps + self.syncs + self.profile
+        """Optimizer steps the run must last."""
+        return self.warmup + self.steps
 
     @staticmethod
     def _sync():
@@ -66,60 +55,12 @@ class Probe(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.count += 1
-        timed_end = self.warmup + self.steps
-        syncs_end = timed_end + self.syncs
-        if self.count == self.warmup:
+        if self.count in (self.warmup, self.warmup + self.steps):
             self._sync()
-            self.t0 = time.perf_counter()
-        if self.count == timed_end:
-            self._sync()
-            self.t1 = time.perf_counter()
-            if self.syncs:
-                self._start_sync_log()
-        if self.count == syncs_end:
-            if self._sync_log is not None:
-                self._stop_sync_log(trainer.global_rank)
-            if self.profile:
-                self._start_profile()
-        if self._prof is not None and self.count == syncs_end + self.profile:
-            self._stop_profile(trainer.global_rank)
-
-    def _start_sync_log(self) -> None:
-        self._sync_log = []
-        self._warn_ctx = warnings.catch_warnings()
-        self._warn_ctx.__enter__()
-        warnings.simplefilter("always")
-        warnings.showwarning = lambda msg, *a, **k: self._sync_log.append(
-            f"{msg}\n{''.join(traceback.format_stack(limit=14)[:-1])}")
-        if torch.cuda.is_available():  # no device, nothing to synchronize with: an empty log
-            torch.cuda.set_sync_debug_mode("warn")
-
-    def _stop_sync_log(self, rank: int) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode("default")
-        self._warn_ctx.__exit__(None, None, None)
-        log = [e for e in self._sync_log if "synchroniz" in e]
-        text = f"{len(log)} synchronizing CUDA calls in {self.syncs} steps\n\n" + "\n----\n".join(log)
-        Path(self.out_dir, f"syncs_rank{rank}.txt").write_text(text)
-        self._sync_log = None
-
-    def _start_profile(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if self.profile_mode == "full" else [])
-        self._prof = profile(activities=acts)
-        self._prof.__enter__()
-        self._pt0 = time.perf_counter()
-
-    def _stop_profile(self, rank: int) -> None:
-        from mptrain.bench.profile_summary import summarize_profile
-
-        self._sync()
-        wall = time.perf_counter() - self._pt0
-        self._prof.__exit__(None, None, None)
-        text = summarize_profile(self._prof, self.profile, wall)
-        Path(self.out_dir, f"profile_rank{rank}.txt").write_text(text)
-        self._prof = None
+            if self.count == self.warmup:
+                self.t0 = time.perf_counter()
+            else:
+                self.t1 = time.perf_counter()
 
     @staticmethod
     def _digest(named) -> str:
@@ -142,7 +83,7 @@ class Probe(Callback):
 
 def launch(model: str, nproc: int, out_dir: str, probe: dict, args) -> dict:
     """One torchrun launch of ``nproc`` ranks (``mptrain.bench.ddp_lightning``); ``probe`` holds
-    the Probe's arguments but ``out_dir``.  Returns the per-rank records and the probes' reports."""
+    the Probe's arguments but ``out_dir``.  Returns the rate and the per-rank records."""
     os.makedirs(out_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
            "-m", "mptrain.bench.ddp_lightning", "--trainer", args.trainer, "--model", model,
@@ -162,12 +103,9 @@ def launch(model: str, nproc: int, out_dir: str, probe: dict, args) -> dict:
         raise RuntimeError(f"{model} x{nproc}: {len(records)} rank reports, expected {nproc}")
     r0 = next(rec for rec in records if rec["rank"] == 0)
     rate = nproc * r0["batch"] * r0["steps"] / r0["elapsed_s"]
-    reports = {p.name: p.read_text() for pat in ("profile_rank*.txt", "syncs_rank*.txt")
-               for p in sorted(Path(out_dir).glob(pat))}
     return {"nproc": nproc, "samples_per_s": rate, "wall_s": wall,
             "identical_weights": len({rec["weights_sha256"] for rec in records}) == 1,
-            "identical_buffers": len({rec["buffers_sha256"] for rec in records}) == 1, "ranks": records,
-            "reports": reports}
+            "identical_buffers": len({rec["buffers_sha256"] for rec in records}) == 1, "ranks": records}
 
 
 def measure(model: str, nproc: int, tmp: str, probe: dict, args) -> dict:
@@ -195,14 +133,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="launches per configuration; the median rate is reported")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke test of the path)")
     p.add_argument("--quick", action="store_true", help="tiny models (with --cpu: a smoke test)")
-    p.add_argument("--syncs", type=int, default=0,
-                   help="after the timed steps, log every host-device sync of this many steps (with stacks)")
-    p.add_argument("--profile", type=int, default=0, help="then profile this many steps per rank (torch.profiler)")
-    p.add_argument("--profile-mode", default="full", choices=("full", "cuda"),
-                   help="cuda: GPU activity only (no host slow-down, true GPU idle time)")
     p.add_argument("--skip-single", action="store_true",
                    help="only the N-process run (no efficiency; for comparing variants)")
-    p.add_argument("--reports-out", default=None, help="copy the sync logs and profile summaries into this folder")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.models = parse_csv(p, args.models, MODELS, "--models")
@@ -217,8 +149,7 @@ def main(argv=None) -> int:
     if not args.cpu and torch.cuda.device_count() < args.nproc:
         print(f"mptrain bench ddp: needs {args.nproc} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
-    probe = {"warmup": args.warmup, "steps": args.steps, "syncs": args.syncs, "profile": args.profile,
-             "profile_mode": args.profile_mode}
+    probe = {"warmup": args.warmup, "steps": args.steps}
     results, ok = {}, True
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
@@ -229,8 +160,6 @@ def main(argv=None) -> int:
                 results[model] = {"single": one, "multi": many, "scaling_efficiency": eff}
                 ok &= many["identical_weights"]
                 _print_result(model, args, one, many, eff)
-                if args.reports_out:
-                    _copy_reports(args.reports_out, f"{model}-{args.trainer}", (one, many))
             except Exception as e:  # noqa: BLE001 - report and go on to the next model
                 ok = False
                 results[model] = {"error": f"{type(e).__name__}: {e}"}
@@ -248,13 +177,6 @@ def _print_result(model: str, args, one, many, eff) -> None:
     effs = "" if eff is None else f" -> efficiency {eff:.3f}"
     print(f"[ddp] {model} ({who}): {single}{args.nproc} GPUs {many['samples_per_s']:.1f}/s "
           f"({rates(many)}){effs}; identical weights on all ranks: {many['identical_weights']}", flush=True)
-
-
-def _copy_reports(folder: str, tag: str, results) -> None:
-    os.makedirs(folder, exist_ok=True)
-    for res in results:
-        for name, text in ({} if res is None else res["reports"]).items():
-            Path(folder, f"{tag}-x{res['nproc']}-{name}").write_text(text)
 
 
 if __name__ == "__main__":

@@ -12,23 +12,16 @@ from mptrain.bench import ddp
 @pytest.mark.slow
 def test_cpu_two_ranks_report_identical_weights(tmp_path):
     out = tmp_path / "ddp.json"
-    reports = tmp_path / "reports"
     rc = ddp.main(["--cpu", "--quick", "--nproc", "2", "--models", "bert", "--precision", "bf16-master",
-                   "--warmup", "2", "--steps", "2", "--syncs", "1", "--profile", "1", "--batch", "3",
-                   "--reports-out", str(reports), "--json", str(out)])
+                   "--warmup", "2", "--steps", "2", "--batch", "3", "--json", str(out)])
     data = json.loads(out.read_text())
     assert rc == 0, data
     res = data["results"]["bert"]
     assert res["multi"]["identical_weights"] and len(res["multi"]["ranks"]) == 2
     assert {r["world_size"] for r in res["multi"]["ranks"]} == {2}
     assert {r["batch"] for r in res["multi"]["ranks"]} == {3}  # --batch reaches every rank
-    assert {r["global_step"] for r in res["multi"]["ranks"]} == {2 + 2 + 1 + 1}
+    assert {r["global_step"] for r in res["multi"]["ranks"]} == {2 + 2}
     assert res["single"]["samples_per_s"] > 0 and res["scaling_efficiency"] > 0
-    names = sorted(p.name for p in reports.iterdir())
-    assert names == ["bert-mptrain-x1-profile_rank0.txt", "bert-mptrain-x1-syncs_rank0.txt",
-                     "bert-mptrain-x2-profile_rank0.txt", "bert-mptrain-x2-profile_rank1.txt",
-                     "bert-mptrain-x2-syncs_rank0.txt", "bert-mptrain-x2-syncs_rank1.txt"]
-    assert "profiled steps: 1" in (reports / "bert-mptrain-x2-profile_rank1.txt").read_text()
 
 
 def test_refuses_without_enough_gpus(capsys, monkeypatch):

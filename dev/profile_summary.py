@@ -1,6 +1,6 @@
 """A text summary of a torch.profiler run of training steps: where the step's GPU time goes
 (compute kernels, NCCL kernels, idle gaps, communication not hidden behind compute) and the
-top operators by GPU and by host time.  Used by ``mptrain bench ddp --profile``."""
+top operators by GPU and by host time (lab tool, not shipped).  Used by ``dev/ddp_diag_rank.py --profile``."""
 from __future__ import annotations
 
 
