@@ -30,7 +30,6 @@ def test_compiled_forward_holds_the_fallback_and_compiles_once():
     with torch.no_grad():
         with fallback.context():
             expected = net(x)  # eager under the fallback
-        plain = net(x)
         CompileModel(fullgraph=True).setup(None, types.SimpleNamespace(model=net), "fit")
         torch._dynamo.utils.counters.clear()
         for _ in range(3):
