@@ -147,7 +147,7 @@ def _in_fp32(name: str, func, args, kwargs):
         return _fp32_call(name, func, args, kwargs)
 
 
-# -- eager form: the listed ops' callables wrapped while a forward runs ---------------------------------
+# -- the listed ops' callables, wrapped while a forward runs ----------------------------------------------
 _MISSING = object()
 _OWNERS = (F, torch, torch.Tensor, torch._C._nn, torch._VF)  # torch._VF: what nn.LSTM / nn.LSTMCell call
 #: the C functions torch.nn.functional reaches under another name (a name bound before the forward,
@@ -186,11 +186,11 @@ def _wrapper(name: str, orig):
 
 
 class PatchedOps:
-    """The op list of an eager forward: while open, every callable the listed ops' spellings end in
-    (``F.softmax``, ``torch.softmax``, ``Tensor.softmax``, ``torch._C._nn.cross_entropy_loss``, ...) is
-    wrapped; the wrappers act in the threads inside such a context and pass straight through elsewhere.
-    Unlisted ops cost nothing.  Not caught: ``torch.ops.aten`` calls and C functions bound to a name
-    before the forward (``from torch import softmax``)."""
+    """The op list of a forward: while open, every callable the listed ops' spellings end in (``F.softmax``,
+    ``torch.softmax``, ``Tensor.softmax``, ``torch._C._nn.cross_entropy_loss``, ...) is wrapped.  In eager
+    code the wrappers act in the threads inside such a context and pass straight through elsewhere; code
+    dynamo traces meanwhile gets the fp32 path in its graph.  Unlisted ops cost nothing.  Not caught:
+    ``torch.ops.aten`` calls and C functions bound to a name before the forward (``from torch import softmax``)."""
 
     def __init__(self, names: Iterable[str]):
         self.names = frozenset(names)
