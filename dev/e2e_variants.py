@@ -4,8 +4,9 @@
 
 Each variant trains BERT-base MLM (batch 128, seq 128) on the e2e harness's device batches and
 prints ms/step (wall, --steps after --warmup), and with --profile the GPU kernel time per step
-(torch.profiler, separate short run).  Variants switch one thing at a time: the fp32-fallback
-mode off, torch's LayerNorm instead of the fused one, Lightning's own Trainer with the same model.
+(torch.profiler, separate short run).  Variants switch one thing at a time: the fp32 fallback
+off, torch's LayerNorm instead of the fused one, Lightning's own Trainer with the same model, compile
+with inductor's Python or C++ wrapper (`--only compile`).
 """
 from __future__ import annotations
 
@@ -61,6 +62,13 @@ VARIANTS = {
     "mptrain 16-mixed, torch LN, torch AdamW": ("mptrain", "16-mixed", "torch-fused", True, {}),
     "lightning 16-mixed": ("lightning", "16-mixed", "torch-fused", True, {}),
     "lightning 16-mixed, fused LN, FusedAdamW": ("lightning", "16-mixed", "mptrain", False, {}),
+    # the compiled step is host-bound (Python launches ~650 kernels per step): inductor's C++ wrapper
+    "mptrain bf16-master, compile": ("mptrain", "bf16-master", "mptrain", False, {"compile": True}),
+    "mptrain bf16-master, compile cpp_wrapper": ("mptrain", "bf16-master", "mptrain", False,
+                                                 {"compile": {"options": {"cpp_wrapper": True}}}),
+    "mptrain 16-master, compile": ("mptrain", "16-master", "mptrain", False, {"compile": True}),
+    "mptrain 16-master, compile cpp_wrapper": ("mptrain", "16-master", "mptrain", False,
+                                               {"compile": {"options": {"cpp_wrapper": True}}}),
 }
 
 
