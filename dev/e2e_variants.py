@@ -66,6 +66,7 @@ VARIANTS = {
     "mptrain bf16-master, compile": ("mptrain", "bf16-master", "mptrain", False, {"compile": True}),
     "mptrain bf16-master, compile cpp_wrapper": ("mptrain", "bf16-master", "mptrain", False,
                                                  {"compile": {"options": {"cpp_wrapper": True}}}),
+    "mptrain 16-master": ("mptrain", "16-master", "mptrain", False, {}),
     "mptrain 16-master, compile": ("mptrain", "16-master", "mptrain", False, {"compile": True}),
     "mptrain 16-master, compile cpp_wrapper": ("mptrain", "16-master", "mptrain", False,
                                                {"compile": {"options": {"cpp_wrapper": True}}}),
