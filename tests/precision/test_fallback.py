@@ -136,7 +136,7 @@ def test_wrapped_ops_act_only_in_the_thread_inside_the_context():
     inside, done = threading.Event(), threading.Event()
 
     def other():
-        inside.wait()
+        inside.wait(30)
         seen["other"] = F.log_softmax(h, -1)
         done.set()
 
@@ -144,7 +144,7 @@ def test_wrapped_ops_act_only_in_the_thread_inside_the_context():
     t.start()
     with Fp32Fallback(["log_softmax"], cpu_rnn=False).context():
         inside.set()
-        done.wait()
+        done.wait(30)
         seen["this"] = F.log_softmax(h, -1)
     t.join()
     assert torch.equal(seen["this"], torch.log_softmax(h.float(), -1).bfloat16())
