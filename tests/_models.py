@@ -1,4 +1,4 @@
-"""Small models, data and helpers shared by the tests."""
+"""Small models and data shared by the CPU tests."""
 from __future__ import annotations
 
 import lightning as L
@@ -90,4 +90,3 @@ def quiet_trainer(**kw):
     kw.setdefault("accelerator", "cpu")
     kw.setdefault("devices", 1)
     return Trainer(**kw)
-
