@@ -16,7 +16,7 @@ import lightning as L
 import torch
 
 from mptrain.bench import e2e
-from mptrain.bench.e2e_models import build, use_optimizer
+from mptrain.bench.e2e_models import build, compile_lightning_module, use_optimizer
 
 
 class HostProfile(L.Callback):
@@ -36,18 +36,22 @@ class HostProfile(L.Callback):
 
 
 def run(model, name, warmup, steps, rows):
+    name, _, mode = name.partition("@")  # "mptrain+compile:best@bf16-master": that mode for this "best" case
     spec = e2e.CASES[name]
+    prec = (mode or "bf16-master") if spec.precision == "best" else spec.precision
     module, batches, _ = build(model, warmup + steps, "cuda", stock=spec.trainer == "lightning")
     use_optimizer(module, e2e.optimizer_factory(spec.optimizer))
     if spec.trainer == "lightning" and model == "resnet50":
         module = module.to(memory_format=torch.channels_last)
+    if spec.trainer == "lightning" and spec.compile:
+        module = compile_lightning_module(module)
     cb = HostProfile(warmup, steps)
-    trainer = e2e._trainer(spec, spec.precision, model, e2e.StepTimer(warmup, steps, sync_steps=0), warmup + steps, False)
+    trainer = e2e._trainer(spec, prec, model, e2e.StepTimer(warmup, steps, sync_steps=0), warmup + steps, False)
     trainer.callbacks.append(cb)
     trainer.fit(module, train_dataloaders=batches)
     s = io.StringIO()
     st = pstats.Stats(cb.prof, stream=s)
-    print(f"\n######## {model} {name}: {cb.wall:.2f} ms/step under cProfile")
+    print(f"\n######## {model} {name} ({prec}): {cb.wall:.2f} ms/step under cProfile")
     st.sort_stats("tottime").print_stats(rows)
     st.sort_stats("cumtime").print_stats(rows)
     print(s.getvalue())
