@@ -85,3 +85,8 @@ std::vector<at::Tensor> lstm_layer_backward(const std::optional<at::Tensor>& d_o
 bool lstm_gemm_rm(at::Tensor out, const at::Tensor& a, bool trans_a, const at::Tensor& b, bool trans_b,
                   double beta);
 // [end section: lstm]
+
+// ---- lean Python entry points (fast_call.cpp) ----
+// Adds norm(...) (METH_FASTCALL) to the extension module.  struct _object is CPython's
+// PyObject, named here so the .cu files that include this header need no Python.h.
+void register_fast_calls(struct _object* module);

@@ -2,7 +2,8 @@
 // functions, for what Python still calls directly -- the kernel benchmarks and GPU tests
 // (which time and check the kernels below the custom ops) and one test hook.  Training
 // code reaches the kernels only through the custom ops torch.ops.mptrain.* (registered in
-// ops_cuda.cpp and ops_autograd.cpp, schemas in mptrain/ops/library.py).
+// ops_cuda.cpp and ops_autograd.cpp, schemas in mptrain/ops/library.py), and for the
+// normalization layers also through the lean entry point of fast_call.cpp.
 // Declarations live in entry_points.h; keep this file free of logic.
 #include <torch/extension.h>
 
@@ -46,4 +47,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lstm_gemm_rm", &lstm_gemm_rm,
         "test hook: out = op(a) op(b) + beta * out as the LSTM GEMMs do it -> True if cuBLAS was called directly");
   // [end defs: lstm]
+  register_fast_calls(m.ptr());  // fast_call.cpp: METH_FASTCALL entry points (norm)
 }

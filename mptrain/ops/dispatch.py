@@ -16,6 +16,8 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Whether the CUDA kernels are registered: None until the first CUDA call asks for them.
 _cuda_kernels: "bool | None" = None
+#: The extension's lean entry point for LayerNorm / RMSNorm (csrc/fast_call.cpp), once it has loaded.
+fast_norm = None
 
 
 def check_fused(owner: str, fused):
@@ -27,10 +29,11 @@ def check_fused(owner: str, fused):
 
 def _load(required: bool) -> bool:
     """Build/load the extension (which registers the CUDA kernels); False if unavailable."""
-    global _cuda_kernels
+    global _cuda_kernels, fast_norm
     from .build import get_extension  # lazily: torch.utils.cpp_extension is slow to import
 
-    _cuda_kernels = get_extension(required=required) is not None
+    ext = get_extension(required=required)
+    _cuda_kernels, fast_norm = ext is not None, getattr(ext, "norm", None)
     return _cuda_kernels
 
 

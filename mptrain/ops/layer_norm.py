@@ -2,12 +2,17 @@
 :mod:`mptrain.ops.dispatch` decides. Weight/bias may be in the input's dtype or fp32 (the ``*-master``
 precisions keep normalization weights in fp32 under half activations); statistics are fp32. The op
 checks shapes, devices and dtypes, not this hot path of every normalization layer.
+
+Eager CUDA calls first try the extension's lean entry point (``csrc/fast_call.cpp``: the same op
+through its typed dispatcher handle, without the boxed ``torch.ops`` call's host time); it answers
+``NotImplemented`` for what it does not take (subclasses, torch-function modes, CUDA autocast, other
+dtypes), which then goes the way below.
 """
 from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import dispatch, reference
 from .dispatch import use_op
 from .library import OPS
 
@@ -51,6 +56,11 @@ def _shape(normalized_shape):
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="auto"):
     """``F.layer_norm`` with fp32 statistics, the fused kernel for CUDA tensors; ``weight``/``bias`` may
     be fp32 under fp16/bf16 ``x``; the output has ``x``'s dtype."""
+    if not torch.compiler.is_compiling() and dispatch.fast_norm is not None and x.is_cuda and (
+            fused is True or fused == "auto"):
+        y = dispatch.fast_norm(x, normalized_shape, weight, bias, eps, False)
+        if y is not NotImplemented:
+            return y
     x, weight, bias = _cuda_autocast_upcast("aten::layer_norm", x, weight, bias)
     if not use_op("layer_norm", x, fused):
         return reference.layer_norm(x, normalized_shape, weight, bias, eps)
@@ -61,6 +71,11 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, fused="auto"):
     """``F.rms_norm`` with fp32 statistics, the fused kernel for CUDA tensors; ``eps=None`` is torch's
     default (fp32 machine epsilon for fp32/fp16/bf16 input)."""
+    if not torch.compiler.is_compiling() and dispatch.fast_norm is not None and x.is_cuda and (
+            fused is True or fused == "auto"):
+        y = dispatch.fast_norm(x, normalized_shape, weight, None, eps, True)
+        if y is not NotImplemented:
+            return y
     x, weight, _ = _cuda_autocast_upcast("aten::rms_norm", x, weight, None)
     if not use_op("rms_norm", x, fused):
         return reference.rms_norm(x, normalized_shape, weight, eps)

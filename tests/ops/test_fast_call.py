@@ -1,0 +1,102 @@
+"""The extension's lean norm entry point (csrc/fast_call.cpp) on CPU tensors: same results and
+gradients as ``torch.ops.mptrain.layer_norm``, NotImplemented for what it leaves to torch.ops, errors
+raised as Python exceptions.
+
+Needs a build of csrc/ already in the cache (CI compiles one before the tests; this never builds).
+It runs in a subprocess: loading the extension registers the CUDA kernels for the whole process,
+which the other CPU tests must not see.
+"""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mptrain.ops import build
+
+
+def _cached_build():
+    try:
+        d = build.build_dir_for(build.csrc_dir(), cuda_home=build.find_cuda_home())
+    except build.ExtensionBuildError:
+        return None
+    return d if (d / "loaded.stamp").is_file() else None
+
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from mptrain.ops import build
+    from mptrain.ops.library import OPS
+
+    ext = build._load_cached(build.build_dir_for(build.csrc_dir(), cuda_home=build.find_cuda_home()))
+    norm, ln = ext.norm, OPS["layer_norm"]
+    torch.manual_seed(0)
+
+    def leaves(dtype, wdtype):
+        x = torch.randn(6, 32, dtype=dtype, requires_grad=True)
+        w = torch.randn(32, dtype=wdtype, requires_grad=True)
+        b = torch.randn(32, dtype=wdtype, requires_grad=True)
+        return x, w, b
+
+    # same values and gradients as the torch.ops call (the op's CPU kernel and Python autograd)
+    for dtype, wdtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                          (torch.bfloat16, torch.float32)):
+        for rms in (False, True):
+            x, w, b = leaves(dtype, wdtype)
+            bias = None if rms else b
+            shape = (32,) if dtype == torch.float32 else torch.Size([32])
+            y = norm(x, shape, w, bias, 1e-5, rms)
+            y2 = ln(x, (32,), w, bias, 1e-5, rms)[0]
+            assert y.dtype == dtype and torch.equal(y, y2), (dtype, wdtype, rms)
+            dy = torch.randn_like(y)
+            inputs = (x, w) if rms else (x, w, b)
+            g = torch.autograd.grad(y, inputs, dy)
+            g2 = torch.autograd.grad(y2, inputs, dy)
+            assert all(torch.equal(a, c) for a, c in zip(g, g2)), (dtype, wdtype, rms)
+    x, w, b = leaves(torch.float32, torch.float32)
+    assert torch.equal(norm(x, 32, w, b, 1e-5, False), ln(x, (32,), w, b, 1e-5, False)[0])  # an int shape
+    eps = torch.finfo(torch.float32).eps
+    assert torch.equal(norm(x, [32], w, None, None, True), ln(x, (32,), w, None, eps, True)[0])  # RMS default eps
+
+    # left to torch.ops
+    class Sub(torch.Tensor):
+        pass
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        cases = {
+            "subclass input": (x.as_subclass(Sub), (32,), w, b, 1e-5, False),
+            "subclass weight": (x, (32,), w.as_subclass(Sub), b, 1e-5, False),
+            "int64 input": (torch.ones(2, 32, dtype=torch.int64), (32,), None, None, 1e-5, False),
+            "fp16 params under bf16 input": (x.bfloat16(), (32,), w.half(), b.half(), 1e-5, False),
+            "weight and bias dtypes differ": (x, (32,), w, b.double(), 1e-5, False),
+            "shape of floats": (x, (32.0,), w, b, 1e-5, False),
+            "shape as a string": (x, "32", w, b, 1e-5, False),
+            "int eps": (x, (32,), w, b, 0, False),
+            "x not a tensor": ([1.0], (32,), w, b, 1e-5, False),
+        }
+        for name, args in cases.items():
+            assert norm(*args) is NotImplemented, name
+        with Mode():
+            assert norm(x, (32,), w, b, 1e-5, False) is NotImplemented, "torch-function mode"
+
+    # errors come back as Python exceptions, not crashes
+    for args, exc in (((x, (16,), w, b, 1e-5, False), ValueError), ((x, (32,)), TypeError)):
+        try:
+            norm(*args)
+        except exc:
+            pass
+        else:
+            sys.exit(f"no {exc.__name__} for {args[1:]}")
+    print("fast-call-ok")
+""")
+
+
+@pytest.mark.skipif(_cached_build() is None, reason="no cached build of csrc/ (python -m mptrain.ops.build)")
+def test_fast_norm_matches_the_op_and_declines_what_it_does_not_take():
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "fast-call-ok" in r.stdout, r.stdout + r.stderr
