@@ -16,11 +16,11 @@
 // that are neither in x's dtype nor float32, a normalized_shape that is not an int or a
 // sequence of ints.
 #include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/utils/disable_torch_function.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <c10/util/SmallVector.h>
@@ -43,10 +43,11 @@ PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
 
 bool kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
-// A tensor argument (or None) without __torch_function__; false: take the torch.ops path.
+// A tensor argument (or None) that is a plain Tensor or Parameter; false (a subclass, whose
+// __torch_function__ must see the op, or not a tensor): take the torch.ops path.
 bool plain(PyObject* o, OptTensor& out) {
   if (o == Py_None) return true;
-  if (!THPVariable_Check(o) || torch::check_has_torch_function(o)) return false;
+  if (!THPVariable_CheckExact(o)) return false;
   out = THPVariable_Unpack(o);
   return true;
 }
@@ -80,6 +81,7 @@ PyObject* norm(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "norm(x, normalized_shape, weight, bias, eps, rms) takes 6 arguments");
     return nullptr;
   }
+  if (at::impl::torch_function_mode_enabled()) return not_implemented();  // the mode must see the op
   OptTensor x, w, b;
   if (!plain(args[0], x) || !x || !plain(args[2], w) || !plain(args[3], b)) return not_implemented();
   const at::ScalarType xt = x->scalar_type();
