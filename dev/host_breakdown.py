@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from mptrain import ops
 from mptrain.bench.host_cost import _lstm_pair, per_call_us
+from mptrain.ops import dispatch
 from mptrain.ops.library import OPS
 
 
@@ -30,6 +31,7 @@ def norm_layers(iters=2000):
         "torch.ops.aten.native_layer_norm.default (boxed)": lambda: aten_ln(x, (256,), w, b, 1e-5),
         "ops.layer_norm(fused=True)": lambda: ops.layer_norm(x, (256,), w, b, fused=True),
         "OPS['layer_norm'] (boxed, C++ autograd node)": lambda: ln(x, (256,), w, b, 1e-5, False),
+        "dispatch.fast_norm (csrc/fast_call.cpp)": lambda: dispatch.fast_norm(x, (256,), w, b, 1e-5, False),
         "torch.empty_like(x)": lambda: torch.empty_like(x),
     }
     ops.layer_norm(x, (256,), w, b, fused=True)  # loads the extension: OPS below is then the CUDA kernel
