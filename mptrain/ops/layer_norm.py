@@ -53,14 +53,20 @@ def _shape(normalized_shape):
     return (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
 
 
+def _fast(x, normalized_shape, weight, bias, eps, rms, fused):
+    """The lean entry point's output for an eager CUDA call it takes, else NotImplemented."""
+    if torch.compiler.is_compiling() or dispatch.fast_norm is None or not x.is_cuda or not (
+            fused is True or fused == "auto"):
+        return NotImplemented
+    return dispatch.fast_norm(x, normalized_shape, weight, bias, eps, rms)
+
+
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="auto"):
     """``F.layer_norm`` with fp32 statistics, the fused kernel for CUDA tensors; ``weight``/``bias`` may
     be fp32 under fp16/bf16 ``x``; the output has ``x``'s dtype."""
-    if not torch.compiler.is_compiling() and dispatch.fast_norm is not None and x.is_cuda and (
-            fused is True or fused == "auto"):
-        y = dispatch.fast_norm(x, normalized_shape, weight, bias, eps, False)
-        if y is not NotImplemented:
-            return y
+    y = _fast(x, normalized_shape, weight, bias, eps, False, fused)
+    if y is not NotImplemented:
+        return y
     x, weight, bias = _cuda_autocast_upcast("aten::layer_norm", x, weight, bias)
     if not use_op("layer_norm", x, fused):
         return reference.layer_norm(x, normalized_shape, weight, bias, eps)
@@ -71,11 +77,9 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, fused="auto"):
     """``F.rms_norm`` with fp32 statistics, the fused kernel for CUDA tensors; ``eps=None`` is torch's
     default (fp32 machine epsilon for fp32/fp16/bf16 input)."""
-    if not torch.compiler.is_compiling() and dispatch.fast_norm is not None and x.is_cuda and (
-            fused is True or fused == "auto"):
-        y = dispatch.fast_norm(x, normalized_shape, weight, None, eps, True)
-        if y is not NotImplemented:
-            return y
+    y = _fast(x, normalized_shape, weight, None, eps, True, fused)
+    if y is not NotImplemented:
+        return y
     x, weight, _ = _cuda_autocast_upcast("aten::rms_norm", x, weight, None)
     if not use_op("rms_norm", x, fused):
         return reference.rms_norm(x, normalized_shape, weight, eps)
