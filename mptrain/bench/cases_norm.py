@@ -5,6 +5,9 @@ Floor (DESIGN §5), bf16: forward reads x, writes y (4 B/elem); backward reads x
 (6 B/elem); params and statistics are small and not counted.  Rows per shape: ``fwd+bwd`` (the
 target) for bf16-weight and fp32-weight (``*-master``) LayerNorm and RMSNorm; ``fwd`` and ``bwd``
 alone for bf16-weight LayerNorm, ``bwd`` calling both backward entry points on saved statistics.
+A calibration row per shape times torch's own streaming kernels moving the same 10 B/elem in two
+launches (``clone(x)``, then ``x + dy``) through the same graph timing: the % of the floor that a
+plain copy pair reaches in this harness, the practical ceiling of a forward + backward pair.
 """
 from __future__ import annotations
 
@@ -135,6 +138,22 @@ def _bwd_only_rows(rows, hidden, rep) -> list[Result]:
     return _row(name, ours, ours_in, expected, torch_timed, rows, hidden, 6, "bwd", rep)
 
 
+def _stream_row(rows, hidden, rep) -> list[Result]:
+    """Calibration: torch's copy kernel (4 B/elem, the forward's traffic) then its add kernel (6 B/elem,
+    the backward's) on the norm's inputs, graph-timed as the norm rows are; no baseline column."""
+    sets = _make_sets(rows, hidden, "layer", torch.bfloat16)
+
+    @torch.no_grad()
+    def pair(s):
+        x, _, _, dy = s
+        return x.clone(), torch.add(x, dy)
+
+    ms, how = step_ms(pair, sets, rep)
+    return [Result(f"calibration: torch clone + add bf16 {rows}x{hidden} [10 B/elem]", ms, None,
+                   floor_ms(10 * rows * hidden),
+                   {"rows": rows, "hidden": hidden, "bytes_per_elem": 10, "pass": "calibration", "timing": how})]
+
+
 def run(args) -> list[Result]:
     results = []
     cases = QUICK_CASES if args.quick else CASES
@@ -143,6 +162,7 @@ def run(args) -> list[Result]:
         results += _autograd_rows(rows, hidden, "layer", torch.bfloat16, rep)
         results += _autograd_rows(rows, hidden, "layer", torch.bfloat16, rep, what="fwd")
         results += _bwd_only_rows(rows, hidden, rep)
+        results += _stream_row(rows, hidden, rep)
     for rows, hidden in cases:
         results += _autograd_rows(rows, hidden, "layer", torch.float32, rep)
         results += _autograd_rows(rows, hidden, "rms", torch.bfloat16, rep)
