@@ -98,6 +98,7 @@ struct LSTMCellBackward : public Node {
     for (size_t i = 0; i < 5; ++i) out[i] = need[i] ? std::move(r[i]) : at::Tensor();
     if (need_b_ih) out[5] = r[5];
     if (need_b_hh) out[ib_hh] = r[5];
+    mpt::once_differentiable(out, {grads[0], grads[1], sx, sh, sc, swi, swh}, "mptrain::lstm_cell_backward");
     return out;
   }
 };

@@ -72,10 +72,12 @@ struct NormBackward : public torch::autograd::Node {
     if (!grads[0].defined()) return out;  // only stats was used: nothing flows back
     const Tensor sw = w.unpack(), sb = b.unpack();
     at::AutoDispatchBelowADInplaceOrView below;  // once differentiable: skip the backward op's autograd kernel
-    auto [dx, dw, db] = bwd.call(grads[0], x.unpack(), stats.unpack(), opt(sw), opt(sb), shape, rms);
+    const Tensor sx = x.unpack();
+    auto [dx, dw, db] = bwd.call(grads[0], sx, stats.unpack(), opt(sw), opt(sb), shape, rms);
     if (task_should_compute_output(0)) out[0] = std::move(dx);
     if (sw.defined() && task_should_compute_output(1)) out[1] = std::move(dw);
     if (sb.defined() && task_should_compute_output(2)) out[2] = std::move(db);
+    mpt::once_differentiable(out, {grads[0], sx, sw, sb}, "mptrain::layer_norm_backward");
     return out;
   }
 };
@@ -132,6 +134,7 @@ struct SoftmaxBackward : public torch::autograd::Node {
     const Tensor sy = y.unpack(getptr());
     at::AutoDispatchBelowADInplaceOrView below;
     out[0] = bwd.call(grads[0], sy, scale);
+    mpt::once_differentiable(out, {grads[0], sy}, "mptrain::scaled_masked_softmax_backward");
     return out;
   }
 };
@@ -191,8 +194,10 @@ struct LSTMLayerFunction : public torch::autograd::Function<LSTMLayerFunction> {
     at::AutoDispatchBelowADInplaceOrView below;
     auto [dx, dh0, dc0, dw_ih, dw_hh, db] =
         bwd.call(opt(grads[0]), opt(grads[1]), s[0], s[1], s[2], s[5], s[6], s[7], s[3], s[4], need);
-    return {undef_if(n[0], dx),    undef_if(n[1], dh0), undef_if(n[2], dc0), undef_if(n[3], dw_ih),
-            undef_if(n[4], dw_hh), undef_if(n[5], db),  undef_if(n[6], db)};
+    variable_list out = {undef_if(n[0], dx),    undef_if(n[1], dh0), undef_if(n[2], dc0), undef_if(n[3], dw_ih),
+                         undef_if(n[4], dw_hh), undef_if(n[5], db),  undef_if(n[6], db)};
+    mpt::once_differentiable(out, {grads[0], grads[1], s[0], s[1], s[2], s[3], s[4]}, "mptrain::lstm_layer_backward");
+    return out;
   }
 };
 

@@ -119,6 +119,36 @@ def test_cuda_tensors_take_the_cpp_autograd_nodes():
     assert "CppNode" in out.grad_fn.name()
 
 
+def _once_differentiable_cases():
+    """(name, fn of fresh CUDA leaves -> differentiable outputs, leaves) for every C++ autograd node."""
+    x, w, b = _r(4, 64, grad=True), _r(64, grad=True), _r(64, grad=True)
+    s = _r(2, 2, 8, grad=True)
+    return [("layer_norm", lambda x, w, b: ops.layer_norm(x, 64, w, b), [x, w, b]),
+            ("rms_norm", lambda x, w: ops.rms_norm(x, 64, w), [x.detach().clone().requires_grad_(), w]),
+            ("softmax", lambda s: ops.scaled_masked_softmax(s, scale=0.5), [s]),
+            ("lstm_cell", lambda *a: ops.lstm_cell(*a), _lstm(torch.float32)),
+            ("lstm_layer", lambda *a: ops.lstm_layer(*a)[::2], _lstm(torch.float32, T=3))]  # (out, c_n)
+
+
+@pytest.mark.parametrize("case", range(5), ids=["layer_norm", "rms_norm", "softmax", "lstm_cell", "lstm_layer"])
+def test_create_graph_gives_graphed_gradients_whose_backward_raises(case):
+    """Under create_graph=True the C++ nodes hand back gradients with a graph (same bits as a plain backward),
+    and differentiating them raises "differentiable once", as on the CPU: never gradients silently without a
+    graph (a gradient penalty would then contribute nothing)."""
+    name, fn, leaves = _once_differentiable_cases()[case]
+    leaves = [t for t in leaves if t is not None]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    cot = [torch.randn_like(o) for o in outs]
+    plain = torch.autograd.grad(outs, leaves, cot, retain_graph=True)
+    graphed = torch.autograd.grad(outs, leaves, cot, create_graph=True)
+    for p, g in zip(plain, graphed):
+        assert torch.equal(p, g), name
+    assert graphed[0].requires_grad and graphed[0].grad_fn is not None, name
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        sum(g.float().square().sum() for g in graphed).backward()
+
+
 @pytest.mark.parametrize("rms", [False, True])
 def test_norm_gradients_match_the_reference(rms):
     x, w = _r(8, 3, 40, grad=True), _r(40, grad=True)

@@ -167,3 +167,22 @@ def test_multi_tensor_sgd_opcheck(dtype):
     bufs = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     _opcheck(OPS.multi_tensor_sgd_.default, (grads, params, bufs, steps, masters, 0.1, torch.tensor(0.05), 0.9, 0.0,
                                              1e-4, True, False, None, None))
+
+
+def test_double_backward_raises_differentiable_once_on_the_cpu():
+    """The CPU path's gradients under create_graph carry a graph whose backward names the limitation
+    (the CUDA nodes do the same: tests/gpu/test_ops_cuda.py)."""
+    x, w = _rand(4, 8, grad=True), _rand(8, grad=True)
+    cell = [_rand(3, 5, grad=True), _rand(3, 6, grad=True), _rand(3, 6, grad=True), _rand(24, 5, grad=True),
+            _rand(24, 6, grad=True), None, None]
+    cases = [lambda: OPS.layer_norm(x, [8], w, None, 1e-5, False)[0],
+             lambda: OPS.scaled_masked_softmax(x.view(2, 2, 8), None, 0.5, False),
+             lambda: OPS.lstm_cell(*cell)[0]]
+    for f in cases:
+        y = f()
+        leaves = [t for t in (x, w, *cell) if t is not None and t.requires_grad]
+        grads = torch.autograd.grad(y.square().sum(), leaves, create_graph=True, allow_unused=True)
+        penalty = sum(g.square().sum() for g in grads if g is not None and g.requires_grad)
+        assert torch.is_tensor(penalty)
+        with pytest.raises(RuntimeError, match="differentiable once"):
+            penalty.backward()
