@@ -266,6 +266,21 @@ def build_hash(csrc: Path, flags: list[str], cuda_home: Optional[Path]) -> str:
 
 
 @contextlib.contextmanager
+def _torch_arch_list(archs: list[str]) -> Iterator[None]:
+    """TORCH_CUDA_ARCH_LIST set to our archs while cpp_extension builds, when the user has not set it.
+    cpp_extension adds its own -gencode flags from it: without it, torch picks the visible GPUs' archs,
+    and torch 2.6 fails with an IndexError where there is no GPU (this machine's CI)."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
+        yield
+        return
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+
+
+@contextlib.contextmanager
 def build_lock(build_dir: Path, timeout: Optional[float] = None) -> Iterator[None]:
     """Hold the build directory exclusively while building or loading. The kernel drops the flock when
     its holder dies, so a killed build never blocks the next process; holding it also proves that torch's
@@ -351,7 +366,7 @@ def build(csrc: Optional[Path] = None, root: Optional[Path] = None, verbose: boo
 
     if cuda_home is not None:
         cpp_extension.CUDA_HOME = str(cuda_home)
-    with build_lock(build_dir):
+    with build_lock(build_dir), _torch_arch_list(arch_list()):
         try:
             module = cpp_extension.load(
                 name=EXT_NAME, sources=[str(s) for s in srcs], extra_cflags=cflags, extra_cuda_cflags=cuda_flags,

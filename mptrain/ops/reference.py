@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 
 def _upcast(t):
@@ -168,9 +169,16 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     return F.layer_norm(_upcast(x), shape, _upcast(weight), _upcast(bias), eps).to(x.dtype)
 
 
+# What F.rms_norm takes for eps=None: from torch 2.7 on (pytorch#142848) the machine epsilon of the
+# math dtype (fp32 for half input); torch 2.6 took the input dtype's (bf16's is 2**16 times fp32's).
+_RMS_EPS_OF_MATH_DTYPE = TorchVersion(torch.__version__) >= "2.7"
+
+
 def rms_norm_eps(x, eps):
-    """``eps=None`` means what torch means: the machine epsilon of the math dtype."""
-    return torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps if eps is None else eps
+    """``eps=None`` means what the installed torch means (above)."""
+    if eps is not None:
+        return eps
+    return torch.finfo(torch.promote_types(x.dtype, torch.float32) if _RMS_EPS_OF_MATH_DTYPE else x.dtype).eps
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None):
