@@ -8,7 +8,7 @@ from lightning.pytorch import Callback
 
 
 class CompileModel(Callback):
-    """Compile ``pl_module.model`` in place (``nn.Module.compile(**compile_kwargs)``) at ``setup``.
+    """Compile ``pl_module.model`` in place (as ``nn.Module.compile(**compile_kwargs)`` does) at ``setup``.
 
     Compiling the submodule (not the LightningModule) keeps ``self.log`` and hooks eager; compiling
     it in place (not ``torch.compile(model)``, whose wrapper would register as the child and prefix
@@ -32,4 +32,20 @@ class CompileModel(Callback):
             )
         if getattr(model, "_compiled_call_impl", None) is None and not isinstance(
                 model, torch._dynamo.eval_frame.OptimizedModule):
-            model.compile(**self.compile_kwargs)
+            compile_in_place(model, **self.compile_kwargs)
+
+
+def compile_in_place(model: torch.nn.Module, **compile_kwargs: Any) -> None:
+    """``model.compile(**compile_kwargs)``, with the compiled frame a function of ours that calls the module.
+
+    ``Module.compile`` compiles ``model._call_impl``; torch 2.6's dynamo skips a first frame in torch.nn
+    (``_call_impl``, ``nn.Sequential.forward``), so a torch.nn container was never traced whole: only the
+    user functions it reached (hooks, the fallback's wrappers) were compiled, each as a graph of its own.
+    A frame outside torch.nn is traced on every version, and dynamo inlines ``_call_impl`` from it.
+    """
+    call_impl = model._call_impl
+
+    def compiled_call(*args: Any, **kwargs: Any) -> Any:
+        return call_impl(*args, **kwargs)
+
+    model._compiled_call_impl = torch.compile(compiled_call, **compile_kwargs)  # what Module.compile sets

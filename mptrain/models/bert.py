@@ -55,7 +55,10 @@ class MaskedLMNet(nn.Module):
         # No padding: the encoder gets no mask.  BertModel.forward builds an all-true one when it
         # cannot look at the tensors (CUDA-graph capture; tracing in some transformers versions),
         # and a mask moves SDPA off its fused kernels (cuDNN / flash) onto the fp32 math path.
-        return self.bert.encoder(self.bert.embeddings(input_ids=input_ids))[0]
+        out = self.bert.encoder(self.bert.embeddings(input_ids=input_ids))
+        # ``out[0]`` (its first value, the last hidden state), read as a dict's: ModelOutput's own item and
+        # attribute access call a method torch 2.6's dynamo cannot trace (fullgraph would fail).
+        return next(iter(out.values()))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:

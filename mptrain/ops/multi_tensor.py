@@ -54,9 +54,8 @@ def _groups(*lists: Sequence[torch.Tensor]) -> dict:
     first = lists[0][0]
     # Fast path for the usual case, one CUDA device and one dtype per list: sets cost a fraction of a key
     # per tensor, which matters for 400-tensor lists stepped every iteration (the host must stay ahead).
-    distinct = {id(lst): lst for lst in lists}.values()  # an in-place op passes one list as src and dst
     if first.is_cuda and len({t.get_device() for t in lists[0]}) == 1 and all(
-            len({t.dtype for t in lst}) == 1 for lst in distinct):
+            len({t.dtype for t in lst}) == 1 for lst in lists):
         return {(first.device,) + tuple(lst[0].dtype for lst in lists): range(len(lists[0]))}
     out: dict = defaultdict(list)
     for i in range(len(lists[0])):
@@ -68,18 +67,26 @@ def _pick(lst: list, idx) -> list:
     return lst if len(idx) == len(lst) else [lst[i] for i in idx]
 
 
+def _same_list(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> bool:
+    """Whether the call is in place (``dst`` is ``src``).  Under dynamo, tensor by tensor: torch 2.6's
+    dynamo evaluates ``list_a is list_b`` by comparing the tensors' values (a graph break)."""
+    if torch.compiler.is_compiling():
+        return len(dst) == len(src) and all(d is s for d, s in zip(dst, src))
+    return dst is src
+
+
 def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: Optional[Scalar],
                         found_inf: Optional[torch.Tensor] = None, *, fused="auto") -> None:
     """``dst[i] = src[i] * scale`` (any fp32/fp16/bf16 mix), and ``found_inf = 1`` if any
     ``src`` element is inf or NaN. ``scale=None`` copies. Empty ``dst`` only checks."""
-    in_place = dst is src
+    in_place = _same_list(src, dst)
     src = list(src)
     dst = src if in_place else list(dst)
     if dst and len(dst) != len(src):
         raise ValueError(f"multi_tensor_scale_: {len(src)} sources but {len(dst)} destinations")
     if not src:
         return
-    for key, idx in _groups(src, *([dst] if dst else [])).items():
+    for key, idx in _groups(src, *([dst] if dst and not in_place else [])).items():  # in place: dst is src
         s = _pick(src, idx)
         d = (s if in_place else _pick(dst, idx)) if dst else []
         device = key[0]

@@ -102,6 +102,10 @@ def test_compiled_step_loop_has_no_graph_break():
     _check_compiles(Loop(), [_x(3, 2, 4), _x(2, 4), _x(2, 4)], "lstm_cell")
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.7",
+                    reason="torch 2.6's dynamo cannot trace transformers' BertModel.forward: its decorator "
+                           "merge_with_config_defaults reads func.__code__.co_varnames, and ModelOutput's "
+                           "__getitem__ calls _replace_old_cache_name (custom dict: call_method unimplemented)")
 def test_bert_encoder_with_fused_layer_norm_and_softmax_compiles_fullgraph():
     pytest.importorskip("transformers")
     from mptrain.models.bert import build_bert_mlm

@@ -101,11 +101,12 @@ _TORCH_SOFTMAX, _F_SOFTMAX, _F_CROSS_ENTROPY = torch.softmax, F.softmax, F.cross
 
 
 def _every_spelling(h, target, ln):
-    """What each spelling of a listed op returns for half ``h`` (the from-imports are bound before any forward)."""
+    """What each spelling of a listed op returns for half ``h`` (the from-imports are bound before any forward);
+    ``ln`` comes in ``h``'s dtype (cast outside: torch 2.6's dynamo cannot trace ``Module.to``)."""
     return {
         "F.softmax": F.softmax(h, -1), "torch.softmax": torch.softmax(h, -1), "Tensor.softmax": h.softmax(-1),
         "from-imported F.softmax": _F_SOFTMAX(h, -1), "F.log_softmax": F.log_softmax(h, dim=-1),
-        "torch.logsumexp": torch.logsumexp(h, -1), "nn.LayerNorm": ln.to(h.dtype)(h),
+        "torch.logsumexp": torch.logsumexp(h, -1), "nn.LayerNorm": ln(h),
         "torch.layer_norm": torch.layer_norm(h, (12,)), "F.cross_entropy": F.cross_entropy(h, target),
         "from-imported F.cross_entropy": _F_CROSS_ENTROPY(h, target), "F.mse_loss": F.mse_loss(h, h.flip(0)),
     }
@@ -118,10 +119,11 @@ def test_every_spelling_of_a_listed_op_computes_in_fp32(compiled):
     h, target = (torch.randn(16, 12) * 30).bfloat16(), torch.randint(0, 12, (16,))
     ln = nn.LayerNorm(12)
     ref = {k: v.float() for k, v in _every_spelling(h.float(), target, ln).items()}
+    ln.bfloat16()  # in place: the half runs below get a bf16 LayerNorm
     plain = _every_spelling(h, target, ln)
     run = torch.compile(_every_spelling, backend="aot_eager", fullgraph=True) if compiled else _every_spelling
     with Fp32Fallback("default", cpu_rnn=False).context():
-        got = run(h, target, ln.bfloat16())
+        got = run(h, target, ln)
     assert not all(torch.equal(plain[k].float(), ref[k].to(plain[k].dtype).float()) for k in ref)  # bf16 visibly differs
     for k, out in got.items():
         assert out.dtype == torch.bfloat16, k
