@@ -23,6 +23,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one subcommand; returns the exit status (2 for a config mistake)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     wandb_offline_without_key()
+    finished = False
     try:
         if argv and argv[0] in TOOLS:
             from mptrain.cli.tools import run_tool
@@ -34,18 +35,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for path in config_paths(argv):
             check_config_file(path)
         MptrainCLI(args=argv)
+        finished = True
     except ConfigError as e:
         cmd = f"mptrain {argv[0]}" if argv and not argv[0].startswith("-") else "mptrain"
         print(f"{cmd}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help, --print_config
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    finally:  # tear the process group down now: gloo's threads left to the interpreter's teardown abort it
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    finally:
+        _destroy_process_group(drain=finished)
     return 0
+
+
+def _destroy_process_group(drain: bool) -> None:
+    """Tear the process group down now: gloo's threads left to the interpreter's teardown abort it.
+
+    ``drain`` (every rank finished the command): a barrier first.  On torch 2.6, gloo's worker thread may
+    still be freeing the last broadcast's tensors, which needs the GIL, while the destructor joins it
+    holding the GIL: both ranks hang.  Waiting in the barrier lets the worker finish.  After an error a
+    rank may be gone, so there is no barrier then."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if drain:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def wandb_offline_without_key() -> None:

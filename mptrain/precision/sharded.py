@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as FabricFSDPPrecision
+from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from lightning.fabric.utilities import rank_zero_warn
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -68,6 +69,12 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
     @property
     def has_master_weights(self) -> bool:  # the fp32 shards are the masters
         return self.precision.endswith("-master")
+
+    def module_init_context(self):
+        """Modules are created in fp32: the shards are the masters.  (Lightning 2.6.0's FSDPPrecision
+        creates them in the all-gather dtype, ``mixed_precision_config.param_dtype``; later versions in
+        ``_desired_input_dtype``.)"""
+        return _DtypeContextManager(torch.float32)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Before wrapping: parameters stay fp32 (FSDP shards them); the norm classes are noted."""

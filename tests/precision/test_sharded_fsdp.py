@@ -109,13 +109,16 @@ def test_lightning_fabric_takes_the_sharded_plugin(tmp_path):
 # -- the launched script ---------------------------------------------------------------------------------------
 
 def _cpu_fsdp_strategy(**kwargs):
-    """Lightning's FSDPStrategy on the CPU; two CPU-only differences, the rest is Lightning's GPU path.
+    """Lightning's FSDPStrategy on the CPU; three CPU-only differences, the rest is Lightning's GPU path.
 
     * Lightning refuses ``strategy="fsdp"`` with ``accelerator="cpu"`` and passes torch's FSDP the CUDA
       index as ``device_id`` (None on the CPU); torch's FSDP runs on the CPU given ``device_id=cpu``.
     * A full checkpoint's optimizer state is gathered without ``offload_to_cpu``: torch's FSDP1 gathers
       every state tensor of a parameter (``exp_avg``, ``exp_avg_sq``) through one reused buffer and lets
       the offload's ``.cpu()`` make the copy, which is no copy for CPU tensors: each would hold the last.
+    * A full checkpoint's module state too: before pytorch/pytorch#188990 (torch 2.6 among them) FSDP1's
+      ``offload_to_cpu`` frees the unsharded flat parameter even when it already is on the CPU, so the
+      state dict's clone reads freed memory (rank 0 segfaults). Without it the clone is the copy.
     """
     import lightning.pytorch.strategies.fsdp as lightning_fsdp
     import torch.distributed.fsdp as fsdp
@@ -133,6 +136,10 @@ def _cpu_fsdp_strategy(**kwargs):
         def optimizer_state(self, optimizer):
             with _patched(lightning_fsdp, "_get_full_state_dict_context", full_without_offload):
                 return super().optimizer_state(optimizer)
+
+        def lightning_module_state_dict(self):
+            with _patched(lightning_fsdp, "_get_full_state_dict_context", full_without_offload):
+                return super().lightning_module_state_dict()
 
     kwargs.setdefault("auto_wrap_policy", {torch.nn.Linear})
     return CpuFSDPStrategy(**kwargs)
