@@ -25,42 +25,56 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     wandb_offline_without_key()
     finished = False
     try:
-        if argv and argv[0] in TOOLS:
-            from mptrain.cli.tools import run_tool
-
-            return run_tool(argv[0], argv[1:])
-        from mptrain.cli.config_files import check_config_file, config_paths
-        from mptrain.cli.lightning_cli import MptrainCLI
-
-        for path in config_paths(argv):
-            check_config_file(path)
-        MptrainCLI(args=argv)
+        status = _run(argv)
         finished = True
+        return status
     except ConfigError as e:
         cmd = f"mptrain {argv[0]}" if argv and not argv[0].startswith("-") else "mptrain"
         print(f"{cmd}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help, --print_config
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    finally:
-        _destroy_process_group(drain=finished)
+    finally:  # tear the process group down now: gloo's threads left to the interpreter's teardown abort it
+        destroy_process_group(drain=finished)
+
+
+def _run(argv: list[str]) -> int:
+    """A tool's exit status, or 0 once LightningCLI's subcommand returns."""
+    if argv and argv[0] in TOOLS:
+        from mptrain.cli.tools import run_tool
+
+        return run_tool(argv[0], argv[1:])
+    from mptrain.cli.config_files import check_config_file, config_paths
+    from mptrain.cli.lightning_cli import MptrainCLI
+
+    for path in config_paths(argv):
+        check_config_file(path)
+    MptrainCLI(args=argv)
     return 0
 
 
-def _destroy_process_group(drain: bool) -> None:
-    """Tear the process group down now: gloo's threads left to the interpreter's teardown abort it.
+def destroy_process_group(drain: bool) -> None:
+    """Destroy torch.distributed's process group, if one is up.
 
-    ``drain`` (every rank finished the command): a barrier first.  On torch 2.6, gloo's worker thread may
-    still be freeing the last broadcast's tensors, which needs the GIL, while the destructor joins it
-    holding the GIL: both ranks hang.  Waiting in the barrier lets the worker finish.  After an error a
-    rank may be gone, so there is no barrier then."""
+    ``drain`` (this rank's run returned, so every rank reaches this point): first a barrier, whose
+    work is held until the group is gone. torch < 2.7 destroys a gloo group while holding the GIL
+    and joins its worker threads; a worker still releasing a finished collective (the last
+    broadcast) whose tensors' Python objects are gone needs the GIL for them: both ranks hang.
+    gloo's barrier work holds every collective queued or running when it is enqueued, so they are
+    released here, by this thread, after the join. Without ``drain`` (an error: a peer may be dead
+    or in another collective) no barrier.
+    """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if drain:
-        dist.barrier()
-    dist.destroy_process_group()
+    barrier = dist.barrier(async_op=True) if drain else None
+    try:
+        if barrier is not None:
+            barrier.wait()
+    finally:
+        dist.destroy_process_group()
+    del barrier  # after the destroy: the collectives it holds are released by this thread
 
 
 def wandb_offline_without_key() -> None:
