@@ -30,6 +30,23 @@ class SaveWeights(Callback):
         torch.save(state, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
+def teardown_rounds(rank: int, store_dir: str, rounds: int) -> None:
+    """Rank ``rank`` of 2: ``rounds`` commands through ``mptrain.cli.main``, each ending as ``mptrain fit``
+    does under DDP (a broadcast: ``trainer.log_dir``) and then torn down by main."""
+    import torch.distributed as dist
+
+    import mptrain.cli.lightning_cli as lightning_cli
+    from mptrain.cli import main
+
+    for i in range(rounds):
+        def command(args, i=i):
+            dist.init_process_group("gloo", init_method=f"file://{store_dir}/store{i}", rank=rank, world_size=2)
+            dist.broadcast_object_list(["log_dir" if rank == 0 else None], src=0)
+
+        lightning_cli.MptrainCLI = command
+        assert main([]) == 0 and not dist.is_initialized()
+
+
 def env():
     e = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
@@ -93,3 +110,21 @@ def test_torchrun_two_processes_gloo_quickstart(tmp_path):
     assert w0.keys() == w1.keys()
     for k in w0:
         assert torch.equal(w0[k], w1[k]), f"ranks disagree on {k}"
+
+
+@pytest.mark.slow
+def test_the_teardown_after_a_last_broadcast_does_not_hang(tmp_path):
+    """torch 2.6's gloo destructor, holding the GIL, joined a worker that needed the GIL to free the last
+    broadcast's tensors: a race, lost within a few dozen rounds on 2 CPU cores."""
+    code = "import sys, test_launch; test_launch.teardown_rounds(int(sys.argv[1]), sys.argv[2], 100)"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(tmp_path)], env=env(), cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail("a rank hung in mptrain.cli.main's process-group teardown")
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]

@@ -35,11 +35,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # --help, --print_config
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     finally:  # tear the process group down now: gloo's threads left to the interpreter's teardown abort it
-        destroy_process_group(drain=finished)
+        _destroy_process_group(drain=finished)
 
 
 def _run(argv: list[str]) -> int:
-    """A tool's exit status, or 0 once LightningCLI's subcommand returns."""
+    """A tool's exit status (``bench ddp`` under torchrun sets up a process group too), or 0 once
+    LightningCLI's subcommand returns."""
     if argv and argv[0] in TOOLS:
         from mptrain.cli.tools import run_tool
 
@@ -53,17 +54,16 @@ def _run(argv: list[str]) -> int:
     return 0
 
 
-def destroy_process_group(drain: bool) -> None:
-    """Destroy torch.distributed's process group, if one is up.
+def _destroy_process_group(drain: bool) -> None:
+    """Tear the process group down now: gloo's threads left to the interpreter's teardown abort it.
 
-    ``drain`` (this rank's run returned, so every rank reaches this point): first a barrier, whose
-    work is held until the group is gone. torch < 2.7 destroys a gloo group while holding the GIL
-    and joins its worker threads; a worker still releasing a finished collective (the last
-    broadcast) whose tensors' Python objects are gone needs the GIL for them: both ranks hang.
-    gloo's barrier work holds every collective queued or running when it is enqueued, so they are
-    released here, by this thread, after the join. Without ``drain`` (an error: a peer may be dead
-    or in another collective) no barrier.
-    """
+    ``drain`` (every rank finished the command): a barrier first, its work held until the group is gone.
+    torch 2.6 destroys a gloo group holding the GIL and joins its worker threads; a worker still freeing a
+    finished collective (the last broadcast) whose tensors' Python objects are gone needs the GIL: both
+    ranks hang.  gloo's barrier work holds every collective queued or running when it is enqueued, so
+    those are freed by this thread when it drops the barrier after the join.  Waiting in a barrier alone
+    is not enough: its work, holding them, is then freed by a worker.  After an error a rank may be gone,
+    so there is no barrier then."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -74,7 +74,7 @@ def destroy_process_group(drain: bool) -> None:
             barrier.wait()
     finally:
         dist.destroy_process_group()
-    del barrier  # after the destroy: the collectives it holds are released by this thread
+    del barrier  # only now: what it holds is freed by this thread (it has the GIL), not by a gloo worker
 
 
 def wandb_offline_without_key() -> None:
