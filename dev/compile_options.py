@@ -1,13 +1,15 @@
-"""Lab: inductor options for the compiled e2e cases (not shipped): does a tuning option of
-torch.compile make mptrain's best ResNet-50 / BERT step faster, and Lightning + compile's?
+"""Lab: options for the compiled e2e cases (not shipped): does a tuning option of torch.compile,
+or cuDNN trying every convolution algorithm, make mptrain's best ResNet-50 / BERT step faster,
+and Lightning + compile's?
 
-    python3 dev/compile_options.py [--model resnet50] [--variants default,cdt] [--repeat 2]
+    python3 dev/compile_options.py [--model resnet50] [--variants default,cdt,cudnn-all] [--repeat 2]
         [--case mptrain+compile+cuda_graphs:best] [--precision 16-master] [--warmup 6 --steps 20]
 
-Also ``cudnn-all``: cuDNN's benchmark tries every convolution algorithm.  Each (variant, round) runs in a fresh process (dynamo's and inductor's in-memory caches do not
-carry a variant into the next), through `mptrain.bench.e2e.run_case` with the variant's
-``options`` given to torch.compile; variants alternate so that drift favours none.  Prints
-img/s (or seq/s), ms/step, GPU ms/step and the process's wall time (compile included).
+Each (variant, round) runs in a fresh process (dynamo's and inductor's in-memory caches do not
+carry a variant into the next), through `mptrain.bench.e2e.run_case`, with the variant's inductor
+``options`` given to torch.compile (``cudnn-all``: none; ``torch.backends.cudnn.benchmark_limit = 0``
+instead); variants alternate so that drift favours none.  Prints img/s (or seq/s), ms/step, GPU
+ms/step and the process's wall time (compile included).  Session 16: docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
@@ -36,7 +38,6 @@ def child(model: str, case: str, precision: str, variant: str, warmup: int, step
     options = VARIANTS[variant]
     if variant == "cudnn-all":
         torch.backends.cudnn.benchmark_limit = 0
-
     if options:
         if case.startswith("lightning"):
             plain = e2e_models.compile_lightning_module
