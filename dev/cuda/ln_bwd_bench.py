@@ -12,46 +12,26 @@ either (loop + dx alone), 4 one-round finish loads, 5/6/7 cluster reductions of 
 from __future__ import annotations
 
 import argparse
-import os
-import time
+import sys
 import traceback
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
 
-from mptrain.bench.common import floor_ms, input_sets
+from mptrain.bench.common import floor_ms
 from mptrain.bench.graph_timing import step_ms
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ln_tma_bench  # noqa: E402  (dev/cuda: the lab's build and input sets)
+from ln_tma_bench import sets_for  # noqa: E402
+
 NAMES = {1: "lab = shipped (fold, U=8)", 2: "no finish (partials only)", 3: "loop + dx only",
          4: "fold, one-round loads (U=16)", 5: "cluster 2 + fold", 6: "cluster 4 + fold", 7: "cluster 8 + fold"}
 FINISHED = (1, 4, 5, 6, 7)
 
 
 def build():
-    from mptrain.ops.build import _all_flags, find_cuda_home
-
-    cflags, cuda_flags = _all_flags(find_cuda_home())
-    t = time.perf_counter()
-    ext = load(name="ln_bwd_lab", sources=[str(ROOT / "dev/cuda/ln_bwd.cu")], extra_include_paths=[str(ROOT / "csrc")],
-               extra_cflags=cflags, extra_cuda_cflags=cuda_flags,
-               build_directory=os.environ.get("LN_BWD_BUILD") or None, verbose=False)
-    print(f"build {time.perf_counter() - t:.1f} s", flush=True)
-    return ext
-
-
-def sets_for(rows, hidden):
-    g = torch.Generator(device="cuda").manual_seed(rows + hidden)
-
-    def make():
-        x = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
-        w = (torch.randn(hidden, device="cuda", generator=g) * 0.1 + 1).bfloat16()
-        b = torch.randn(hidden, device="cuda", generator=g).bfloat16()
-        dy = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
-        return x, w, b, dy
-
-    return input_sets(make, 4 * rows * hidden * 2)
+    return ln_tma_bench.build("ln_bwd_lab", "dev/cuda/ln_bwd.cu", "LN_BWD_BUILD")
 
 
 def line(name, ms, elem_bytes, rows, hidden, base=None):

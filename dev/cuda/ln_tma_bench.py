@@ -25,17 +25,18 @@ from mptrain.bench.graph_timing import step_ms
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def build():
-    """The extension, with mptrain's own build flags (its include fixes, -O3, the arch list)."""
+def build(name="ln_tma", source="dev/cuda/ln_tma.cu", build_env="LN_TMA_BUILD"):
+    """The lab extension ``name`` from ``source`` (which includes csrc/layer_norm.cu), with mptrain's own
+    build flags (its include fixes, -O3, the arch list), in the directory $``build_env`` if set."""
     from mptrain.ops.build import _all_flags, find_cuda_home
 
     cflags, cuda_flags = _all_flags(find_cuda_home())
     if os.environ.get("LN_TMA_PTXAS"):
         cuda_flags = cuda_flags + ["-Xptxas=-v"]
     t = time.perf_counter()
-    ext = load(name="ln_tma", sources=[str(ROOT / "dev/cuda/ln_tma.cu")], extra_include_paths=[str(ROOT / "csrc")],
+    ext = load(name=name, sources=[str(ROOT / source)], extra_include_paths=[str(ROOT / "csrc")],
                extra_cflags=cflags, extra_cuda_cflags=cuda_flags,
-               build_directory=os.environ.get("LN_TMA_BUILD") or None, verbose=False)
+               build_directory=os.environ.get(build_env) or None, verbose=False)
     print(f"build {time.perf_counter() - t:.1f} s", flush=True)
     return ext
 
