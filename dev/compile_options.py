@@ -24,8 +24,6 @@ import time
 VARIANTS = {
     "default": {},
     "cdt": {"coordinate_descent_tuning": True},
-    "cdt+aggr": {"coordinate_descent_tuning": True, "aggressive_fusion": True},
-    "autotune-pw": {"max_autotune_pointwise": True},
     "cudnn-all": {},
 }
 
