@@ -20,11 +20,18 @@ import sys
 import time
 
 #: name -> inductor options; "cudnn-all" leaves inductor alone and lets cuDNN's benchmark try every
-#: convolution algorithm (torch.backends.cudnn.benchmark_limit = 0; torch's default tries 10)
+#: convolution algorithm (torch.backends.cudnn.benchmark_limit = 0; torch's default tries 10).
+#: multi-kernel: each reduction compiled both persistent and looped, the faster picked at run time;
+#: combo: independent kernels launched as one (horizontal fusion); aggressive: fusion even without
+#: shared reads; autotune-pw: every pointwise / reduction kernel benchmarked over a few configs.
 VARIANTS = {
     "default": {},
     "cdt": {"coordinate_descent_tuning": True},
     "cudnn-all": {},
+    "multi-kernel": {"triton.multi_kernel": 1},
+    "combo": {"combo_kernels": True},
+    "aggressive": {"aggressive_fusion": True},
+    "autotune-pw": {"max_autotune_pointwise": True},
 }
 
 
