@@ -50,6 +50,15 @@ at::Tensor scaled_masked_softmax_forward(const at::Tensor& x, const std::optiona
 at::Tensor scaled_masked_softmax_backward(const at::Tensor& dy, const at::Tensor& y, double scale);
 // [end section: softmax]
 
+// ---- max pooling (max_pool.cu) ----
+// [section: max_pool]
+// channels_last 4-d tensors; offsets: int8, the window offset (kh * kernel_w + kw) of each output's maximum
+std::vector<at::Tensor> max_pool2d_forward(const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                           at::IntArrayRef padding);
+at::Tensor max_pool2d_backward(const at::Tensor& grad_out, const at::Tensor& offsets, at::IntArrayRef input_size,
+                               at::IntArrayRef kernel_size, at::IntArrayRef stride, at::IntArrayRef padding);
+// [end section: max_pool]
+
 // ---- LSTM cell (lstm_cell.cu) ----
 // [section: lstm]
 std::vector<at::Tensor> lstm_cell_pointwise_forward(const at::Tensor& igates,

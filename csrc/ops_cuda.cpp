@@ -116,6 +116,13 @@ Grads6 lstm_layer_backward_cuda(const OptTensor& d_out, const OptTensor& dc_n, c
                                     c0.contiguous(), out, c_all, ws, w_ih, w_hh, nv), x);
 }
 
+// ---- max pooling (channels_last; mptrain/ops/pool.py makes the input so)
+std::tuple<Tensor, Tensor> max_pool2d_cuda(const Tensor& x, at::IntArrayRef k, at::IntArrayRef stride,
+                                           at::IntArrayRef pad) {
+  auto r = max_pool2d_forward(x, k, stride, pad);
+  return {r[0], r[1]};
+}
+
 // ---- multi-tensor ops (lists split by dtype in Python; the kernels check every tensor)
 std::vector<Tensor> vec(at::TensorList l) { return l.vec(); }
 
@@ -172,6 +179,8 @@ TORCH_LIBRARY_IMPL(mptrain, CUDA, m) {
   m.impl("lstm_cell_backward", &lstm_cell_backward_cuda);
   m.impl("lstm_layer", &lstm_layer_cuda);
   m.impl("lstm_layer_backward", &lstm_layer_backward_cuda);
+  m.impl("max_pool2d", &max_pool2d_cuda);
+  m.impl("max_pool2d_backward", &max_pool2d_backward);
   m.impl("multi_tensor_scale_", &scale_cuda);
   m.impl("multi_tensor_unscale_", &unscale_cuda);
   m.impl("multi_tensor_check_finite_", &check_finite_cuda);

@@ -7,7 +7,8 @@ Each case trains a fresh model and trainer on the same synthetic device batches 
 steps after ``--warmup`` (``StepTimer``: wall and GPU time; then host-device syncs over a few more steps;
 peak memory per case).
 All step AdamW at a constant learning rate (torch's fused one for Lightning, mptrain's FusedAdamW);
-the Lightning cases train the stock model (torch's LayerNorm), the mptrain cases its fused modules.
+the Lightning cases train the stock model (torch's LayerNorm and max-pool), the mptrain cases its fused
+modules (mptrain.nn, and ResNet's stem conv padded to 4 channels in fp16).
 
     mptrain bench e2e --out e2e.json
     mptrain bench e2e --models bert --cases mptrain:bf16-master,lightning:bf16-mixed --steps 50

@@ -58,8 +58,8 @@ def mlm_batches(batch: int, steps: int, device: str, seq_len: int = SEQ_LEN, voc
 def build(model: str, steps: int, device: str, quick: bool = False, batch: int | None = None, seed: int = 0,
           stock: bool = False):
     """(LightningModule, train batches, batch size) of one benchmark model (its optimizer is set by
-    :func:`use_optimizer`); ``stock`` keeps torch's own modules (no mptrain fused LayerNorm): the
-    model a plain Lightning user trains."""
+    :func:`use_optimizer`); ``stock`` keeps torch's own modules (no mptrain fused LayerNorm, max-pool
+    or stem padding): the model a plain Lightning user trains."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
     from mptrain.models import BertMLM, ImageClassifier
@@ -67,7 +67,7 @@ def build(model: str, steps: int, device: str, quick: bool = False, batch: int |
     batch = batch or (QUICK["batch"] if quick else BATCH[model])
     if model == "resnet50":
         size = QUICK["image_size"] if quick else 224
-        module = ImageClassifier("resnet18" if quick else "resnet50", num_classes=1000)
+        module = ImageClassifier("resnet18" if quick else "resnet50", num_classes=1000, fused=not stock)
         return module, image_batches(batch, steps, device, size, seed=seed), batch
     vocab = QUICK["vocab"] if quick else 30522
     module = BertMLM(vocab_size=vocab, max_predictions=MAX_PREDICTIONS, fused_layernorm=not stock,

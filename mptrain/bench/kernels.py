@@ -16,7 +16,7 @@ import torch
 from mptrain.bench import host_cost
 from mptrain.bench.common import device_meta, format_table, parse_csv, write_json
 
-FAMILIES = {name: f"mptrain.bench.cases_{name}" for name in ("optim", "norm", "softmax", "lstm")}
+FAMILIES = {name: f"mptrain.bench.cases_{name}" for name in ("optim", "norm", "softmax", "lstm", "pool")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,12 +26,14 @@ class ImageClassifier(L.LightningModule):
         warmup_steps: linear warm-up steps before the cosine decay.
         min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
         total_steps: steps of the schedule; ``None`` asks the trainer (``estimated_stepping_batches``).
+        fused: mptrain's fused drop-ins where they apply (the max-pool kernel, the fp16 stem padding; same
+            parameters and results); False: the network exactly as torchvision builds it.
     """
 
     def __init__(self, arch: str = "digits_cnn", num_classes: int = 10, optimizer: Literal["sgd", "adamw"] = "sgd",
                  lr: float = 0.1, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 1e-4,
                  label_smoothing: float = 0.0, warmup_steps: int = 0, min_lr_ratio: float = 0.0,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, fused: bool = True):
         super().__init__()
         if optimizer not in ("sgd", "adamw"):
             raise ValueError(f"model.optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
@@ -40,7 +42,7 @@ class ImageClassifier(L.LightningModule):
                    warmup_steps=(warmup_steps, ">= 0"), min_lr_ratio=(min_lr_ratio, ">= 0"),
                    total_steps=(total_steps, ">= 1"))
         self.save_hyperparameters()
-        self.model = build_image_model(arch, num_classes)
+        self.model = build_image_model(arch, num_classes, fused=fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)

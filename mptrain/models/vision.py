@@ -1,7 +1,38 @@
 """Image-classification networks by name: a small CNN for 8x8 digits, torchvision ResNets."""
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+
+from mptrain.nn import fuse_modules
+
+
+class ChannelPaddedConv2d(nn.Conv2d):
+    """nn.Conv2d (same parameters and state_dict) whose fp16 CUDA input is zero-padded to 4 channels,
+    with the weight to match, when it has 3: cuDNN's channels_last fp16 kernels for a 3-channel image
+    are slower than for 4 (ResNet-50's stem, batch 256 on the H200: forward + weight gradient 1.18 ->
+    0.93 ms; docs/PERFORMANCE.md, session 17).  The zero channels add exactly zero to every output and
+    receive no gradient.  bf16 and fp32 input run unpadded (padding did not pay there)."""
+
+    PAD_TO = 4
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d) -> "ChannelPaddedConv2d":
+        """``conv`` itself, its class changed (parameters, hooks and settings stay as they are)."""
+        if type(conv) is not nn.Conv2d:
+            raise TypeError(f"ChannelPaddedConv2d.from_conv takes an nn.Conv2d, got {type(conv).__name__}")
+        conv.__class__ = cls
+        return conv
+
+    def pads(self, x: torch.Tensor) -> bool:
+        return x.shape[1] == 3 and self.groups == 1 and x.dtype == torch.float16 and x.is_cuda
+
+    def _conv_forward(self, x, weight, bias):
+        if self.pads(x):
+            x = F.pad(x, (0, 0, 0, 0, 0, self.PAD_TO - 3))
+            weight = F.pad(weight, (0, 0, 0, 0, 0, self.PAD_TO - 3))
+        return super()._conv_forward(x, weight, bias)
 
 
 def digits_cnn(num_classes: int = 10, width: int = 16, hidden: int = 64) -> nn.Module:
@@ -16,9 +47,21 @@ def digits_cnn(num_classes: int = 10, width: int = 16, hidden: int = 64) -> nn.M
     )
 
 
-def build_image_model(arch: str, num_classes: int) -> nn.Module:
+def build_image_model(arch: str, num_classes: int, fused: bool = False) -> nn.Module:
     """``digits_cnn`` or any torchvision classification model name (``resnet50``, ...), randomly
-    initialized (no download), the residual branches' last BatchNorm zero-initialized for ResNets."""
+    initialized (no download), the residual branches' last BatchNorm zero-initialized for ResNets.
+    ``fused``: mptrain's drop-ins where they apply (``fuse_modules``: the max-pools; a 3-channel stem
+    conv as :class:`ChannelPaddedConv2d`); same parameters, state_dict and results."""
+    model = _build(arch, num_classes)
+    if fused:
+        model = fuse_modules(model)
+        stem = getattr(model, "conv1", None)
+        if type(stem) is nn.Conv2d and stem.in_channels == 3:
+            model.conv1 = ChannelPaddedConv2d.from_conv(stem)
+    return model
+
+
+def _build(arch: str, num_classes: int) -> nn.Module:
     if arch == "digits_cnn":
         return digits_cnn(num_classes)
     try:

@@ -1,5 +1,5 @@
-"""fuse_modules(model): swap nn.LayerNorm, nn.RMSNorm, nn.LSTMCell and nn.LSTM (unidirectional, no
-projections) for their fused drop-ins, in place. The new modules share the old ones' Parameter objects
+"""fuse_modules(model): swap nn.LayerNorm, nn.RMSNorm, nn.LSTMCell, nn.LSTM (unidirectional, no
+projections) and nn.MaxPool2d (dilation 1, floor mode, no indices) for their fused drop-ins, in place. The new modules share the old ones' Parameter objects
 (an optimizer built before keeps working; the output is unchanged). Only exact torch classes are
 swapped: subclasses may override forward.
 """
@@ -9,6 +9,7 @@ from torch import nn
 
 from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
 from mptrain.nn.norm import FusedLayerNorm, FusedRMSNorm
+from mptrain.nn.pool import FusedMaxPool2d
 
 
 def _lstm(m: nn.LSTM):
@@ -17,7 +18,7 @@ def _lstm(m: nn.LSTM):
 
 #: exact torch class -> the factory of its fused drop-in (None: left as it is)
 _REPLACEMENTS = {nn.LayerNorm: FusedLayerNorm.from_module, nn.RMSNorm: FusedRMSNorm.from_module,
-                 nn.LSTMCell: FusedLSTMCell.from_module, nn.LSTM: _lstm}
+                 nn.LSTMCell: FusedLSTMCell.from_module, nn.LSTM: _lstm, nn.MaxPool2d: FusedMaxPool2d.from_module}
 
 
 def _replacement(module):

@@ -38,6 +38,9 @@ _SCHEMA_TEXTS = (
     "lstm_layer_backward(Tensor? grad_out, Tensor? grad_c_n, Tensor x, Tensor h0, Tensor c0, Tensor out, "
     "Tensor c_all, Tensor workspace, Tensor w_ih, Tensor w_hh, bool[6] need) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "max_pool2d(Tensor input, int[2] kernel_size, int[2] stride, int[2] padding) -> (Tensor, Tensor)",
+    "max_pool2d_backward(Tensor grad_out, Tensor offsets, int[2] input_size, int[2] kernel_size, int[2] stride, "
+    "int[2] padding) -> Tensor",
     "multi_tensor_scale_(Tensor[] src, Tensor(a!)[] dst, Tensor? scale, Tensor(b!)? found_inf) -> ()",
     "multi_tensor_unscale_(Tensor(a!)[] tensors, Tensor inv_scale, Tensor(b!)? found_inf) -> ()",
     "multi_tensor_check_finite_(Tensor[] tensors, Tensor(a!) found_inf) -> ()",
@@ -240,6 +243,53 @@ torch.library.register_autograd(f"{NAMESPACE}::lstm_layer", _lstm_layer_backward
                                 lib=_lib)
 
 
+# Max pooling: channels_last in and out (what the kernels write, so the fakes give those strides)
+def _channels_last(like, *shape, dtype=None):
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device, memory_format=torch.channels_last)
+
+
+@_impl("max_pool2d")
+def _max_pool2d_cpu(x, kernel_size, stride, padding):
+    R.check_max_pool2d(x, kernel_size, stride, padding, "mptrain::max_pool2d")
+    return R.max_pool2d_forward(x, kernel_size, stride, padding)
+
+
+@_fake("max_pool2d")
+def _max_pool2d_fake(x, kernel_size, stride, padding):
+    R.check_max_pool2d(x, kernel_size, stride, padding, "mptrain::max_pool2d")
+    ho, wo = R._pool_out_size(x.shape[2:], kernel_size, stride, padding)
+    n, c = x.shape[:2]
+    return _channels_last(x, n, c, ho, wo), _channels_last(x, n, c, ho, wo, dtype=torch.int8)
+
+
+@_impl("max_pool2d_backward")
+def _max_pool2d_backward_cpu(dy, offsets, input_size, kernel_size, stride, padding):
+    return R.max_pool2d_backward(dy, offsets, input_size, kernel_size, stride, padding)
+
+
+@_fake("max_pool2d_backward")
+def _max_pool2d_backward_fake(dy, offsets, input_size, kernel_size, stride, padding):
+    return _channels_last(dy, dy.shape[0], dy.shape[1], *input_size)
+
+
+def _max_pool2d_setup(ctx, inputs, output):
+    x, ctx.kernel_size, ctx.stride, ctx.padding = inputs
+    ctx.input_size = list(x.shape[2:])
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _max_pool2d_backward(ctx, dy, _doffsets):
+    (offsets,) = ctx.saved_tensors
+    dx = OPS["max_pool2d_backward"](dy.contiguous(memory_format=torch.channels_last), offsets, ctx.input_size,
+                                    ctx.kernel_size, ctx.stride, ctx.padding)
+    return dx, None, None, None
+
+
+torch.library.register_autograd(f"{NAMESPACE}::max_pool2d", _max_pool2d_backward, setup_context=_max_pool2d_setup,
+                                lib=_lib)
+
+
 # Multi-tensor ops (in place, no outputs)
 @_impl("multi_tensor_unscale_")
 def _unscale_cpu(tensors, inv_scale, found_inf):
@@ -296,5 +346,6 @@ def _twice(name):
     return backward
 
 
-for _name in ("layer_norm_backward", "scaled_masked_softmax_backward", "lstm_cell_backward", "lstm_layer_backward"):
+for _name in ("layer_norm_backward", "scaled_masked_softmax_backward", "lstm_cell_backward", "lstm_layer_backward",
+              "max_pool2d_backward"):
     torch.library.register_autograd(f"{NAMESPACE}::{_name}", _twice(_name), lib=_lib)

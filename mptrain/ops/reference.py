@@ -395,3 +395,50 @@ def lstm_layer_backward(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need
     grads = (lambda: (dg2 @ w_ih).view(T, B, I), lambda: dh_rec, lambda: dc_rec,
              lambda: dg2.t() @ x.reshape(T * B, I), dw_hh, lambda: dg2.sum(0))
     return tuple(g() if n else x.new_empty(0) for g, n in zip(grads, need))
+
+
+# Max pooling (csrc/max_pool.cu): channels_last in and out; the second output holds, per output
+# element, the window offset (kh * kernel_w + kw, int8) of the input element its maximum came from.
+def _pool_out_size(size, k, stride, pad):
+    return [(size[i] + 2 * pad[i] - k[i]) // stride[i] + 1 for i in (0, 1)]
+
+
+def check_max_pool2d(x, kernel_size, stride, padding, op="max_pool2d"):
+    """A ValueError naming the argument the kernels cannot take."""
+    if x.dim() != 4:
+        raise ValueError(f"{op}: input must be 4-d (N, C, H, W), got shape {tuple(x.shape)}")
+    k, s, p = (list(v) for v in (kernel_size, stride, padding))
+    if not (len(k) == len(s) == len(p) == 2):
+        raise ValueError(f"{op}: kernel_size, stride and padding must have 2 values each, got {k}, {s}, {p}")
+    if min(k) < 1 or k[0] * k[1] > 127 or min(s) < 1 or min(p) < 0 or 2 * p[0] > k[0] or 2 * p[1] > k[1]:
+        raise ValueError(f"{op}: kernel_size={k}, stride={s}, padding={p}: need kernel_size >= 1 with at most 127 "
+                         "elements (int8 offsets), stride >= 1 and 0 <= padding <= kernel_size / 2")
+    if min(_pool_out_size(x.shape[2:], k, s, p)) < 1:
+        raise ValueError(f"{op}: the output would be empty for input shape {tuple(x.shape)}, kernel_size={k}, "
+                         f"padding={p}")
+
+
+def max_pool2d_forward(x, kernel_size, stride, padding):
+    """(y, offsets) as ``mptrain::max_pool2d`` returns them, from ATen's ``max_pool2d_with_indices``
+    (the same tie / NaN / all -inf rules on the CPU)."""
+    k, s, p = list(kernel_size), list(stride), list(padding)
+    y, flat = F.max_pool2d(x, k, s, p, return_indices=True)
+    ho = torch.arange(y.shape[2], device=x.device).view(-1, 1) * s[0] - p[0]
+    wo = torch.arange(y.shape[3], device=x.device).view(1, -1) * s[1] - p[1]
+    offsets = (flat // x.shape[3] - ho) * k[1] + (flat % x.shape[3] - wo)
+    cl = torch.channels_last
+    return y.contiguous(memory_format=cl), offsets.to(torch.int8).contiguous(memory_format=cl)
+
+
+def max_pool2d_backward(dy, offsets, input_size, kernel_size, stride, padding):
+    """dx of the pool from its output gradient and the forward's offsets (fp32 sums, channels_last)."""
+    k, s, p = list(kernel_size), list(stride), list(padding)
+    H, W = input_size
+    N, C, Ho, Wo = dy.shape
+    off = offsets.long()
+    rows = (torch.arange(Ho, device=dy.device).view(-1, 1) * s[0] - p[0]) + off // k[1]
+    cols = (torch.arange(Wo, device=dy.device).view(1, -1) * s[1] - p[1]) + off % k[1]
+    flat = (rows * W + cols).reshape(N * C, Ho * Wo)
+    dx = torch.zeros(N * C, H * W, dtype=_upcast(dy).dtype, device=dy.device)
+    dx.scatter_add_(1, flat, _upcast(dy).reshape(N * C, Ho * Wo))
+    return dx.view(N, C, H, W).to(dy.dtype).contiguous(memory_format=torch.channels_last)

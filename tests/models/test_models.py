@@ -289,3 +289,43 @@ def test_bert_without_padding_gives_sdpa_no_mask_even_while_a_cuda_graph_capture
     masks.clear()
     m({"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)})
     assert len(masks) == 2 and all(mask is not None for mask in masks)
+
+
+def test_fused_image_model_keeps_parameters_and_results():
+    from torch import nn
+
+    from mptrain.models.vision import ChannelPaddedConv2d
+    from mptrain.nn import FusedMaxPool2d
+
+    torch.manual_seed(0)
+    fused, stock = ImageClassifier("resnet18", num_classes=5), ImageClassifier("resnet18", num_classes=5, fused=False)
+    assert type(fused.model.conv1) is ChannelPaddedConv2d and type(fused.model.maxpool) is FusedMaxPool2d
+    assert type(stock.model.conv1) is nn.Conv2d and type(stock.model.maxpool) is nn.MaxPool2d
+    stock.load_state_dict(fused.state_dict())  # the same keys and shapes
+    x = torch.randn(2, 3, 32, 32)
+    fused.eval(), stock.eval()
+    assert torch.equal(fused(x), stock(x))
+
+
+def test_channel_padded_conv_pads_only_where_it_pays_and_changes_nothing(monkeypatch):
+    from torch import nn
+
+    from mptrain.models.vision import ChannelPaddedConv2d
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 7, 2, 3, bias=False)
+    ref = nn.Conv2d(3, 8, 7, 2, 3, bias=False)
+    ref.load_state_dict(conv.state_dict())
+    padded = ChannelPaddedConv2d.from_conv(conv)
+    assert padded is conv and not padded.pads(torch.randn(1, 3, 8, 8))  # fp32 on the CPU: as it is
+    monkeypatch.setattr(ChannelPaddedConv2d, "pads", lambda self, x: True)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    padded.double(), ref.double()
+    y, r = padded(x), ref(x)
+    torch.testing.assert_close(y, r, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(r)
+    torch.testing.assert_close(torch.autograd.grad(y, padded.weight, g)[0], torch.autograd.grad(r, ref.weight, g)[0],
+                               rtol=1e-12, atol=1e-12)
+    assert padded.weight.shape == (8, 3, 7, 7)
+    with pytest.raises(TypeError, match="nn.Conv2d"):
+        ChannelPaddedConv2d.from_conv(nn.Conv1d(3, 8, 3))
