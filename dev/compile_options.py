@@ -2,14 +2,14 @@
 or cuDNN trying every convolution algorithm, make mptrain's best ResNet-50 / BERT step faster,
 and Lightning + compile's?
 
-    python3 dev/compile_options.py [--model resnet50] [--variants default,cdt,cudnn-all] [--repeat 2]
+    python3 dev/compile_options.py [--model resnet50] [--variants default,cdt,cudnn-all,multi-kernel,combo] [--repeat 2]
         [--case mptrain+compile+cuda_graphs:best] [--precision 16-master] [--warmup 6 --steps 20]
 
 Each (variant, round) runs in a fresh process (dynamo's and inductor's in-memory caches do not
 carry a variant into the next), through `mptrain.bench.e2e.run_case`, with the variant's inductor
 ``options`` given to torch.compile (``cudnn-all``: none; ``torch.backends.cudnn.benchmark_limit = 0``
 instead); variants alternate so that drift favours none.  Prints img/s (or seq/s), ms/step, GPU
-ms/step and the process's wall time (compile included).  Session 16: docs/PERFORMANCE.md.
+ms/step and the process's wall time (compile included).
 """
 from __future__ import annotations
 
@@ -22,16 +22,13 @@ import time
 #: name -> inductor options; "cudnn-all" leaves inductor alone and lets cuDNN's benchmark try every
 #: convolution algorithm (torch.backends.cudnn.benchmark_limit = 0; torch's default tries 10).
 #: multi-kernel: each reduction compiled both persistent and looped, the faster picked at run time;
-#: combo: independent kernels launched as one (horizontal fusion); aggressive: fusion even without
-#: shared reads; autotune-pw: every pointwise / reduction kernel benchmarked over a few configs.
+#: combo: independent kernels launched as one (horizontal fusion).  Sessions 16-17: docs/PERFORMANCE.md.
 VARIANTS = {
     "default": {},
     "cdt": {"coordinate_descent_tuning": True},
     "cudnn-all": {},
     "multi-kernel": {"triton.multi_kernel": 1},
     "combo": {"combo_kernels": True},
-    "aggressive": {"aggressive_fusion": True},
-    "autotune-pw": {"max_autotune_pointwise": True},
 }
 
 

@@ -114,14 +114,14 @@ def e2e(repeat):
 
     stock_build = classifier.build_image_model
 
-    def pooled(arch, num_classes):
+    def pooled(arch, num_classes, fused=False):  # torchvision's model, as in session 14
         model = stock_build(arch, num_classes)
         model.maxpool = AtenMaxPool2d(model.maxpool)
         return model
 
     E.best_mptrain_mode = lambda results, model: "16-master"
     for r in range(repeat):
-        for variant, builder in (("stock", stock_build), ("aten pool", pooled)):
+        for variant, builder in (("stock", lambda arch, n, fused=False: stock_build(arch, n)), ("aten pool", pooled)):
             classifier.build_image_model = builder
             res = E.run_case("resnet50", "mptrain+compile+cuda_graphs:best", "16-master", 6, 20, False)
             print(f"[{r}] {variant:<10} {res.status} {res.samples_per_s or 0:.1f} img/s, {res.step_ms or 0:.2f} "
