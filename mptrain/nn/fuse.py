@@ -1,7 +1,7 @@
 """fuse_modules(model): swap nn.LayerNorm, nn.RMSNorm, nn.LSTMCell, nn.LSTM (unidirectional, no
-projections) and nn.MaxPool2d (dilation 1, floor mode, no indices) for their fused drop-ins, in place. The new modules share the old ones' Parameter objects
-(an optimizer built before keeps working; the output is unchanged). Only exact torch classes are
-swapped: subclasses may override forward.
+projections) and nn.MaxPool2d (dilation 1, floor mode, no indices) for their fused drop-ins, in place.
+The new modules share the old ones' Parameter objects (an optimizer built before keeps working; the
+output is unchanged). Only exact torch classes are swapped: subclasses may override forward.
 """
 from __future__ import annotations
 

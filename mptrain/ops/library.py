@@ -8,6 +8,7 @@
 * Fake kernels give shapes, dtypes and contiguous strides, so ``torch.compile`` traces every op.
 * Autograd: a Python formula here for the CPU path; CUDA tensors take the C++ autograd nodes registered
   for ``AutogradCUDA`` (``csrc/ops_autograd.cpp``, ``csrc/lstm_autograd.cu``), which cost no Python.
+  ``max_pool2d`` keeps the Python formula on CUDA too: a network calls it once or twice per step.
   The backward ops are not differentiable again: use ``fused=False`` for double backward.  Under
   ``create_graph=True`` the gradients carry a graph whose backward raises that (the C++ nodes give them an
   Error node: ``csrc/autograd_node.h``), so a gradient penalty never silently contributes nothing.
@@ -257,7 +258,7 @@ def _max_pool2d_cpu(x, kernel_size, stride, padding):
 @_fake("max_pool2d")
 def _max_pool2d_fake(x, kernel_size, stride, padding):
     R.check_max_pool2d(x, kernel_size, stride, padding, "mptrain::max_pool2d")
-    ho, wo = R._pool_out_size(x.shape[2:], kernel_size, stride, padding)
+    ho, wo = R.pool_out_size(x.shape[2:], kernel_size, stride, padding)
     n, c = x.shape[:2]
     return _channels_last(x, n, c, ho, wo), _channels_last(x, n, c, ho, wo, dtype=torch.int8)
 

@@ -399,7 +399,7 @@ def lstm_layer_backward(d_out, dc_n, x, h0, c0, out, c_all, ws, w_ih, w_hh, need
 
 # Max pooling (csrc/max_pool.cu): channels_last in and out; the second output holds, per output
 # element, the window offset (kh * kernel_w + kw, int8) of the input element its maximum came from.
-def _pool_out_size(size, k, stride, pad):
+def pool_out_size(size, k, stride, pad):
     return [(size[i] + 2 * pad[i] - k[i]) // stride[i] + 1 for i in (0, 1)]
 
 
@@ -413,7 +413,7 @@ def check_max_pool2d(x, kernel_size, stride, padding, op="max_pool2d"):
     if min(k) < 1 or k[0] * k[1] > 127 or min(s) < 1 or min(p) < 0 or 2 * p[0] > k[0] or 2 * p[1] > k[1]:
         raise ValueError(f"{op}: kernel_size={k}, stride={s}, padding={p}: need kernel_size >= 1 with at most 127 "
                          "elements (int8 offsets), stride >= 1 and 0 <= padding <= kernel_size / 2")
-    if min(_pool_out_size(x.shape[2:], k, s, p)) < 1:
+    if min(pool_out_size(x.shape[2:], k, s, p)) < 1:
         raise ValueError(f"{op}: the output would be empty for input shape {tuple(x.shape)}, kernel_size={k}, "
                          f"padding={p}")
 
