@@ -77,9 +77,9 @@ def _fake(name):
     return lambda fn: torch.library.register_fake(f"{NAMESPACE}::{name}", fn, lib=_lib)
 
 
-def _new(like, *shape, dtype=None):
-    """A contiguous tensor on ``like``'s device (what the kernels allocate)."""
-    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+def _new(like, *shape, dtype=None, memory_format=torch.contiguous_format):
+    """A tensor on ``like``'s device in the layout the kernels allocate (contiguous unless told)."""
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device, memory_format=memory_format)
 
 
 # CPU kernels that are the reference's op forms as they are (the others check their inputs first, below).
@@ -245,8 +245,7 @@ torch.library.register_autograd(f"{NAMESPACE}::lstm_layer", _lstm_layer_backward
 
 
 # Max pooling: channels_last in and out (what the kernels write, so the fakes give those strides)
-def _channels_last(like, *shape, dtype=None):
-    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device, memory_format=torch.channels_last)
+_CL = torch.channels_last
 
 
 @_impl("max_pool2d")
@@ -260,7 +259,7 @@ def _max_pool2d_fake(x, kernel_size, stride, padding):
     R.check_max_pool2d(x, kernel_size, stride, padding, "mptrain::max_pool2d")
     ho, wo = R.pool_out_size(x.shape[2:], kernel_size, stride, padding)
     n, c = x.shape[:2]
-    return _channels_last(x, n, c, ho, wo), _channels_last(x, n, c, ho, wo, dtype=torch.int8)
+    return _new(x, n, c, ho, wo, memory_format=_CL), _new(x, n, c, ho, wo, dtype=torch.int8, memory_format=_CL)
 
 
 @_impl("max_pool2d_backward")
@@ -270,7 +269,7 @@ def _max_pool2d_backward_cpu(dy, offsets, input_size, kernel_size, stride, paddi
 
 @_fake("max_pool2d_backward")
 def _max_pool2d_backward_fake(dy, offsets, input_size, kernel_size, stride, padding):
-    return _channels_last(dy, dy.shape[0], dy.shape[1], *input_size)
+    return _new(dy, dy.shape[0], dy.shape[1], *input_size, memory_format=_CL)
 
 
 def _max_pool2d_setup(ctx, inputs, output):
@@ -282,7 +281,7 @@ def _max_pool2d_setup(ctx, inputs, output):
 
 def _max_pool2d_backward(ctx, dy, _doffsets):
     (offsets,) = ctx.saved_tensors
-    dx = OPS["max_pool2d_backward"](dy.contiguous(memory_format=torch.channels_last), offsets, ctx.input_size,
+    dx = OPS["max_pool2d_backward"](dy.contiguous(memory_format=_CL), offsets, ctx.input_size,
                                     ctx.kernel_size, ctx.stride, ctx.padding)
     return dx, None, None, None
 
