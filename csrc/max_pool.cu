@@ -5,23 +5,37 @@
 // bandwidth floor, and inductor's backward, which recomputes the window offsets it gathers
 // from, took 1.45 ms of a 34.9 ms training step (docs/kernels/pool.md).
 //
-// Layout: x is [N, H, W, C] in memory (channels_last).  Each thread owns one pixel and one
-// vector of V channels (16 bytes when C and the pointers allow, else one element):
-// * forward: one thread per output pixel; it reads its window, keeps per channel the maximum
-//   and the window offset (int8, kh * KW + kw) of the element it came from;
-// * backward: one thread per input pixel; it gathers dy from the windows that cover the pixel
-//   and whose saved offset points at it, sums in fp32 and writes dx once (no atomics, no zero
-//   fill, deterministic).  The (3x3, stride 2) and (2x2, stride 2) windows are compile-time
-//   shapes, so every load of a thread is issued before the first compare; others run a loop.
-// Tie and NaN rules are ATen's CPU kernels': the first maximum in (kh, kw) order wins, a NaN
-// wins over any number and a later NaN over an earlier one, and a window of -inf only points
-// at its first in-bounds element.
+// Layout: x is [N, H, W, C] in memory (channels_last).  Each thread owns one vector of V
+// channels (16 bytes when C and the pointers allow, else one element) of:
+// * forward: one output pixel; it reads its window, keeps per channel the maximum and the
+//   window offset (int8, kh * KW + kw) of the element it came from;
+// * backward, (3x3, stride 2) and (2x2, stride 2): one stride x stride tile of input pixels;
+//   it reads each window that covers the tile once (at most 2 x 2 of them: a tile is not
+//   covered by more windows than one pixel is, up to the tile's own extent), credits dy to the
+//   tile's pixels the saved offsets point at, sums in fp32 and writes each dx once.  A thread
+//   per input pixel would read 2.25 windows per pixel instead of 1 per tile pixel;
+// * backward, other windows: one input pixel, looping over the windows that cover it.
+// No atomics, no zero fill, deterministic: each pixel's sum runs over its windows in (ho, wo)
+// order.  Tie and NaN rules are ATen's CPU kernels': the first maximum in (kh, kw) order wins,
+// a NaN wins over any number and a later NaN over an earlier one, and a window of -inf only
+// points at its first in-bounds element.
+//
+// Indexing is 32-bit: the host launches the batch in chunks of fewer than 2^31 threads, and a
+// flat thread index splits into (n, row, col, channel vector) with ATen's IntDivider
+// (multiply-high and shift; a 64-bit division is a long emulated sequence on the GPU, and
+// three per thread made the index math, not memory, bound the first version of this kernel).
 #include "entry_points.h"
 #include "type_shim.h"
 
+#include <ATen/cuda/detail/IntegerDivider.cuh>
+
+#include <algorithm>
+#include <climits>
 #include <cmath>
 
 namespace {
+
+using at::cuda::detail::IntDivider;
 
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Pack {
@@ -34,36 +48,43 @@ struct alignas(V) Offsets {
 };
 
 struct PoolShape {
-  int N, H, W, C, Ho, Wo;
+  int H, W, C, Ho, Wo;
   int kh, kw, sh, sw, ph, pw;
 };
 
-// The thread's (n, row, col, first channel) in an [N, rows, cols, C] tensor of C / V vectors.
+// Splits a flat index over [n, rows, cols, C / V] (rows and cols: pixels or tiles).
+struct PixelDivider {
+  IntDivider<unsigned> vectors, cols, rows;
+};
+
+PixelDivider pixel_divider(int rows, int cols, int vectors) {
+  return {IntDivider<unsigned>(unsigned(vectors)), IntDivider<unsigned>(unsigned(cols)),
+          IntDivider<unsigned>(unsigned(rows))};
+}
+
+// The thread's (n, row, col, first channel).
 struct Pixel {
   int n, r, c, c0;
 };
 
 template <int V>
-__device__ __forceinline__ Pixel pixel_of(int64_t t, int rows, int cols, int C) {
-  const int cv = C / V;
-  Pixel p;
-  p.c0 = int(t % cv) * V;
-  int64_t q = t / cv;
-  p.c = int(q % cols);
-  q /= cols;
-  p.r = int(q % rows);
-  p.n = int(q / rows);
-  return p;
+__device__ __forceinline__ Pixel pixel_of(unsigned t, const PixelDivider& d) {
+  const auto a = d.vectors.divmod(t);
+  const auto b = d.cols.divmod(a.div);
+  const auto c = d.rows.divmod(b.div);
+  return {int(c.div), int(c.mod), int(b.mod), int(a.mod) * V};
 }
+
+#define MPT_POOL_THREADS(t, total) \
+  for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < (total); t += gridDim.x * blockDim.x)
 
 // KH, KW, SH, SW > 0: that window shape at compile time; 0: the runtime shape in `s`.
 template <typename T, int V, int KH, int KW, int SH, int SW>
 __global__ void max_pool_fwd_kernel(const T* __restrict__ x, T* __restrict__ y, int8_t* __restrict__ offsets,
-                                    PoolShape s) {
+                                    PoolShape s, PixelDivider d, unsigned total) {
   const int kh = KH ? KH : s.kh, kw = KW ? KW : s.kw, sh = SH ? SH : s.sh, sw = SW ? SW : s.sw;
-  const int64_t total = int64_t(s.N) * s.Ho * s.Wo * (s.C / V);
-  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
-    const Pixel o = pixel_of<V>(t, s.Ho, s.Wo, s.C);
+  MPT_POOL_THREADS(t, total) {
+    const Pixel o = pixel_of<V>(t, d);
     const int h0 = o.r * sh - s.ph, w0 = o.c * sw - s.pw;
     const int i0 = h0 < 0 ? -h0 : 0, j0 = w0 < 0 ? -w0 : 0;  // first in-bounds tap
     float m[V];
@@ -107,58 +128,127 @@ __global__ void max_pool_fwd_kernel(const T* __restrict__ x, T* __restrict__ y, 
   }
 }
 
-// The windows along one axis that cover input index i: [lo, hi] (empty when lo > hi).
-__device__ __forceinline__ void covering(int i, int k, int stride, int pad, int n_out, int& lo, int& hi) {
-  const int first = i + pad - k + 1;
-  lo = first <= 0 ? 0 : (first + stride - 1) / stride;
-  hi = min(n_out - 1, (i + pad) / stride);
+// The windows along one axis that cover any of the input indices [first, last]: [lo, hi]
+// (empty when lo > hi).
+__device__ __forceinline__ void covering(int first, int last, int k, int stride, int pad, int n_out, int& lo,
+                                         int& hi) {
+  const int start = first + pad - k + 1;  // the window starting here is the first to reach `first`
+  lo = start <= 0 ? 0 : (start + stride - 1) / stride;
+  hi = min(n_out - 1, (last + pad) / stride);
 }
 
-// MH, MW > 0: at most that many windows cover a pixel along each axis (ceil(k / stride)), so
-// the loads are unrolled; 0: a loop over the runtime range.
-template <typename T, int V, int MH, int MW>
-__global__ void max_pool_bwd_kernel(const T* __restrict__ dy, const int8_t* __restrict__ offsets, T* __restrict__ dx,
-                                    PoolShape s) {
-  const int64_t total = int64_t(s.N) * s.H * s.W * (s.C / V);
-  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
-    const Pixel p = pixel_of<V>(t, s.H, s.W, s.C);
+template <typename T, int V>
+__device__ __forceinline__ void store(T* dst, const float (&acc)[V]) {
+  Pack<T, V> out;
+#pragma unroll
+  for (int v = 0; v < V; ++v) out.v[v] = static_cast<T>(acc[v]);
+  *reinterpret_cast<Pack<T, V>*>(dst) = out;
+}
+
+// One thread per SH x SW tile of input pixels (rows, cols of `d`: tiles) and vector.
+template <typename T, int V, int KH, int KW, int SH, int SW>
+__global__ void max_pool_bwd_tile_kernel(const T* __restrict__ dy, const int8_t* __restrict__ offsets,
+                                         T* __restrict__ dx, PoolShape s, PixelDivider d, unsigned total) {
+  // windows covering one tile along an axis, at most: a tile spans SH rows, a window KH
+  constexpr int MH = (KH + SH - 2) / SH + 1, MW = (KW + SW - 2) / SW + 1;
+  MPT_POOL_THREADS(t, total) {
+    const Pixel p = pixel_of<V>(t, d);
+    const int r0 = p.r * SH, q0 = p.c * SW;  // the tile's first input row and column
     int hlo, hhi, wlo, whi;
-    covering(p.r, s.kh, s.sh, s.ph, s.Ho, hlo, hhi);
-    covering(p.c, s.kw, s.sw, s.pw, s.Wo, wlo, whi);
+    covering(r0, r0 + SH - 1, KH, SH, s.ph, s.Ho, hlo, hhi);
+    covering(q0, q0 + SW - 1, KW, SW, s.pw, s.Wo, wlo, whi);
+    const int64_t plane = int64_t(p.n) * s.Ho * s.Wo * s.C + p.c0;
+    // every load first, then the compares
+    Offsets<V> off[MH][MW];
+    Pack<T, V> g[MH][MW];
+#pragma unroll
+    for (int i = 0; i < MH; ++i)
+#pragma unroll
+      for (int j = 0; j < MW; ++j)
+        if (hlo + i <= hhi && wlo + j <= whi) {
+          const int64_t at = plane + (int64_t(hlo + i) * s.Wo + wlo + j) * s.C;
+          off[i][j] = *reinterpret_cast<const Offsets<V>*>(offsets + at);
+          g[i][j] = *reinterpret_cast<const Pack<T, V>*>(dy + at);
+        }
+    float acc[SH][SW][V];
+#pragma unroll
+    for (int a = 0; a < SH; ++a)
+#pragma unroll
+      for (int b = 0; b < SW; ++b)
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[a][b][v] = 0.f;
+#pragma unroll
+    for (int i = 0; i < MH; ++i)
+#pragma unroll
+      for (int j = 0; j < MW; ++j) {
+        if (hlo + i > hhi || wlo + j > whi) continue;
+        // the tile's origin in the window's (kh, kw) coordinates
+        const int dh = r0 - ((hlo + i) * SH - s.ph), dw = q0 - ((wlo + j) * SW - s.pw);
+#pragma unroll
+        for (int a = 0; a < SH; ++a)
+#pragma unroll
+          for (int b = 0; b < SW; ++b) {
+            const int kh = dh + a, kw = dw + b;
+            if (kh < 0 || kh >= KH || kw < 0 || kw >= KW) continue;
+            const int8_t want = int8_t(kh * KW + kw);
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+              if (off[i][j].v[v] == want) acc[a][b][v] += static_cast<float>(g[i][j].v[v]);
+          }
+      }
+    // the tile's pixels past the image's edge (odd H or W) are never pointed at: not written
+#pragma unroll
+    for (int a = 0; a < SH; ++a)
+#pragma unroll
+      for (int b = 0; b < SW; ++b)
+        if (r0 + a < s.H && q0 + b < s.W)
+          store<T, V>(dx + ((int64_t(p.n) * s.H + r0 + a) * s.W + q0 + b) * s.C + p.c0, acc[a][b]);
+  }
+}
+
+// One thread per input pixel and vector, any window: a loop over the covering windows.
+template <typename T, int V>
+__global__ void max_pool_bwd_kernel(const T* __restrict__ dy, const int8_t* __restrict__ offsets, T* __restrict__ dx,
+                                    PoolShape s, PixelDivider d, unsigned total) {
+  MPT_POOL_THREADS(t, total) {
+    const Pixel p = pixel_of<V>(t, d);
+    int hlo, hhi, wlo, whi;
+    covering(p.r, p.r, s.kh, s.sh, s.ph, s.Ho, hlo, hhi);
+    covering(p.c, p.c, s.kw, s.sw, s.pw, s.Wo, wlo, whi);
     const int64_t plane = int64_t(p.n) * s.Ho * s.Wo * s.C + p.c0;
     float acc[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) acc[v] = 0.f;
-    auto gather = [&](int ho, int wo) {
-      const int8_t want = int8_t((p.r - (ho * s.sh - s.ph)) * s.kw + (p.c - (wo * s.sw - s.pw)));
-      const int64_t at = plane + (int64_t(ho) * s.Wo + wo) * s.C;
-      const Offsets<V> off = *reinterpret_cast<const Offsets<V>*>(offsets + at);
-      const Pack<T, V> g = *reinterpret_cast<const Pack<T, V>*>(dy + at);
+    for (int ho = hlo; ho <= hhi; ++ho)
+      for (int wo = wlo; wo <= whi; ++wo) {
+        const int8_t want = int8_t((p.r - (ho * s.sh - s.ph)) * s.kw + (p.c - (wo * s.sw - s.pw)));
+        const int64_t at = plane + (int64_t(ho) * s.Wo + wo) * s.C;
+        const Offsets<V> off = *reinterpret_cast<const Offsets<V>*>(offsets + at);
+        const Pack<T, V> g = *reinterpret_cast<const Pack<T, V>*>(dy + at);
 #pragma unroll
-      for (int v = 0; v < V; ++v)
-        if (off.v[v] == want) acc[v] += static_cast<float>(g.v[v]);
-    };
-    if constexpr (MH > 0 && MW > 0) {
-#pragma unroll
-      for (int i = 0; i < MH; ++i)
-#pragma unroll
-        for (int j = 0; j < MW; ++j)
-          if (hlo + i <= hhi && wlo + j <= whi) gather(hlo + i, wlo + j);
-    } else {
-      for (int ho = hlo; ho <= hhi; ++ho)
-        for (int wo = wlo; wo <= whi; ++wo) gather(ho, wo);
-    }
-    Pack<T, V> out;
-#pragma unroll
-    for (int v = 0; v < V; ++v) out.v[v] = static_cast<T>(acc[v]);
-    *reinterpret_cast<Pack<T, V>*>(dx + ((int64_t(p.n) * s.H + p.r) * s.W + p.c) * s.C + p.c0) = out;
+        for (int v = 0; v < V; ++v)
+          if (off.v[v] == want) acc[v] += static_cast<float>(g.v[v]);
+      }
+    store<T, V>(dx + ((int64_t(p.n) * s.H + p.r) * s.W + p.c) * s.C + p.c0, acc);
   }
 }
+
+#undef MPT_POOL_THREADS
 
 int grid_for(int64_t threads) {
   const int64_t blocks = (threads + 255) / 256;
   const int64_t cap = int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32;
   return int(blocks < cap ? blocks : cap);
+}
+
+// Calls launch(n0, count) over the batch in chunks of images whose threads (per_image each)
+// number fewer than 2^31, the range of the kernels' 32-bit indices.
+template <typename Launch>
+void over_batch(const char* op, int64_t N, int64_t per_image, Launch&& launch) {
+  MPT_CHECK(per_image < INT_MAX, op, ": one image needs ", per_image,
+            " threads; at most 2^31 - 1 are supported (use torch.nn.functional.max_pool2d)");
+  const int64_t chunk = std::max<int64_t>(1, INT_MAX / per_image);
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) launch(n0, std::min(chunk, N - n0));
 }
 
 // 16-byte vectors when the channel count and every pointer allow them
@@ -183,35 +273,57 @@ void check_pool_args(const char* op, const at::Tensor& t, const char* name, at::
             " must be at most half of kernel_size=", k);
 }
 
-PoolShape make_shape(int64_t N, int64_t C, int64_t H, int64_t W, int64_t Ho, int64_t Wo, at::IntArrayRef k,
+PoolShape make_shape(int64_t C, int64_t H, int64_t W, int64_t Ho, int64_t Wo, at::IntArrayRef k,
                      at::IntArrayRef stride, at::IntArrayRef pad) {
-  return {int(N), int(H), int(W), int(C), int(Ho), int(Wo), int(k[0]), int(k[1]),
+  return {int(H), int(W), int(C), int(Ho), int(Wo), int(k[0]), int(k[1]),
           int(stride[0]), int(stride[1]), int(pad[0]), int(pad[1])};
 }
 
 template <typename T, int V>
-void launch_fwd(const T* x, T* y, int8_t* offsets, const PoolShape& s, cudaStream_t stream) {
-  const int grid = grid_for(int64_t(s.N) * s.Ho * s.Wo * (s.C / V));
-  if (s.kh == 3 && s.kw == 3 && s.sh == 2 && s.sw == 2)
-    max_pool_fwd_kernel<T, V, 3, 3, 2, 2><<<grid, 256, 0, stream>>>(x, y, offsets, s);
-  else if (s.kh == 2 && s.kw == 2 && s.sh == 2 && s.sw == 2)
-    max_pool_fwd_kernel<T, V, 2, 2, 2, 2><<<grid, 256, 0, stream>>>(x, y, offsets, s);
-  else
-    max_pool_fwd_kernel<T, V, 0, 0, 0, 0><<<grid, 256, 0, stream>>>(x, y, offsets, s);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+void launch_fwd(const char* op, const T* x, T* y, int8_t* offsets, int64_t N, const PoolShape& s,
+                cudaStream_t stream) {
+  const PixelDivider d = pixel_divider(s.Ho, s.Wo, s.C / V);
+  const int64_t per_image = int64_t(s.Ho) * s.Wo * (s.C / V);
+  const int64_t in_image = int64_t(s.H) * s.W * s.C, out_image = int64_t(s.Ho) * s.Wo * s.C;
+  over_batch(op, N, per_image, [&](int64_t n0, int64_t n) {
+    const unsigned total = unsigned(n * per_image);
+    const int grid = grid_for(total);
+    const T* xs = x + n0 * in_image;
+    T* ys = y + n0 * out_image;
+    int8_t* os = offsets + n0 * out_image;
+    if (s.kh == 3 && s.kw == 3 && s.sh == 2 && s.sw == 2)
+      max_pool_fwd_kernel<T, V, 3, 3, 2, 2><<<grid, 256, 0, stream>>>(xs, ys, os, s, d, total);
+    else if (s.kh == 2 && s.kw == 2 && s.sh == 2 && s.sw == 2)
+      max_pool_fwd_kernel<T, V, 2, 2, 2, 2><<<grid, 256, 0, stream>>>(xs, ys, os, s, d, total);
+    else
+      max_pool_fwd_kernel<T, V, 0, 0, 0, 0><<<grid, 256, 0, stream>>>(xs, ys, os, s, d, total);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 template <typename T, int V>
-void launch_bwd(const T* dy, const int8_t* offsets, T* dx, const PoolShape& s, cudaStream_t stream) {
-  const int grid = grid_for(int64_t(s.N) * s.H * s.W * (s.C / V));
-  const int mh = (s.kh + s.sh - 1) / s.sh, mw = (s.kw + s.sw - 1) / s.sw;
-  if (mh == 2 && mw == 2)
-    max_pool_bwd_kernel<T, V, 2, 2><<<grid, 256, 0, stream>>>(dy, offsets, dx, s);
-  else if (mh == 1 && mw == 1)
-    max_pool_bwd_kernel<T, V, 1, 1><<<grid, 256, 0, stream>>>(dy, offsets, dx, s);
-  else
-    max_pool_bwd_kernel<T, V, 0, 0><<<grid, 256, 0, stream>>>(dy, offsets, dx, s);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+void launch_bwd(const char* op, const T* dy, const int8_t* offsets, T* dx, int64_t N, const PoolShape& s,
+                cudaStream_t stream) {
+  const bool tile = s.sh == 2 && s.sw == 2 && s.kh == s.kw && (s.kh == 3 || s.kh == 2);
+  // tiled: rows and cols of the thread grid are stride x stride tiles of the input
+  const int rows = tile ? (s.H + 1) / 2 : s.H, cols = tile ? (s.W + 1) / 2 : s.W;
+  const PixelDivider d = pixel_divider(rows, cols, s.C / V);
+  const int64_t per_image = int64_t(rows) * cols * (s.C / V);
+  const int64_t in_image = int64_t(s.H) * s.W * s.C, out_image = int64_t(s.Ho) * s.Wo * s.C;
+  over_batch(op, N, per_image, [&](int64_t n0, int64_t n) {
+    const unsigned total = unsigned(n * per_image);
+    const int grid = grid_for(total);
+    const T* dys = dy + n0 * out_image;
+    const int8_t* os = offsets + n0 * out_image;
+    T* dxs = dx + n0 * in_image;
+    if (tile && s.kh == 3)
+      max_pool_bwd_tile_kernel<T, V, 3, 3, 2, 2><<<grid, 256, 0, stream>>>(dys, os, dxs, s, d, total);
+    else if (tile)
+      max_pool_bwd_tile_kernel<T, V, 2, 2, 2, 2><<<grid, 256, 0, stream>>>(dys, os, dxs, s, d, total);
+    else
+      max_pool_bwd_kernel<T, V><<<grid, 256, 0, stream>>>(dys, os, dxs, s, d, total);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 }  // namespace
@@ -230,13 +342,15 @@ std::vector<at::Tensor> max_pool2d_forward(const at::Tensor& x, at::IntArrayRef 
   if (y.numel() == 0) return {y, offsets};
   const at::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const PoolShape s = make_shape(N, C, H, W, Ho, Wo, k, stride, pad);
+  const PoolShape s = make_shape(C, H, W, Ho, Wo, k, stride, pad);
   MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), op, scalar_t, {
     constexpr int V = 16 / sizeof(scalar_t);
     if (vectorizable<scalar_t>(C, {x.data_ptr(), y.data_ptr(), offsets.data_ptr()}))
-      launch_fwd<scalar_t, V>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), offsets.data_ptr<int8_t>(), s, stream);
+      launch_fwd<scalar_t, V>(op, x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), offsets.data_ptr<int8_t>(), N, s,
+                               stream);
     else
-      launch_fwd<scalar_t, 1>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), offsets.data_ptr<int8_t>(), s, stream);
+      launch_fwd<scalar_t, 1>(op, x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), offsets.data_ptr<int8_t>(), N, s,
+                               stream);
   });
   return {y, offsets};
 }
@@ -258,13 +372,15 @@ at::Tensor max_pool2d_backward(const at::Tensor& dy, const at::Tensor& offsets, 
   if (dx.numel() == 0) return dx;
   const at::cuda::CUDAGuard guard(dy.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const PoolShape s = make_shape(N, C, H, W, Ho, Wo, k, stride, pad);
+  const PoolShape s = make_shape(C, H, W, Ho, Wo, k, stride, pad);
   MPT_DISPATCH_FLOAT_HALF_BF16(dy.scalar_type(), op, scalar_t, {
     constexpr int V = 16 / sizeof(scalar_t);
     if (vectorizable<scalar_t>(C, {dy.data_ptr(), dx.data_ptr(), offsets.data_ptr()}))
-      launch_bwd<scalar_t, V>(dy.data_ptr<scalar_t>(), offsets.data_ptr<int8_t>(), dx.data_ptr<scalar_t>(), s, stream);
+      launch_bwd<scalar_t, V>(op, dy.data_ptr<scalar_t>(), offsets.data_ptr<int8_t>(), dx.data_ptr<scalar_t>(), N, s,
+                               stream);
     else
-      launch_bwd<scalar_t, 1>(dy.data_ptr<scalar_t>(), offsets.data_ptr<int8_t>(), dx.data_ptr<scalar_t>(), s, stream);
+      launch_bwd<scalar_t, 1>(op, dy.data_ptr<scalar_t>(), offsets.data_ptr<int8_t>(), dx.data_ptr<scalar_t>(), N, s,
+                               stream);
   });
   return dx;
 }

@@ -1,7 +1,8 @@
 """mptrain::max_pool2d's CUDA kernels (csrc/max_pool.cu) against the CPU reference: the output and the
 window offsets bitwise, the gradient bitwise (both sum in fp32 in the same window order), over the
 compile-time window shapes and the runtime loop, the 16-byte and the scalar paths, NaN / inf / ties /
-all -inf windows; opcheck on CUDA; torch.compile without graph breaks; a CUDA graph capture."""
+all -inf windows, a batch launched in two chunks (over 2^31 threads); opcheck on CUDA; torch.compile
+without graph breaks; a CUDA graph capture."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,9 @@ from mptrain.nn import FusedMaxPool2d
 OPS = torch.ops.mptrain
 CL = torch.channels_last
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-CONFIGS = [((3, 3), (2, 2), (1, 1)), ((2, 2), (2, 2), (0, 0)), ((3, 3), (1, 1), (1, 1)), ((3, 2), (2, 1), (1, 0)),
-           ((5, 5), (2, 3), (2, 2))]
+# the two tiled backward shapes (3x3/2, 2x2/2, with and without padding), then the runtime loop
+CONFIGS = [((3, 3), (2, 2), (1, 1)), ((2, 2), (2, 2), (0, 0)), ((2, 2), (2, 2), (1, 1)), ((3, 3), (1, 1), (1, 1)),
+           ((3, 2), (2, 1), (1, 0)), ((5, 5), (2, 3), (2, 2))]
 SHAPES = [(2, 64, 17, 16), (3, 3, 13, 11), (2, 12, 9, 9), (1, 8, 1, 1)]  # vector paths, C = 3, C = 12, one pixel
 
 
@@ -76,6 +78,27 @@ def test_misaligned_input_takes_the_scalar_path():
     y, off = OPS.max_pool2d(x, [3, 3], [2, 2], [1, 1])
     y_ref, off_ref = OPS.max_pool2d(x.cpu(), [3, 3], [2, 2], [1, 1])
     assert torch.equal(y.cpu(), y_ref) and torch.equal(off.cpu(), off_ref)
+
+
+def test_batch_past_two_to_the_31_threads_runs_in_chunks():
+    # 2x2/2 over 1024x1024 single-channel fp16 images (scalar path, one thread per output element
+    # forward and per 2x2 tile backward): 512 * 512 threads an image, so 8193 images are 2^31 + 2^18
+    # threads and the host launches two chunks (8191 + 2).  Every window's maximum is its (1, 1)
+    # element, so y, the offsets and dx are known without a reference.
+    n, side = 8193, 1024
+    if torch.cuda.mem_get_info()[0] < 50 * 2**30:
+        pytest.skip("needs 50 GiB of free GPU memory (x and dx are 17 GB each)")
+    rows = torch.arange(side, device="cuda") % 2
+    pattern = (2 * rows[:, None] + rows[None, :]).half()  # 0 1 / 2 3 in every 2x2 window
+    x = pattern.expand(n, 1, side, side).contiguous(memory_format=CL)
+    y, off = OPS.max_pool2d(x, [2, 2], [2, 2], [0, 0])
+    assert bool((y == 3).all()) and bool((off == 3).all())
+    del x
+    dy = torch.randn(n, 1, side // 2, side // 2, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    dx = OPS.max_pool2d_backward(dy, off, [side, side], [2, 2], [2, 2], [0, 0])
+    assert torch.equal(dx[:, :, 1::2, 1::2], dy)
+    dx[:, :, 1::2, 1::2] = 0
+    assert not bool(dx.any())
 
 
 def test_bad_input_raises_with_the_fix():
