@@ -1,6 +1,7 @@
 // Autograd for the custom ops on CUDA tensors, in C++ (the LSTM cell's node is in
-// lstm_autograd.cu): mptrain::layer_norm and mptrain::scaled_masked_softmax as hand-written
-// nodes (called per layer, many times a step), mptrain::lstm_layer as a
+// lstm_autograd.cu): mptrain::layer_norm, mptrain::scaled_masked_softmax and
+// mptrain::max_pool2d as hand-written nodes (an eager call of each is held to the host time
+// of torch's nearest op; the norms and softmax run many times a step), mptrain::lstm_layer as a
 // torch::autograd::Function (once per layer and sequence: its overhead does not matter).
 //
 // Why C++: a Python autograd.Function costs ~95 us of host time each way per call on an
@@ -159,6 +160,60 @@ Tensor softmax_autograd(const Tensor& x, const OptTensor& mask, double scale, bo
   return y;
 }
 
+// ---- max pooling: a hand-written node; the backward reads only the saved window offsets.
+using PoolFwd = std::tuple<Tensor, Tensor>(const Tensor&, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef);
+using PoolBwd = Tensor(const Tensor&, const Tensor&, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef,
+                       at::IntArrayRef);
+
+struct MaxPoolBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable offsets;  // a non-differentiable output (int8, no grad_fn to cycle)
+  std::vector<int64_t> input_size, kernel_size, stride, padding;
+
+  std::string name() const override { return "MptMaxPool2DBackward"; }
+
+  void release_variables() override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    offsets.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    static const auto bwd = op<PoolBwd>("mptrain::max_pool2d_backward");
+    const std::lock_guard<std::mutex> lock(mutex_);
+    variable_list out(1);
+    if (!grads[0].defined() || !task_should_compute_output(0)) return out;
+    const Tensor off = offsets.unpack();
+    at::AutoDispatchBelowADInplaceOrView below;
+    out[0] = bwd.call(grads[0].contiguous(at::MemoryFormat::ChannelsLast), off, input_size, kernel_size, stride,
+                      padding);
+    mpt::once_differentiable(out, {grads[0]}, "mptrain::max_pool2d_backward");
+    return out;
+  }
+};
+
+std::tuple<Tensor, Tensor> max_pool2d_autograd(const Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                               at::IntArrayRef padding) {
+  static const auto fwd = op<PoolFwd>("mptrain::max_pool2d");
+  MPT_CHECK(!has_fw_grad(x), "max_pool2d: forward-mode AD (dual tensors) is not supported by the fused kernel; "
+            "use fused=False (torch's pool) for jvp / forward AD");
+  std::tuple<Tensor, Tensor> r;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    r = fwd.call(x, kernel_size, stride, padding);
+  }
+  if (at::GradMode::is_enabled() && x.requires_grad()) {
+    auto node = make_node<MaxPoolBackward>();
+    auto* n = static_cast<MaxPoolBackward*>(node.get());
+    n->set_next_edges(torch::autograd::collect_next_edges(x));
+    torch::autograd::set_history(std::get<0>(r), node);
+    n->offsets = torch::autograd::SavedVariable(std::get<1>(r), false);
+    n->input_size = {x.size(2), x.size(3)};
+    n->kernel_size = kernel_size.vec();
+    n->stride = stride.vec();
+    n->padding = padding.vec();
+  }
+  return r;
+}
+
 // ---- LSTM layer: outputs (out, c_n) differentiable; c_all and the gate workspace saved.
 using LayerFwd = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                             const Tensor&, const Tensor&, const OptTensor&,
@@ -213,5 +268,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_layer_autograd(const Tensor& x, 
 TORCH_LIBRARY_IMPL(mptrain, AutogradCUDA, m) {
   m.impl("layer_norm", &layer_norm_autograd);
   m.impl("scaled_masked_softmax", &softmax_autograd);
+  m.impl("max_pool2d", &max_pool2d_autograd);
   m.impl("lstm_layer", &lstm_layer_autograd);
 }

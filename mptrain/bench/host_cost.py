@@ -1,12 +1,14 @@
 """Host cost of one eager call: mptrain's ops against torch's nearest native op.
 
 Per op and shape, fwd and fwd+bwd: wall time per call of a loop of N calls after a warm-up (one
-sync at the end).  At the tiny shape the GPU work is negligible, so it is the host time a
-host-bound step pays per call; at the benchmark shapes, the eager wall time.  Pairs (ours / torch):
-``ops.layer_norm`` / ``F.layer_norm``, ``ops.rms_norm`` / ``F.rms_norm``,
-``ops.scaled_masked_softmax(x, mask)`` / ``torch.softmax(x.masked_fill(mask, -inf), -1)``,
-``FusedLSTMCell`` / ``nn.LSTMCell`` (same weights).  Targets (issue 12): ratio <= 1.1 tiny, <= 1.0
-at the benchmark shapes; the last column is ours with ``fused=False`` (the reference).
+sync at the end); ours, torch's and the reference's loops take turns, the fastest of five rounds
+each.  At the tiny shape the GPU work is negligible, so it is the host time a host-bound step pays
+per call; at the benchmark shapes, the eager wall time.  Pairs (ours / torch): ``ops.layer_norm`` /
+``F.layer_norm``, ``ops.rms_norm`` / ``F.rms_norm``, ``ops.scaled_masked_softmax(x, mask)`` /
+``torch.softmax(x.masked_fill(mask, -inf), -1)``, ``FusedLSTMCell`` / ``nn.LSTMCell`` (same
+weights), ``ops.max_pool2d`` / ``F.max_pool2d`` (3x3/2, channels_last input).  Targets (issue 12):
+ratio <= 1.1 tiny, <= 1.0 at the benchmark shapes; the last column is ours with ``fused=False``
+(the reference).
 On the CPU only the tiny shapes run, in fp32: ours is the op's Python CPU kernel behind the
 dispatcher, so "ours - reference" is the custom-op path's own cost (the CUDA path needs a GPU).
 
@@ -18,7 +20,7 @@ import argparse
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,21 +47,26 @@ class Row:
         return self.ours_us / self.torch_us
 
 
-def per_call_us(fn: Callable[[], object], iters: int, sync: Callable[[], None], repeats: int = 5) -> float:
-    """Wall time of one call in microseconds: warm-up, then ``repeats`` loops of ``iters // repeats``
-    calls, each ended by one sync; the fastest loop counts (a busy machine only ever adds time)."""
-    for _ in range(max(3, iters // 10)):
-        fn()
+def per_call_us(fns: Sequence[Callable[[], object]], iters: int, sync: Callable[[], None],
+                repeats: int = 5) -> list[float]:
+    """Wall time of one call of each of ``fns`` in microseconds: warm-up, then ``repeats`` rounds in
+    which each fn in turn runs a loop of ``iters // repeats`` calls ended by one sync (a, b, a, b, ...),
+    so that the host's drift over the measurement moves every side of a ratio alike; each fn's fastest
+    loop counts (a busy machine only ever adds time)."""
+    for fn in fns:
+        for _ in range(max(3, iters // 10)):
+            fn()
     sync()
     n = max(1, iters // repeats)
-    best = float("inf")
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best / n * 1e6
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return [b / n * 1e6 for b in best]
 
 
 def _fwd_bwd(forward, dy, leaves):
@@ -87,6 +94,12 @@ def _softmax_pair(batch, heads, s, dtype, device, fused):
             (lambda: torch.softmax(x.masked_fill(mask, float("-inf")), -1)), [x])
 
 
+def _pool_pair(batch, channels, side, dtype, device, fused):
+    x = torch.randn(batch, channels, side, side, dtype=dtype, device=device)
+    x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+    return (lambda: ops.max_pool2d(x, 3, 2, 1, fused=fused)), (lambda: F.max_pool2d(x, 3, 2, 1)), [x]
+
+
 def _lstm_pair(batch, hidden, dtype, device, fused):
     from mptrain.nn import FusedLSTMCell
 
@@ -106,6 +119,7 @@ def cases(device: str, quick: bool):
         ("rms_norm", "4x256", TINY, lambda f: _norm_pair(True, 4, 256, tiny_dt, device, f)),
         ("scaled_masked_softmax", "1x2x8x8", TINY, lambda f: _softmax_pair(1, 2, 8, tiny_dt, device, f)),
         ("lstm_cell", "4x32", TINY, lambda f: _lstm_pair(4, 32, tiny_dt, device, f)),
+        ("max_pool2d", "2x8x8x8 cl", TINY, lambda f: _pool_pair(2, 8, 8, tiny_dt, device, f)),
     ]
     if device == "cuda" and not quick:
         bf = torch.bfloat16
@@ -115,6 +129,8 @@ def cases(device: str, quick: bool):
             ("scaled_masked_softmax", "32x16x512x512 bf16", BENCH, lambda f: _softmax_pair(32, 16, 512, bf, device, f)),
             ("lstm_cell", "256x1024 bf16", BENCH, lambda f: _lstm_pair(256, 1024, bf, device, f)),
             ("lstm_cell", "1024x1024 bf16", BENCH, lambda f: _lstm_pair(1024, 1024, bf, device, f)),
+            ("max_pool2d", "256x64x112x112 fp16 cl", BENCH,
+             lambda f: _pool_pair(256, 64, 112, torch.float16, device, f)),
         ]
     return out
 
@@ -139,7 +155,7 @@ def run(device: str = "cuda", quick: bool = False, iters: Optional[int] = None) 
             torch.testing.assert_close(ours().float(), ref().float(), atol=2e-2, rtol=2e-2)  # same computation
             bwd = [_fwd_bwd(ours, dy, leaves), _fwd_bwd(ref, dy, leaves), _fwd_bwd(plain, dy, plain_leaves)]
             for pass_, fns in (("fwd", (ours, ref, plain)), ("fwd+bwd", bwd)):
-                rows.append(Row(op, shape, kind, pass_, *(per_call_us(f, n, sync) for f in fns)))
+                rows.append(Row(op, shape, kind, pass_, *per_call_us(fns, n, sync)))
             del ours, ref, plain, dy, leaves, plain_leaves, bwd, fns
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -8,7 +8,6 @@
 * Fake kernels give shapes, dtypes and contiguous strides, so ``torch.compile`` traces every op.
 * Autograd: a Python formula here for the CPU path; CUDA tensors take the C++ autograd nodes registered
   for ``AutogradCUDA`` (``csrc/ops_autograd.cpp``, ``csrc/lstm_autograd.cu``), which cost no Python.
-  ``max_pool2d`` keeps the Python formula on CUDA too: a network calls it once or twice per step.
   The backward ops are not differentiable again: use ``fused=False`` for double backward.  Under
   ``create_graph=True`` the gradients carry a graph whose backward raises that (the C++ nodes give them an
   Error node: ``csrc/autograd_node.h``), so a gradient penalty never silently contributes nothing.

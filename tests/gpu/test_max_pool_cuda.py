@@ -101,6 +101,26 @@ def test_batch_past_two_to_the_31_threads_runs_in_chunks():
     assert not bool(dx.any())
 
 
+def test_cuda_tensors_take_the_cpp_autograd_node():
+    x = torch.randn(2, 8, 6, 6, device="cuda").contiguous(memory_format=CL).requires_grad_()
+    y = ops.max_pool2d(x, 3, 2, 1)
+    assert y.grad_fn.name() == "MptMaxPool2DBackward"  # csrc/ops_autograd.cpp, not a Python BackwardCFunction
+    with torch.no_grad():
+        assert ops.max_pool2d(x, 3, 2, 1).grad_fn is None
+
+
+def test_create_graph_gradient_raises_when_differentiated_again():
+    # dy depends on x (z = sum(y^2)): the graphed dx carries a graph whose backward raises, never a
+    # gradient silently without one; its bits are the plain backward's
+    x = torch.randn(2, 8, 9, 9, device="cuda").contiguous(memory_format=CL).requires_grad_()
+    z = ops.max_pool2d(x, 3, 2, 1).square().sum()
+    (plain,) = torch.autograd.grad(z, x, retain_graph=True)
+    (graphed,) = torch.autograd.grad(z, x, create_graph=True)
+    assert torch.equal(plain, graphed) and graphed.requires_grad
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        graphed.square().sum().backward()
+
+
 def test_bad_input_raises_with_the_fix():
     with pytest.raises(RuntimeError, match="channels_last"):
         OPS.max_pool2d(torch.randn(2, 8, 9, 9, device="cuda"), [3, 3], [2, 2], [1, 1])
