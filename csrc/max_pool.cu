@@ -10,10 +10,9 @@
 // * forward: one output pixel; it reads its window, keeps per channel the maximum and the
 //   window offset (int8, kh * KW + kw) of the element it came from;
 // * backward, (3x3, stride 2) and (2x2, stride 2): one stride x stride tile of input pixels;
-//   it reads each window that covers the tile once (at most 2 x 2 of them: a tile is not
-//   covered by more windows than one pixel is, up to the tile's own extent), credits dy to the
-//   tile's pixels the saved offsets point at, sums in fp32 and writes each dx once.  A thread
-//   per input pixel would read 2.25 windows per pixel instead of 1 per tile pixel;
+//   it reads each window that covers the tile once (at most 2 x 2 of them for these shapes),
+//   credits dy to the tile's pixels the saved offsets point at, sums in fp32 and writes each dx
+//   once.  A thread per input pixel would read 2.25 windows per pixel instead of 1 per pixel;
 // * backward, other windows: one input pixel, looping over the windows that cover it.
 // No atomics, no zero fill, deterministic: each pixel's sum runs over its windows in (ho, wo)
 // order.  Tie and NaN rules are ATen's CPU kernels': the first maximum in (kh, kw) order wins,
@@ -21,9 +20,8 @@
 // points at its first in-bounds element.
 //
 // Indexing is 32-bit: the host launches the batch in chunks of fewer than 2^31 threads, and a
-// flat thread index splits into (n, row, col, channel vector) with ATen's IntDivider
-// (multiply-high and shift; a 64-bit division is a long emulated sequence on the GPU, and
-// three per thread made the index math, not memory, bound the first version of this kernel).
+// flat thread index splits into (n, row, col, channel vector) with ATen's IntDivider (a
+// multiply-high and a shift per division; a 64-bit division is a long emulated sequence).
 #include "entry_points.h"
 #include "type_shim.h"
 
