@@ -1,5 +1,6 @@
 // Lean Python entry points for the custom ops whose host time is compared with torch's
-// own at tiny shapes (LayerNorm / RMSNorm, one per normalization layer per step).
+// own at tiny shapes (LayerNorm / RMSNorm, one per normalization layer per step; max
+// pooling).
 //
 // Why: calling torch.ops.mptrain.layer_norm goes through the boxed path (the arguments
 // parsed against the schema into IValues, the results boxed back), which costs ~4 us of
@@ -9,12 +10,13 @@
 // called through its typed dispatcher handle, so dispatch (autograd, the CUDA kernel,
 // Python dispatch modes) is the op's as registered.
 //
-// It takes only the plain case and answers NotImplemented for everything else, which the
-// caller (mptrain/ops/layer_norm.py) then sends through torch.ops as before: tensor
+// Each takes only the plain case and answers NotImplemented for everything else, which the
+// caller (mptrain/ops/layer_norm.py, pool.py) then sends through torch.ops as before: tensor
 // subclasses and active torch-function modes (__torch_function__ must see the op), CUDA
 // autocast (the caller upcasts), dtypes other than float32/float16/bfloat16, parameters
 // that are neither in x's dtype nor float32, a normalized_shape that is not an int or a
-// sequence of ints.
+// sequence of ints; for the pool, input that is not 4-d channels_last, windows of more than
+// 127 elements, sizes that are not an int or two ints.
 #include <ATen/ATen.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
@@ -25,6 +27,7 @@
 
 #include <c10/util/SmallVector.h>
 
+#include <array>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -38,6 +41,7 @@ using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 using LnFwd = std::tuple<Tensor, Tensor>(const Tensor&, at::IntArrayRef, const OptTensor&, const OptTensor&, double,
                                          bool);
+using PoolFwd = std::tuple<Tensor, Tensor>(const Tensor&, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef);
 
 PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
 
@@ -113,11 +117,55 @@ PyObject* norm(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// kernel_size / stride / padding as torch's _pair takes them here: an int, or a tuple / list of
+// two ints.
+bool int_pair(PyObject* o, std::array<int64_t, 2>& out) {
+  c10::SmallVector<int64_t, 4> v;
+  if (!int_list(o, v) || (v.size() != 1 && v.size() != 2) || (v.size() == 1 && !PyLong_CheckExact(o))) return false;
+  out = {v[0], v.back()};
+  return true;
+}
+
+// max_pool2d(x, kernel_size, stride, padding) -> y (torch.ops.mptrain.max_pool2d(...)[0]), or
+// NotImplemented.  stride None: kernel_size.  The op checks the values (positive, padding).
+PyObject* max_pool2d(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "max_pool2d(x, kernel_size, stride, padding) takes 4 arguments");
+    return nullptr;
+  }
+  if (at::impl::torch_function_mode_enabled()) return not_implemented();
+  OptTensor x;
+  if (!plain(args[0], x) || !x || x->dim() != 4 || !kernel_dtype(x->scalar_type()) ||
+      !x->is_contiguous(at::MemoryFormat::ChannelsLast))
+    return not_implemented();
+  std::array<int64_t, 2> k{}, s{}, p{};
+  if (!int_pair(args[1], k) || !int_pair(args[3], p)) return not_implemented();
+  if (args[2] == Py_None) {
+    s = k;
+  } else if (!int_pair(args[2], s)) {
+    return not_implemented();
+  }
+  if (k[0] < 1 || k[1] < 1 || k[0] * k[1] > 127) return not_implemented();  // the caller's fallback or error
+  static const auto op = mpt::op<PoolFwd>("mptrain::max_pool2d");
+  Tensor y;
+  {
+    pybind11::gil_scoped_release no_gil;
+    y = std::get<0>(op.call(*x, k, s, p));
+  }
+  return THPVariable_Wrap(std::move(y));
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(norm)), METH_FASTCALL,
      "norm(x, normalized_shape, weight, bias, eps, rms) -> torch.ops.mptrain.layer_norm(...)[0], or NotImplemented "
      "where the call must go through torch.ops (tensor subclasses, torch-function modes, CUDA autocast, other "
      "dtypes or argument types)"},
+    {"max_pool2d", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(max_pool2d)), METH_FASTCALL,
+     "max_pool2d(x, kernel_size, stride, padding) -> torch.ops.mptrain.max_pool2d(...)[0], or NotImplemented "
+     "where the call must go through torch.ops (tensor subclasses, torch-function modes, input that is not 4-d "
+     "channels_last float32/float16/bfloat16, other argument types)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -16,8 +16,9 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Whether the CUDA kernels are registered: None until the first CUDA call asks for them.
 _cuda_kernels: "bool | None" = None
-#: The extension's lean entry point for LayerNorm / RMSNorm (csrc/fast_call.cpp), once it has loaded.
-fast_norm = None
+#: The extension's lean entry points for LayerNorm / RMSNorm and max pooling (csrc/fast_call.cpp), once it
+#: has loaded.
+fast_norm = fast_pool = None
 
 
 def check_fused(owner: str, fused):
@@ -29,11 +30,12 @@ def check_fused(owner: str, fused):
 
 def _load(required: bool) -> bool:
     """Build/load the extension (which registers the CUDA kernels); False if unavailable."""
-    global _cuda_kernels, fast_norm
+    global _cuda_kernels, fast_norm, fast_pool
     from .build import get_extension  # lazily: torch.utils.cpp_extension is slow to import
 
     ext = get_extension(required=required)
-    _cuda_kernels, fast_norm = ext is not None, getattr(ext, "norm", None)
+    _cuda_kernels = ext is not None
+    fast_norm, fast_pool = getattr(ext, "norm", None), getattr(ext, "max_pool2d", None)
     return _cuda_kernels
 
 

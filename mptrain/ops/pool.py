@@ -1,7 +1,8 @@
 """Max pooling: ``torch.ops.mptrain.max_pool2d`` for channels_last input, else torch's ``F.max_pool2d``,
 as :mod:`mptrain.ops.dispatch` decides.  The op returns the window offset (int8) of every maximum beside
 the output, and its backward gathers through them (csrc/max_pool.cu); dilation, ``ceil_mode`` and
-returned indices are torch's alone (``mptrain.nn.FusedMaxPool2d`` routes those to torch).
+returned indices are torch's alone (``mptrain.nn.FusedMaxPool2d`` routes those to torch).  Eager CUDA
+calls first try the extension's lean entry point (``csrc/fast_call.cpp``), as the norms do.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
+from . import dispatch
 from .dispatch import use_op
 from .library import OPS
 
@@ -21,6 +23,13 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, *, fused="auto"):
     4-d channels_last input (``fused=True``: any 4-d CUDA input, made channels_last), torch's otherwise.
     Ties and NaN as torch: the first maximum of a window wins, NaN wins over numbers.  The output is
     channels_last on the fused path."""
+    if not torch.compiler.is_compiling() and dispatch.fast_pool is not None and x.is_cuda and (
+            fused is True or fused == "auto"):
+        # the lean entry point (csrc/fast_call.cpp): the op without torch.ops' boxed call, for the
+        # plain channels_last case; NotImplemented sends everything else the way below
+        y = dispatch.fast_pool(x, kernel_size, stride, padding)
+        if y is not NotImplemented:
+            return y
     k, p = _pair(kernel_size), _pair(padding)
     s = _pair(stride) if stride is not None and stride != [] else k
     if x.dim() != 4 or k[0] * k[1] > MAX_WINDOW:

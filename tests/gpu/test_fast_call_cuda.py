@@ -1,6 +1,6 @@
-"""The lean norm entry point (csrc/fast_call.cpp) behind ``ops.layer_norm`` / ``ops.rms_norm`` on CUDA
-tensors: taken for plain eager calls, bitwise the op's results and gradients, and declined (the
-torch.ops path) under a torch-function mode and CUDA autocast."""
+"""The lean entry points (csrc/fast_call.cpp) behind ``ops.layer_norm`` / ``ops.rms_norm`` and
+``ops.max_pool2d`` on CUDA tensors: taken for plain eager calls, bitwise the op's results and gradients,
+and declined (the torch.ops path) under a torch-function mode and CUDA autocast."""
 import pytest
 import torch
 
@@ -16,7 +16,7 @@ def extension():
 
     get_extension(required=True)
     ops.layer_norm(torch.ones(1, 8, device="cuda"), (8,), fused=True)  # the first call loads the fast path
-    assert dispatch.fast_norm is not None
+    assert dispatch.fast_norm is not None and dispatch.fast_pool is not None
 
 
 @pytest.fixture
@@ -83,3 +83,25 @@ def test_compiled_code_calls_the_op_not_the_entry_point(counted):
     f = torch.compile(lambda t: ops.layer_norm(t, (1024,), w, b), fullgraph=True, backend="aot_eager")
     y = f(x)
     assert counted == [] and torch.equal(y, OPS["layer_norm"](x, [1024], w, b, 1e-5, False)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_pool_fast_path_is_the_op_bitwise(monkeypatch, dtype):
+    taken, real = [], dispatch.fast_pool
+
+    def fast(*args):
+        y = real(*args)
+        taken.append(y is not NotImplemented)
+        return y
+
+    monkeypatch.setattr(dispatch, "fast_pool", fast)
+    x = torch.randn(4, 64, 28, 28, dtype=dtype, device="cuda").contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    y = ops.max_pool2d(x, 3, 2, 1)
+    assert taken == [True] and y.grad_fn.name() == "MptMaxPool2DBackward"
+    y2 = OPS["max_pool2d"](x, [3, 3], [2, 2], [1, 1])[0]
+    assert torch.equal(y, y2)
+    dy = torch.randn_like(y)
+    assert torch.equal(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(y2, x, dy)[0])
+    ops.max_pool2d(x.contiguous(), 3, 2, 1)  # NCHW: declined, torch's pool
+    assert taken == [True, False]

@@ -1,6 +1,6 @@
-"""The extension's lean norm entry point (csrc/fast_call.cpp) on CPU tensors: same results and
-gradients as ``torch.ops.mptrain.layer_norm``, NotImplemented for what it leaves to torch.ops, errors
-raised as Python exceptions.
+"""The extension's lean entry points (csrc/fast_call.cpp: norm, max_pool2d) on CPU tensors: same results
+and gradients as ``torch.ops.mptrain.layer_norm`` / ``max_pool2d``, NotImplemented for what they leave to
+torch.ops, errors raised as Python exceptions.
 
 Needs a build of csrc/ already in the cache (CI compiles one before the tests; this never builds).
 It runs in a subprocess: loading the extension registers the CUDA kernels for the whole process,
@@ -87,11 +87,49 @@ SCRIPT = textwrap.dedent("""
             pass
         else:
             sys.exit(f"no {exc.__name__} for {args[1:]}")
+
+    # max pooling: the op's values and gradients for channels_last input
+    pool, mp = ext.max_pool2d, OPS["max_pool2d"]
+    for dtype in (torch.float32, torch.bfloat16):
+        xp = torch.randn(2, 8, 9, 9, dtype=dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+        for args, full in (((3, 2, 1), ([3, 3], [2, 2], [1, 1])), (((3, 2), [2, 1], (1, 0)), ([3, 2], [2, 1], [1, 0])),
+                           ((2, None, 0), ([2, 2], [2, 2], [0, 0]))):
+            y, y2 = pool(xp, *args), mp(xp, *full)[0]
+            assert y.dtype == dtype and torch.equal(y, y2), (dtype, args)
+            dy = torch.randn_like(y)
+            assert torch.equal(torch.autograd.grad(y, xp, dy)[0], torch.autograd.grad(y2, xp, dy)[0]), (dtype, args)
+    xp = xp.detach().float()
+    with torch.no_grad():
+        declined = {
+            "subclass input": (xp.as_subclass(Sub), 3, 2, 1),
+            "int64 input": (torch.ones(2, 8, 9, 9, dtype=torch.int64).contiguous(memory_format=torch.channels_last),
+                            3, 2, 1),
+            "not channels_last": (xp.contiguous(), 3, 2, 1),
+            "3-d input": (xp[0], 3, 2, 1),
+            "a one-element tuple": (xp, (3,), 2, 1),
+            "a float size": (xp, 3.0, 2, 1),
+            "three sizes": (xp, (3, 3, 3), 2, 1),
+            "an empty stride": (xp, 3, [], 1),
+            "a window over 127 elements": (xp, 12, 1, 0),
+            "a zero window": (xp, 0, 1, 0),
+            "x not a tensor": ([1.0], 3, 2, 1),
+        }
+        for name, args in declined.items():
+            assert pool(*args) is NotImplemented, name
+        with Mode():
+            assert pool(xp, 3, 2, 1) is NotImplemented, "torch-function mode"
+    for args, exc in (((xp, 3, 2, 2), ValueError), ((xp, 3, 2), TypeError)):  # padding over half the window
+        try:
+            pool(*args)
+        except exc:
+            pass
+        else:
+            sys.exit(f"no {exc.__name__} for max_pool2d{args[1:]}")
     print("fast-call-ok")
 """)
 
 
-def test_fast_norm_matches_the_op_and_declines_what_it_does_not_take():
+def test_fast_entry_points_match_the_ops_and_decline_what_they_do_not_take():
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     if r.returncode == 0 and "no-cached-build" in r.stdout:
         pytest.skip("no cached build of csrc/ (python -m mptrain.ops.build)")
