@@ -19,18 +19,23 @@ def extension():
     assert dispatch.fast_norm is not None and dispatch.fast_pool is not None
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """Counts the fast entry point's calls that it took (did not answer NotImplemented)."""
-    taken, real = [], dispatch.fast_norm
+def _count(monkeypatch, name):
+    """Wraps the entry point ``dispatch.<name>``; the list records, per call, whether it took the call
+    (did not answer NotImplemented)."""
+    taken, real = [], getattr(dispatch, name)
 
     def fast(*args):
         y = real(*args)
         taken.append(y is not NotImplemented)
         return y
 
-    monkeypatch.setattr(dispatch, "fast_norm", fast)
+    monkeypatch.setattr(dispatch, name, fast)
     return taken
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    return _count(monkeypatch, "fast_norm")
 
 
 def _leaves(dtype, wdtype, rms):
@@ -87,14 +92,7 @@ def test_compiled_code_calls_the_op_not_the_entry_point(counted):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_pool_fast_path_is_the_op_bitwise(monkeypatch, dtype):
-    taken, real = [], dispatch.fast_pool
-
-    def fast(*args):
-        y = real(*args)
-        taken.append(y is not NotImplemented)
-        return y
-
-    monkeypatch.setattr(dispatch, "fast_pool", fast)
+    taken = _count(monkeypatch, "fast_pool")
     x = torch.randn(4, 64, 28, 28, dtype=dtype, device="cuda").contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
     y = ops.max_pool2d(x, 3, 2, 1)
