@@ -27,10 +27,12 @@ class FusedMaxPool2d(nn.MaxPool2d):
     def unsupported(self) -> str:
         """What of this configuration the kernel cannot take ('' when it takes it all)."""
         k = _pair(self.kernel_size)
-        return ", ".join(why for bad, why in (
-            (_pair(self.dilation) != (1, 1), f"dilation={self.dilation}"),
-            (self.ceil_mode, "ceil_mode=True"), (self.return_indices, "return_indices=True"),
-            (k[0] * k[1] > MAX_WINDOW, f"kernel_size={self.kernel_size} (more than {MAX_WINDOW} elements)")) if bad)
+        bad = (_pair(self.dilation) != (1, 1), self.ceil_mode, self.return_indices, k[0] * k[1] > MAX_WINDOW)
+        if not any(bad):  # forward asks on every call: no message strings built for the common case
+            return ""
+        whys = (f"dilation={self.dilation}", "ceil_mode=True", "return_indices=True",
+                f"kernel_size={self.kernel_size} (more than {MAX_WINDOW} elements)")
+        return ", ".join(why for b, why in zip(bad, whys) if b)
 
     @classmethod
     def from_module(cls, m: nn.MaxPool2d, fused="auto") -> "FusedMaxPool2d | None":
