@@ -1,8 +1,9 @@
 """Where the host time of one eager op call goes (lab tool, not shipped): the tiny LayerNorm forward
-split into its layers (Python wrapper, boxed ``torch.ops`` call, autograd node) beside torch's, and
-torch.profiler's CPU tables of the LSTM cell's forward+backward, ours and ``nn.LSTMCell``'s.
+split into its layers (Python wrapper, boxed ``torch.ops`` call, autograd node) beside torch's, the
+engine's fixed cost (``autograd.grad`` of ``x * 2``), and torch.profiler's CPU tables of the
+forward+backward of RMSNorm (4x256 and 16384x1024 bf16) and of the LSTM cell, ours and torch's.
 
-    python3 dev/host_breakdown.py [--rows 25]
+    python3 dev/host_breakdown.py [--rows 25] [--parts norm,engine,rms,lstm]
 """
 from __future__ import annotations
 
@@ -36,11 +37,35 @@ def norm_layers(iters=2000):
     }
     ops.layer_norm(x, (256,), w, b, fused=True)  # loads the extension: OPS below is then the CUDA kernel
     print("tiny LayerNorm forward, bf16 4x256, us per call (grad mode on / no_grad)")
-    for name, fn in calls.items():
-        on = per_call_us(fn, iters, torch.cuda.synchronize)
-        with torch.no_grad():
-            off = per_call_us(fn, iters, torch.cuda.synchronize)
-        print(f"  {name:<52} {on:7.2f} / {off:7.2f}")
+    names, fns = list(calls), list(calls.values())
+    on = per_call_us(fns, iters, torch.cuda.synchronize)
+    with torch.no_grad():
+        off = per_call_us(fns, iters, torch.cuda.synchronize)
+    for name, a, b in zip(names, on, off):
+        print(f"  {name:<52} {a:7.2f} / {b:7.2f}")
+
+
+def engine(iters=2000):
+    """autograd.grad's fixed cost: one CUDA leaf, one pointwise node; and the same with .backward()."""
+    x = torch.randn(4, 256, device="cuda", requires_grad=True)
+    dy = torch.ones_like(x)
+    fns = [lambda: torch.autograd.grad(x * 2, [x], dy), lambda: (x * 2).backward(dy), lambda: x * 2]
+    us = per_call_us(fns, iters, torch.cuda.synchronize)
+    print(f"\nengine: autograd.grad(x * 2) {us[0]:.1f} us, (x * 2).backward {us[1]:.1f} us, x * 2 alone {us[2]:.1f} us")
+
+
+def rms(rows):
+    """RMSNorm fwd+bwd, ours (fused=True) and F.rms_norm: wall time per call, then each one's CPU table."""
+    for r, h in ((4, 256), (16384, 1024)):
+        x = torch.randn(r, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        w = torch.ones(h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        dy = torch.ones_like(x)
+        pair = {"ours": lambda: torch.autograd.grad(ops.rms_norm(x, (h,), w, fused=True), [x, w], dy),
+                "F.rms_norm": lambda: torch.autograd.grad(F.rms_norm(x, (h,), w), [x, w], dy)}
+        us = per_call_us(list(pair.values()), 500 if r == 4 else 100, torch.cuda.synchronize)
+        print(f"\nrms_norm {r}x{h} fwd+bwd: ours {us[0]:.1f} us, F.rms_norm {us[1]:.1f} us")
+        for name, fn in pair.items():
+            profiled(f"rms_norm {r}x{h} fwd+bwd, {name}", fn, rows)
 
 
 def profiled(title, fn, rows, iters=100):
@@ -63,18 +88,22 @@ def lstm(rows):
         dy = torch.ones_like(ref())
         for name, f in (("ours", ours), ("nn.LSTMCell", ref)):
             fwd_bwd = (lambda f=f: torch.autograd.grad(f(), leaves, dy))
-            print(f"lstm {batch}x1024 {name}: fwd {per_call_us(f, 200, torch.cuda.synchronize):.1f} us, "
-                  f"fwd+bwd {per_call_us(fwd_bwd, 200, torch.cuda.synchronize):.1f} us")
+            fwd, both = per_call_us([f, fwd_bwd], 200, torch.cuda.synchronize)
+            print(f"lstm {batch}x1024 {name}: fwd {fwd:.1f} us, fwd+bwd {both:.1f} us")
             profiled(f"LSTM cell {batch}x1024 fwd+bwd, {name}", fwd_bwd, rows)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--parts", default="norm,engine,rms,lstm")
     a = p.parse_args(argv)
     print(f"extension: {ops.extension_status()}")
-    norm_layers()
-    lstm(a.rows)
+    parts = a.parts.split(",")
+    for name, fn in (("norm", norm_layers), ("engine", engine), ("rms", lambda: rms(a.rows)),
+                     ("lstm", lambda: lstm(a.rows))):
+        if name in parts:
+            fn()
 
 
 if __name__ == "__main__":

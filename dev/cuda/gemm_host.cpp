@@ -1,0 +1,103 @@
+// Lab (not shipped): host time of one 16-bit GEMM call by API, for the host-bound LSTM cell.
+// Built by dev/cuda/gemm_host_bench.py (torch.utils.cpp_extension.load).  Each function
+// loops `iters` calls of one column-major GEMM C (m x n) = op(A) op(B) on torch's current
+// stream and returns the host microseconds per call (enqueue only: no sync inside the
+// loop; the caller syncs before and after).
+//  * gemmex: cublasGemmEx on torch's cuBLAS handle, as csrc/cublas_gemm.cuh calls it.
+//  * lt: cublasLtMatmul with descriptors, layouts and the heuristic's first algorithm made
+//    once, before the loop (what a per-shape plan cache would keep), on torch's Lt handle
+//    and a 32 MiB workspace of our own.  Also returns the one-off heuristic query's time.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <torch/extension.h>
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+
+namespace {
+
+void ok(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string(what) + ": " + cublasGetStatusString(s));
+}
+
+cudaDataType_t dt(const at::Tensor& t) { return t.scalar_type() == at::kHalf ? CUDA_R_16F : CUDA_R_16BF; }
+
+using Clock = std::chrono::steady_clock;
+
+double us_since(Clock::time_point t0, int64_t iters) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / double(iters);
+}
+
+// A: (k x m) column-major if ta else (m x k); B: (n x k) if tb else (k x n); C: m x n.
+// Torch tensors hold them as row-major transposes: A is a [m or k rows...] -- callers pass
+// contiguous tensors whose sizes give the leading dimensions (ld = size(1)).
+double gemmex(at::Tensor A, at::Tensor B, at::Tensor C, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+              double beta, int64_t iters) {
+  cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
+  ok(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+  const float alpha = 1.f, b = float(beta);
+  const int lda = int(A.size(1)), ldb = int(B.size(1)), ldc = int(C.size(1));
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+    ok(cublasGemmEx(h, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, int(m), int(n), int(k), &alpha,
+                    A.data_ptr(), dt(A), lda, B.data_ptr(), dt(B), ldb, &b, C.data_ptr(), dt(C), ldc,
+                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP),
+       "cublasGemmEx");
+  }
+  return us_since(t0, iters);
+}
+
+std::vector<double> lt(at::Tensor A, at::Tensor B, at::Tensor C, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                       double beta, int64_t iters) {
+  cublasLtHandle_t h = at::cuda::getCurrentCUDABlasLtHandle();
+  const size_t ws_bytes = size_t(32) << 20;
+  at::Tensor ws = at::empty({int64_t(ws_bytes)}, A.options().dtype(at::kByte));
+  const auto t_setup = Clock::now();
+  cublasLtMatmulDesc_t desc;
+  ok(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "DescCreate");
+  const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  ok(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)), "TRANSA");
+  ok(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)), "TRANSB");
+  cublasLtMatrixLayout_t la, lb, lc;
+  ok(cublasLtMatrixLayoutCreate(&la, dt(A), ta ? k : m, ta ? m : k, A.size(1)), "layout A");
+  ok(cublasLtMatrixLayoutCreate(&lb, dt(B), tb ? n : k, tb ? k : n, B.size(1)), "layout B");
+  ok(cublasLtMatrixLayoutCreate(&lc, dt(C), m, n, C.size(1)), "layout C");
+  cublasLtMatmulPreference_t pref;
+  ok(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
+  ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)),
+     "workspace pref");
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  const auto t_heur = Clock::now();
+  ok(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, 1, &res, &found), "heuristic");
+  const double heur_us = us_since(t_heur, 1), setup_us = us_since(t_setup, 1);
+  if (found == 0) throw std::runtime_error("no cuBLASLt algorithm");
+  const float alpha = 1.f, b = float(beta);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+    ok(cublasLtMatmul(h, desc, &alpha, A.data_ptr(), la, B.data_ptr(), lb, &b, C.data_ptr(), lc, C.data_ptr(), lc,
+                      &res.algo, ws.data_ptr(), ws_bytes, stream),
+       "cublasLtMatmul");
+  }
+  const double per_call = us_since(t0, iters);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatmulDescDestroy(desc);
+  // keep the workspace alive until the queued GEMMs ran
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return {per_call, heur_us, setup_us};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemmex", &gemmex);
+  m.def("lt", &lt);
+}

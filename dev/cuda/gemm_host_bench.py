@@ -1,0 +1,94 @@
+"""Lab (not shipped): host time of one 16-bit GEMM by API, at the LSTM cell's GEMM shapes, on the
+GPU machine.  Why: the cell's fwd+bwd is host-bound and makes 6 GEMMs; torch.profiler showed
+cuBLAS's own host work at ~20-45 us per GEMM there (docs/kernels/lstm.md).  Compares, per
+shape, enqueue-only host us per call (interleaved rounds, best of 5):
+
+* ``torch.mm(out=)`` (cuBLAS, torch's default) and with ``preferred_blas_library("cublaslt")``;
+* ``cublasGemmEx`` called directly (what csrc/cublas_gemm.cuh does);
+* ``cublasLtMatmul`` with the plan made once (descriptors + the heuristic's first algorithm),
+  and what that one-off heuristic query costs;
+
+and whether each result is bitwise torch.mm's.
+
+    python3 dev/cuda/gemm_host_bench.py [--iters 200]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from torch.utils.cpp_extension import load
+
+from mptrain.ops.build import _extra_include_dirs, _loaded_cublas, find_cuda_home
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ldflags():
+    """torch's own libcublas / libcublasLt (loaded by file name, as mptrain.ops.build links cuBLAS):
+    one copy of each in the process, so torch's handles are valid for our calls."""
+    torch.mm(torch.ones(2, 2, device="cuda"), torch.ones(2, 2, device="cuda"))  # loads cuBLAS
+    lib = _loaded_cublas()
+    if lib is None:
+        return ["-lcublasLt", "-lcublas"]
+    lt = lib.name.replace("libcublas", "libcublasLt")
+    return [f"-L{lib.parent}", f"-l:{lib.name}", f"-l:{lt}"]
+
+
+def host_us(fn, iters):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t = (time.perf_counter() - t0) / iters * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=200)
+    a = p.parse_args()
+    ext = load("gemm_host", [os.path.join(HERE, "gemm_host.cpp")], extra_ldflags=_ldflags(),
+               extra_include_paths=_extra_include_dirs(find_cuda_home()), verbose=False)
+    bf = torch.bfloat16
+    print(f"{'gemm':<28} {'torch.mm':>9} {'mm(Lt)':>9} {'GemmEx':>9} {'Lt plan':>9} {'heur':>7}  bitwise(GemmEx, Lt)")
+    for rows, hid in ((4, 32), (256, 1024), (1024, 1024)):
+        x = torch.randn(rows, hid, device="cuda", dtype=bf)
+        W = torch.randn(4 * hid, hid, device="cuda", dtype=bf)
+        g = torch.randn(rows, 4 * hid, device="cuda", dtype=bf)
+        # (name, torch call writing out, out, gemm args: A, B, ta, tb, m, n, k) -- column-major views
+        cases = [
+            ("fwd x@W^T", lambda o: torch.mm(x, W.t(), out=o), torch.empty(rows, 4 * hid, device="cuda", dtype=bf),
+             (W, x, True, False, 4 * hid, rows, hid)),
+            ("dx g@W", lambda o: torch.mm(g, W, out=o), torch.empty(rows, hid, device="cuda", dtype=bf),
+             (W, g, False, False, hid, rows, 4 * hid)),
+            ("dW g^T@x", lambda o: torch.mm(g.t(), x, out=o), torch.empty(4 * hid, hid, device="cuda", dtype=bf),
+             (x, g, False, True, hid, 4 * hid, rows)),
+        ]
+        for name, mm, out, (A, B, ta, tb, m, n, k) in cases:
+            ref = mm(torch.empty_like(out)).clone()
+            c1, c2 = torch.empty_like(out), torch.empty_like(out)
+            ext.gemmex(A, B, c1, ta, tb, m, n, k, 0.0, 1)
+            ext.lt(A, B, c2, ta, tb, m, n, k, 0.0, 1)
+            torch.cuda.synchronize()
+            same = (torch.equal(c1, ref), torch.equal(c2, ref))
+            best = [float("inf")] * 4
+            heur = float("inf")
+            for _ in range(5):
+                best[0] = min(best[0], host_us(lambda: mm(out), a.iters))
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                best[1] = min(best[1], host_us(lambda: mm(out), a.iters))
+                torch.backends.cuda.preferred_blas_library("cublas")
+                torch.cuda.synchronize()
+                best[2] = min(best[2], ext.gemmex(A, B, out, ta, tb, m, n, k, 0.0, a.iters))
+                torch.cuda.synchronize()
+                per, h, _setup = ext.lt(A, B, out, ta, tb, m, n, k, 0.0, a.iters)
+                best[3], heur = min(best[3], per), min(heur, h)
+            print(f"{name + f' {rows}x{hid}':<28} " + " ".join(f"{v:9.2f}" for v in best) + f" {heur:7.1f}  {same}")
+
+
+if __name__ == "__main__":
+    main()
