@@ -25,11 +25,11 @@
 #include <ATen/BlasBackend.h>
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/cuda/tunable/Tunable.h>
 #include <cublas_v2.h>
 
 #include "check.h"
+#include "new_tensor.h"
 
 #include <algorithm>
 #include <climits>
@@ -172,11 +172,9 @@ class Session {
     return false;
   }
 
-  // A new (M x N) = op(a) op(b) (CUDA tensors; at::empty's CUDA allocation without the
-  // dispatcher, as every element is written).
+  // A new (M x N) = op(a) op(b) (CUDA tensors; every element is written).
   at::Tensor mm_new(const at::Tensor& a, bool trans_a, const at::Tensor& b, bool trans_b) {
-    at::Tensor out = at::detail::empty_cuda({trans_a ? a.size(1) : a.size(0), trans_b ? b.size(0) : b.size(1)},
-                                            a.scalar_type(), a.device(), std::nullopt);
+    at::Tensor out = new_cuda({trans_a ? a.size(1) : a.size(0), trans_b ? b.size(0) : b.size(1)}, a);
     mm(out, a, trans_a, b, trans_b, 0.f);
     return out;
   }

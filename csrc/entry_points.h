@@ -34,6 +34,13 @@ void multi_tensor_lamb(const std::vector<at::Tensor>& grads, const std::vector<a
 
 // ---- normalization (layer_norm.cu) ----
 // [section: layer_norm]
+std::tuple<at::Tensor, at::Tensor> layer_norm_forward_stats(const at::Tensor& x,
+                                                            const std::optional<at::Tensor>& weight,
+                                                            const std::optional<at::Tensor>& bias, int64_t hidden,
+                                                            double eps, bool rms);
+std::vector<at::Tensor> layer_norm_backward_stats(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& stats,
+                                                  const std::optional<at::Tensor>& weight,
+                                                  const std::optional<at::Tensor>& bias, int64_t hidden, bool rms);
 std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                            const std::optional<at::Tensor>& bias, int64_t hidden, double eps,
                                            bool rms);

@@ -28,6 +28,7 @@
 //    (served by L1/L2), and a separate column reduction for dgamma / dbeta.
 // Measured figures and the variants that lost: docs/kernels/norm.md.
 #include "launch.cuh"
+#include "new_tensor.h"
 #include "row_reduce.cuh"
 #include "type_shim.h"
 
@@ -850,8 +851,8 @@ struct BwdArgs {
   unsigned* work;  // the forward's zeroed finish counter: the split kernel finishes dgamma / dbeta itself
 
   void alloc_partials(int64_t grid) const {
-    if (want_dg) *dg_part = at::empty({grid, H}, fopts);
-    if (want_db) *db_part = at::empty({grid, H}, fopts);
+    if (want_dg) *dg_part = new_cuda({grid, H}, at::kFloat, fopts.device());
+    if (want_db) *db_part = new_cuda({grid, H}, at::kFloat, fopts.device());
   }
   float* dgq() const { return want_dg ? dg_part->data_ptr<float>() : nullptr; }
   float* dbq() const { return want_db ? db_part->data_ptr<float>() : nullptr; }
@@ -998,52 +999,113 @@ at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
 
 }  // namespace
 
-// Returns {y, mean, rstd, work}; mean is empty for RMSNorm.  x: contiguous [rows, H] (any
-// leading shape), weight/bias: H elements in x's dtype or fp32.  work: one int32 word,
-// zeroed by the forward kernel, for the backward's in-kernel dgamma / dbeta finish (pass
-// it to layer_norm_backward with this forward's mean / rstd).  The three are views of
-// one fp32 allocation: one allocator call per forward instead of two.
-std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                                           const std::optional<at::Tensor>& bias, int64_t hidden,
-                                           double eps, bool rms) {
-  const at::Tensor w = value_or_undefined(weight), b = value_or_undefined(bias);
+namespace {
+
+// The forward into a new y and a new stats buffer [mean (rows; none for RMSNorm) | rstd
+// (rows) | counter word]: one allocation for the three, addressed by pointer (no views:
+// this is the host path of every norm call).
+std::pair<at::Tensor, at::Tensor> forward_stats(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                                                int64_t hidden, double eps, bool rms) {
   const int64_t rows = check_inputs(kFwd, x, w, b, hidden, rms);
   const at::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty_like(x);
+  at::Tensor y = new_cuda(x.sizes(), x);
   const int64_t nmean = rms ? 0 : rows;
-  at::Tensor stats = at::empty({nmean + rows + 1}, x.options().dtype(at::kFloat));
-  at::Tensor mean = stats.narrow(0, 0, nmean);
-  at::Tensor rstd = stats.narrow(0, nmean, rows);
-  at::Tensor work = stats.narrow(0, nmean + rows, 1).view(at::kInt);
+  at::Tensor stats = new_cuda({nmean + rows + 1}, at::kFloat, x.device());
+  float* sp = stats.data_ptr<float>();
+  unsigned* wp = reinterpret_cast<unsigned*>(sp + nmean + rows);
   if (rows == 0) {
-    work.zero_();
-    return {y, mean, rstd, work};
+    stats.zero_();  // the counter word
+    return {y, stats};
   }
   const bool w32 = (w.defined() ? w : b).defined() && (w.defined() ? w : b).scalar_type() == at::kFloat;
   const int H = static_cast<int>(hidden);
-  float* mp = rms ? nullptr : mean.data_ptr<float>();
-  unsigned* wp = reinterpret_cast<unsigned*>(work.data_ptr<int32_t>());
+  float* mp = rms ? nullptr : sp;
   MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), kFwd, scalar_t,
-    if (w32) launch_fwd<scalar_t, float>(x, w, b, y, mp, rstd.data_ptr<float>(), wp, rows, H, float(eps), rms);
-    else launch_fwd<scalar_t, scalar_t>(x, w, b, y, mp, rstd.data_ptr<float>(), wp, rows, H, float(eps), rms));
-  return {y, mean, rstd, work};
+    if (w32) launch_fwd<scalar_t, float>(x, w, b, y, mp, sp + nmean, wp, rows, H, float(eps), rms);
+    else launch_fwd<scalar_t, scalar_t>(x, w, b, y, mp, sp + nmean, wp, rows, H, float(eps), rms));
+  return {y, stats};
 }
 
-// Returns {dx, dweight, dbias}; dweight / dbias are undefined (None) when the
-// parameter was absent.  mean may be empty for RMSNorm.  work: the forward's counter
-// word, or None (then a separate kernel finishes dweight / dbias).  Two backwards over
-// one forward's `work` must not run concurrently on different streams.
+// The backward from the forward's statistics by address (mean may be null for RMSNorm;
+// work null: a separate kernel finishes dweight / dbias).  Checks dy; the caller checked
+// the statistics.
+std::vector<at::Tensor> backward_from(const at::Tensor& dy, const at::Tensor& x, const float* mp, const float* rp,
+                                      unsigned* wp, const at::Tensor& w, const at::Tensor& b, int64_t rows,
+                                      int64_t hidden, bool rms) {
+  MPT_CHECK_CUDA(dy, kBwd);
+  MPT_CHECK_CONTIGUOUS(dy, kBwd);
+  MPT_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(), kBwd,
+              ": grad_output must match the input's shape and dtype, got ", dy.sizes(), " ", dy.scalar_type(),
+              " vs ", x.sizes(), " ", x.scalar_type());
+  const at::cuda::CUDAGuard guard(x.device());
+  at::Tensor dx = new_cuda(x.sizes(), x);
+  at::Tensor dw = w.defined() ? new_cuda(w.sizes(), w) : at::Tensor();
+  at::Tensor dbias = b.defined() ? new_cuda(b.sizes(), b) : at::Tensor();
+  if (rows == 0) {
+    if (dw.defined()) dw.zero_();
+    if (dbias.defined()) dbias.zero_();
+    return {dx, dw, dbias};
+  }
+  const bool w32 = (w.defined() ? w : b).defined() && (w.defined() ? w : b).scalar_type() == at::kFloat;
+  const int H = static_cast<int>(hidden);
+  MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), kBwd, scalar_t,
+    if (w32) launch_bwd<scalar_t, float>(dy, x, mp, rp, w, dx, dw, dbias, rows, H, rms, wp);
+    else launch_bwd<scalar_t, scalar_t>(dy, x, mp, rp, w, dx, dw, dbias, rows, H, rms, wp));
+  return {dx, dw, dbias};
+}
+
+}  // namespace
+
+// Returns {y, stats}: the op's forward (ops_cuda.cpp).  x: contiguous [rows, H] (any
+// leading shape), weight/bias: H elements in x's dtype or fp32.  stats (fp32) =
+// [mean (rows, LayerNorm only) | rstd (rows) | counter word]; the counter, zeroed by the
+// forward kernel, is the backward's ticket for its in-kernel dgamma / dbeta finish.
+std::tuple<at::Tensor, at::Tensor> layer_norm_forward_stats(const at::Tensor& x,
+                                                            const std::optional<at::Tensor>& weight,
+                                                            const std::optional<at::Tensor>& bias, int64_t hidden,
+                                                            double eps, bool rms) {
+  auto [y, stats] = forward_stats(x, value_or_undefined(weight), value_or_undefined(bias), hidden, eps, rms);
+  return {y, stats};
+}
+
+// Returns {dx, dweight, dbias} from the forward's stats buffer; dweight / dbias are
+// undefined when the parameter was absent.  Two backwards over one forward's stats must not
+// run concurrently on different streams (they share the counter word).
+std::vector<at::Tensor> layer_norm_backward_stats(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& stats,
+                                                  const std::optional<at::Tensor>& weight,
+                                                  const std::optional<at::Tensor>& bias, int64_t hidden, bool rms) {
+  const at::Tensor w = value_or_undefined(weight), b = value_or_undefined(bias);
+  const int64_t rows = check_inputs(kBwd, x, w, b, hidden, rms), nmean = rms ? 0 : rows;
+  MPT_CHECK(stats.scalar_type() == at::kFloat && stats.dim() == 1 && stats.numel() == nmean + rows + 1 &&
+                stats.is_contiguous() && stats.device() == x.device(),
+            kBwd, ": stats must be the fp32 [", nmean + rows + 1, "] tensor on ", x.device(),
+            " returned by the forward for this input, got ", stats.scalar_type(), " ", stats.sizes(), " on ",
+            stats.device());
+  float* sp = stats.data_ptr<float>();
+  return backward_from(dy, x, rms ? nullptr : sp, sp + nmean, reinterpret_cast<unsigned*>(sp + nmean + rows), w, b,
+                       rows, hidden, rms);
+}
+
+// The extension's own functions (benchmarks and tests call them): the same kernels with
+// mean, rstd and the counter as separate tensors.
+// Returns {y, mean, rstd, work}; mean is empty for RMSNorm; the three are views of the
+// forward's stats buffer.
+std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                           const std::optional<at::Tensor>& bias, int64_t hidden,
+                                           double eps, bool rms) {
+  auto [y, stats] = forward_stats(x, value_or_undefined(weight), value_or_undefined(bias), hidden, eps, rms);
+  const int64_t rows = x.numel() / hidden, nmean = rms ? 0 : rows;  // hidden >= 1: checked
+  return {y, stats.narrow(0, 0, nmean), stats.narrow(0, nmean, rows), stats.narrow(0, nmean + rows, 1).view(at::kInt)};
+}
+
+// Returns {dx, dweight, dbias}; mean may be empty for RMSNorm.  work: the forward's
+// counter word, or None (then a separate kernel finishes dweight / dbias).
 std::vector<at::Tensor> layer_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
                                             const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
                                             const std::optional<at::Tensor>& bias, int64_t hidden, bool rms,
                                             const std::optional<at::Tensor>& work) {
   const at::Tensor w = value_or_undefined(weight), b = value_or_undefined(bias);
   const int64_t rows = check_inputs(kBwd, x, w, b, hidden, rms);
-  MPT_CHECK_CUDA(dy, kBwd);
-  MPT_CHECK_CONTIGUOUS(dy, kBwd);
-  MPT_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(), kBwd,
-              ": grad_output must match the input's shape and dtype, got ", dy.sizes(), " ", dy.scalar_type(),
-              " vs ", x.sizes(), " ", x.scalar_type());
   MPT_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == rows && rstd.is_contiguous(), kBwd,
               ": rstd must be the contiguous fp32 [rows] tensor saved by forward");
   MPT_CHECK(rms || (mean.scalar_type() == at::kFloat && mean.numel() == rows && mean.is_contiguous()), kBwd,
@@ -1056,20 +1118,6 @@ std::vector<at::Tensor> layer_norm_backward(const at::Tensor& dy, const at::Tens
                 "; pass None to finish dweight / dbias in a separate kernel");
     wp = reinterpret_cast<unsigned*>(work->data_ptr<int32_t>());
   }
-  const at::cuda::CUDAGuard guard(x.device());
-  at::Tensor dx = at::empty_like(x);
-  at::Tensor dw = w.defined() ? at::empty_like(w) : at::Tensor();
-  at::Tensor dbias = b.defined() ? at::empty_like(b) : at::Tensor();
-  if (rows == 0) {
-    if (dw.defined()) dw.zero_();
-    if (dbias.defined()) dbias.zero_();
-    return {dx, dw, dbias};
-  }
-  const bool w32 = (w.defined() ? w : b).defined() && (w.defined() ? w : b).scalar_type() == at::kFloat;
-  const int H = static_cast<int>(hidden);
-  const float* mp = rms ? nullptr : mean.data_ptr<float>();
-  MPT_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), kBwd, scalar_t,
-    if (w32) launch_bwd<scalar_t, float>(dy, x, mp, rstd.data_ptr<float>(), w, dx, dw, dbias, rows, H, rms, wp);
-    else launch_bwd<scalar_t, scalar_t>(dy, x, mp, rstd.data_ptr<float>(), w, dx, dw, dbias, rows, H, rms, wp));
-  return {dx, dw, dbias};
+  return backward_from(dy, x, rms ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(), wp, w, b, rows, hidden,
+                       rms);
 }

@@ -27,10 +27,10 @@
 // Gate order is torch's (i, f, g, o), so weights are nn.LSTMCell / nn.LSTM compatible.
 // Math is fp32; storage fp32/fp16/bf16 (all tensors of one call share the dtype).
 #include "cublas_gemm.cuh"
+#include "new_tensor.h"
 #include "type_shim.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/record_function.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -38,6 +38,8 @@
 #include <mutex>
 #include <optional>
 #include <vector>
+
+using mpt::new_cuda;
 
 namespace {
 
@@ -461,13 +463,6 @@ const void* opt_ptr(const std::optional<at::Tensor>& t) {
 }
 
 bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
-// A new uninitialised CUDA tensor with ref's dtype and device: what at::empty runs for
-// CUDA, without the dispatcher (host time; a cell step allocates up to 9 tensors). Every
-// element is written before anything reads it.
-at::Tensor new_cuda(at::IntArrayRef shape, const at::Tensor& ref) {
-  return at::detail::empty_cuda(shape, ref.scalar_type(), ref.device(), std::nullopt);
-}
 
 // Address of slice t of a (T, ...) tensor without building a Tensor for it.
 inline void* step_ptr(const at::Tensor& t, int64_t i) {

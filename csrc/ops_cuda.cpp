@@ -14,14 +14,17 @@
 
 #include "check.h"
 #include "entry_points.h"
+#include "new_tensor.h"
 
 namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
+// An op's Tensor return must be a tensor: a 0-element one where the entry point leaves an
+// output undefined (no storage, so no allocator call; without the dispatcher: host time).
 Tensor or_empty(const Tensor& t, const Tensor& like) {
-  return t.defined() ? t : at::empty({0}, like.options());
+  return t.defined() ? t : mpt::new_cuda({0}, like);
 }
 
 // ---- normalization: stats = [mean (rows, LayerNorm only) | rstd (rows) | counter word].
@@ -41,24 +44,14 @@ int64_t norm_hidden(const char* op, const Tensor& x, at::IntArrayRef shape, cons
 std::tuple<Tensor, Tensor> layer_norm_cuda(const Tensor& x, at::IntArrayRef shape, const OptTensor& w,
                                            const OptTensor& b, double eps, bool rms) {
   const int64_t hidden = norm_hidden("mptrain::layer_norm", x, shape, w, b);
-  auto r = layer_norm_forward(x.contiguous(), w, b, hidden, eps, rms);
-  // mean, rstd and the counter are consecutive views of one fp32 buffer: return the buffer.
-  const int64_t nmean = r[1].numel(), n = nmean + r[2].numel() + 1;
-  const Tensor stats = r[2].as_strided({n}, {1}, r[2].storage_offset() - nmean);
-  return {r[0], stats};
+  return layer_norm_forward_stats(x.contiguous(), w, b, hidden, eps, rms);
 }
 
 std::tuple<Tensor, Tensor, Tensor> layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& stats,
                                                             const OptTensor& w, const OptTensor& b,
                                                             at::IntArrayRef shape, bool rms) {
   const int64_t hidden = norm_hidden("mptrain::layer_norm_backward", x, shape, w, b);
-  const int64_t rows = hidden ? x.numel() / hidden : 0, nmean = rms ? 0 : rows;
-  MPT_CHECK(stats.scalar_type() == at::kFloat && stats.dim() == 1 && stats.numel() == nmean + rows + 1 &&
-                stats.is_contiguous(), "mptrain::layer_norm_backward: stats must be the fp32 [", nmean + rows + 1,
-            "] tensor returned by mptrain::layer_norm for this input, got ", stats.scalar_type(), " ", stats.sizes());
-  const Tensor work = stats.narrow(0, nmean + rows, 1).view(at::kInt);
-  auto r = layer_norm_backward(dy.contiguous(), x.contiguous(), stats.narrow(0, 0, nmean),
-                               stats.narrow(0, nmean, rows), w, b, hidden, rms, work);
+  auto r = layer_norm_backward_stats(dy.contiguous(), x.contiguous(), stats, w, b, hidden, rms);
   return {r[0], or_empty(r[1], x), or_empty(r[2], x)};
 }
 

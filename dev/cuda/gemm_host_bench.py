@@ -52,7 +52,7 @@ def main():
     p.add_argument("--iters", type=int, default=200)
     a = p.parse_args()
     ext = load("gemm_host", [os.path.join(HERE, "gemm_host.cpp")], extra_ldflags=_ldflags(),
-               extra_include_paths=_extra_include_dirs(find_cuda_home()), verbose=False)
+               extra_include_paths=_extra_include_dirs(find_cuda_home()), with_cuda=True, verbose=False)
     bf = torch.bfloat16
     print(f"{'gemm':<28} {'torch.mm':>9} {'mm(Lt)':>9} {'GemmEx':>9} {'Lt plan':>9} {'heur':>7}  bitwise(GemmEx, Lt)")
     for rows, hid in ((4, 32), (256, 1024), (1024, 1024)):
