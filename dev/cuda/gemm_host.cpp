@@ -32,9 +32,9 @@ double us_since(Clock::time_point t0, int64_t iters) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / double(iters);
 }
 
-// A: (k x m) column-major if ta else (m x k); B: (n x k) if tb else (k x n); C: m x n.
-// Torch tensors hold them as row-major transposes: A is a [m or k rows...] -- callers pass
-// contiguous tensors whose sizes give the leading dimensions (ld = size(1)).
+// Column-major operands: A is (k x m) if ta else (m x k), B is (n x k) if tb else (k x n),
+// C is (m x n).  The caller passes contiguous row-major torch tensors holding their
+// transposes, so each leading dimension is the tensor's size(1).
 double gemmex(at::Tensor A, at::Tensor B, at::Tensor C, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
               double beta, int64_t iters) {
   cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
