@@ -176,6 +176,12 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
     timer = StepTimer(warmup, steps)
     total = timer.total
     gc.collect()  # the last case's trainer and module (reference cycles) are freed before the peak is reset
+    # Each case compiles from dynamo's state of a fresh process.  Shared code (LightningModule.log, the
+    # recipe modules' training_step, our compiled call) otherwise keeps every earlier case's cache entries:
+    # they pile up across precisions, and at the recompile limit (8) dynamo runs that frame eagerly for the
+    # rest of the run (LightningModule.log, from the second compiled BERT case of a full H200 run on).
+    # Inductor's on-disk caches stay, so a recompile of code seen before is quick.
+    torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

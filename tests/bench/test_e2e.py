@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 
+import lightning as L
 import pytest
+import torch
 
 from mptrain.bench import e2e
 
@@ -35,6 +37,23 @@ def test_quick_run_prints_the_table_and_writes_json(tmp_path, capsys):
     assert "vs L best" in printed and "img/s" in printed and "seq/s" in printed
     assert data["meta"]["fused_kernels"].startswith("not used")
     assert not errors, errors
+
+
+@pytest.mark.slow
+def test_each_case_starts_from_a_fresh_dynamo_state():
+    """A compiled case does not inherit dynamo's cache entries from the cases before it: in one process
+    they pile up across precisions until a shared frame reaches the recompile limit and runs eagerly."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    code = L.LightningModule.log.__code__  # compiled by every Lightning + compile case
+    for precision in ("bf16-true", "bf16-mixed"):
+        assert e2e.run_case("bert", f"lightning+compile:{precision}", precision, 1, 1, True).status == "ok"
+    after_two = len(_debug_get_cache_entry_list(code))
+    torch._dynamo.reset()
+    assert e2e.run_case("bert", "lightning+compile:bf16-mixed", "bf16-mixed", 1, 1, True).status == "ok"
+    alone = len(_debug_get_cache_entry_list(code))
+    assert alone > 0, "the case compiled nothing: the check would prove nothing"
+    assert after_two == alone
 
 
 def test_bad_arguments_name_the_valid_values(capsys):
