@@ -32,6 +32,7 @@
 #include "row_reduce.cuh"
 #include "type_shim.h"
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -1004,8 +1005,8 @@ namespace {
 // The forward into a new y and a new stats buffer [mean (rows; none for RMSNorm) | rstd
 // (rows) | counter word]: one allocation for the three, addressed by pointer (no views:
 // this is the host path of every norm call).
-std::pair<at::Tensor, at::Tensor> forward_stats(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                                                int64_t hidden, double eps, bool rms) {
+std::tuple<at::Tensor, at::Tensor> forward_stats(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                                                 int64_t hidden, double eps, bool rms) {
   const int64_t rows = check_inputs(kFwd, x, w, b, hidden, rms);
   const at::cuda::CUDAGuard guard(x.device());
   at::Tensor y = new_cuda(x.sizes(), x);
@@ -1064,8 +1065,7 @@ std::tuple<at::Tensor, at::Tensor> layer_norm_forward_stats(const at::Tensor& x,
                                                             const std::optional<at::Tensor>& weight,
                                                             const std::optional<at::Tensor>& bias, int64_t hidden,
                                                             double eps, bool rms) {
-  auto [y, stats] = forward_stats(x, value_or_undefined(weight), value_or_undefined(bias), hidden, eps, rms);
-  return {y, stats};
+  return forward_stats(x, value_or_undefined(weight), value_or_undefined(bias), hidden, eps, rms);
 }
 
 // Returns {dx, dweight, dbias} from the forward's stats buffer; dweight / dbias are

@@ -7,6 +7,9 @@
 //  * lt: cublasLtMatmul with descriptors, layouts and the heuristic's first algorithm made
 //    once, before the loop (what a per-shape plan cache would keep), on torch's Lt handle
 //    and a 32 MiB workspace of our own.  Also returns the one-off heuristic query's time.
+//  * gemmex_rotating: cublasGemmEx over several problems in turn, optionally with an ATen
+//    fill launched between GEMMs: whether alternating shapes and other launches (a cell
+//    step's pattern) raise cuBLAS's host time per call above the single-shape loop's.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAStream.h>
@@ -15,6 +18,9 @@
 #include <torch/extension.h>
 
 #include <chrono>
+#include <optional>
+#include <tuple>
+#include <vector>
 #include <stdexcept>
 #include <string>
 
@@ -95,9 +101,40 @@ std::vector<double> lt(at::Tensor A, at::Tensor B, at::Tensor C, bool ta, bool t
   return {per_call, heur_us, setup_us};
 }
 
+// Round-robin over several problems (what a cell step does: shapes alternate), optionally with
+// one small ATen kernel (a fill of `scratch`) launched between GEMMs, as the step's pointwise
+// kernels and allocations sit between its GEMMs.  Host us per GEMM.
+double gemmex_rotating(const std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, bool, int64_t, int64_t,
+                                                    int64_t>>& problems,
+                       int64_t iters, std::optional<at::Tensor> scratch) {
+  cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
+  ok(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+  const float alpha = 1.f, b = 0.f;
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+    for (const auto& [A, B, C, ta, tb, m, n, k] : problems) {
+      ok(cublasGemmEx(h, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, int(m), int(n), int(k),
+                      &alpha, A.data_ptr(), dt(A), int(A.size(1)), B.data_ptr(), dt(B), int(B.size(1)), &b,
+                      C.data_ptr(), dt(C), int(C.size(1)), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP),
+         "cublasGemmEx");
+      if (scratch.has_value()) scratch->zero_();
+    }
+  }
+  return us_since(t0, iters * int64_t(problems.size()));
+}
+
+// The fill alone, from C++: what gemmex_rotating's interleaved launch costs by itself.
+double fill_loop(at::Tensor scratch, int64_t iters) {
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < iters; ++i) scratch.zero_();
+  return us_since(t0, iters);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemmex", &gemmex);
   m.def("lt", &lt);
+  m.def("gemmex_rotating", &gemmex_rotating);
+  m.def("fill_loop", &fill_loop);
 }

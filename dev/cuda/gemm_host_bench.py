@@ -8,7 +8,8 @@ shape, enqueue-only host us per call (interleaved rounds, best of 5):
 * ``cublasLtMatmul`` with the plan made once (descriptors + the heuristic's first algorithm),
   and what that one-off heuristic query costs;
 
-and whether each result is bitwise torch.mm's.
+and whether each result is bitwise torch.mm's; then the three shapes in turn, alone and with a small
+ATen kernel launched between GEMMs (a cell step's pattern), for torch.mm and cublasGemmEx.
 
     python3 dev/cuda/gemm_host_bench.py [--iters 200]
 """
@@ -88,6 +89,41 @@ def main():
                 per, h, _setup = ext.lt(A, B, out, ta, tb, m, n, k, 0.0, a.iters)
                 best[3], heur = min(best[3], per), min(heur, h)
             print(f"{name + f' {rows}x{hid}':<28} " + " ".join(f"{v:9.2f}" for v in best) + f" {heur:7.1f}  {same}")
+        rotating(ext, cases, rows, hid, a.iters)
+
+
+def rotating(ext, cases, rows, hid, iters):
+    """The three shapes in turn (a cell step's pattern): us per GEMM for torch.mm and cublasGemmEx, alone
+    and with a small ATen kernel (a fill) launched between GEMMs."""
+    problems = [(*args[:2], out, *args[2:]) for _, _, out, args in cases]
+    scratch = torch.empty(rows, hid, device="cuda", dtype=torch.bfloat16)
+    mms = [lambda mm=mm, out=out: mm(out) for _, mm, out, _ in cases]
+
+    def torch_rot(fill):
+        def fn():
+            for f in mms:
+                f()
+                if fill:
+                    scratch.zero_()
+        return fn
+
+    best = [float("inf")] * 4
+    fill_py = fill_cpp = float("inf")
+    for _ in range(5):
+        fill_py = min(fill_py, host_us(scratch.zero_, iters))
+        torch.cuda.synchronize()
+        fill_cpp = min(fill_cpp, ext.fill_loop(scratch, iters))
+        torch.cuda.synchronize()
+        best[0] = min(best[0], host_us(torch_rot(False), iters) / len(mms))
+        best[1] = min(best[1], host_us(torch_rot(True), iters) / len(mms))
+        torch.cuda.synchronize()
+        best[2] = min(best[2], ext.gemmex_rotating(problems, iters, None))
+        torch.cuda.synchronize()
+        best[3] = min(best[3], ext.gemmex_rotating(problems, iters, scratch))
+        torch.cuda.synchronize()
+    print(f"{f'3 shapes in turn {rows}x{hid}':<28} torch.mm {best[0]:.2f}, with a fill between {best[1]:.2f}; "
+          f"GemmEx {best[2]:.2f}, with a fill between {best[3]:.2f} us per GEMM (a fill alone: "
+          f"{fill_py:.2f} us from Python, {fill_cpp:.2f} from C++)")
 
 
 if __name__ == "__main__":
