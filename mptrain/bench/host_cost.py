@@ -8,7 +8,7 @@ per call; at the benchmark shapes, the eager wall time.  Pairs (ours / torch): `
 ``torch.softmax(x.masked_fill(mask, -inf), -1)``, ``FusedLSTMCell`` / ``nn.LSTMCell`` (same
 weights), ``ops.max_pool2d`` / ``F.max_pool2d`` (3x3/2, channels_last input).  Targets (issue 12):
 ratio <= 1.1 tiny, <= 1.0 at the benchmark shapes; the last column is ours with ``fused=False``
-(the reference).
+(the reference).  Printed after the table: ``autograd.grad``'s fixed cost on this host (one leaf, one op).
 On the CPU only the tiny shapes run, in fp32: ours is the op's Python CPU kernel behind the
 dispatcher, so "ours - reference" is the custom-op path's own cost (the CUDA path needs a GPU).
 
@@ -135,6 +135,16 @@ def cases(device: str, quick: bool):
     return out
 
 
+def engine_us(device: str, iters: int) -> float:
+    """``autograd.grad`` of one pointwise op on one leaf, µs per call: the engine's fixed cost, which both
+    sides of every fwd+bwd row pay.  It differs by tens of µs between hosts of one kind, so it is printed
+    with the table: the scale against which the fwd+bwd rows' differences are read."""
+    x = torch.randn(4, 256, device=device, requires_grad=True)
+    dy = torch.ones_like(x)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return per_call_us([lambda: torch.autograd.grad(x * 2, [x], dy)], iters, sync)[0]
+
+
 def run(device: str = "cuda", quick: bool = False, iters: Optional[int] = None) -> list[Row]:
     """Measure every case; ``fused=True`` on CUDA (a missing kernel raises rather than timing the
     reference), ``"auto"`` on the CPU (the op's CPU kernel)."""
@@ -184,11 +194,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", default="host_cost.json", help="where to write the rows (default: %(default)s)")
     a = p.parse_args(argv)
     rows = run(a.device, a.quick, a.iters)
+    engine = engine_us(a.device, a.iters or (20 if a.quick else 1000))
     device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     print(f"host cost per eager call, {device}, torch {torch.__version__}, extension {ops.extension_status()}")
     print(format_table(rows))
+    print(f"autograd.grad of x * 2 (one leaf): {engine:.1f} us per call, the engine's fixed cost in every fwd+bwd row")
     command = " ".join(["python -m mptrain.bench.host_cost"] + (argv or sys.argv[1:]))
-    write_json(a.json, {"meta": {"device": device, "torch": torch.__version__, "command": command},
+    write_json(a.json, {"meta": {"device": device, "torch": torch.__version__, "command": command,
+                                 "engine_us": engine},
                         "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}, indent=1)
     print(f"wrote {a.json}")
     return 0

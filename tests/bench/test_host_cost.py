@@ -21,7 +21,9 @@ def test_quick_cpu_run_prints_every_op_and_writes_json(tmp_path, capsys):
     out = tmp_path / "host.json"
     assert host_cost.main(["--device", "cpu", "--quick", "--iters", "5", "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert data["meta"]["engine_us"] > 0 and "the engine's fixed cost" in table
     ops = {r["op"] for r in rows}
     assert ops == {"layer_norm", "rms_norm", "scaled_masked_softmax", "lstm_cell", "max_pool2d"}
     assert {r["pass_"] for r in rows} == {"fwd", "fwd+bwd"} and len(rows) == 10
