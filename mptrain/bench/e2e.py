@@ -179,7 +179,7 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
     # Each case compiles from dynamo's state of a fresh process.  Shared code (LightningModule.log, the
     # recipe modules' training_step, our compiled call) otherwise keeps every earlier case's cache entries:
     # they pile up across precisions, and at the recompile limit (8) dynamo runs that frame eagerly for the
-    # rest of the run (LightningModule.log, from the second compiled BERT case of a full H200 run on).
+    # rest of the process (LightningModule.log reaches it within the full benchmark's compiled cases).
     # Inductor's on-disk caches stay, so a recompile of code seen before is quick.
     torch._dynamo.reset()
     if torch.cuda.is_available():
