@@ -65,7 +65,7 @@ stage tests 170 python3 -m pytest tests/gpu -q -rfE --timeout=120 --maxfail=30 -
 stage kernels 130 python3 -m mptrain.bench.kernels --no-host --json "$OUT/kernels.json"
 stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
 # shellcheck disable=SC2086  # E2E_ARGS: extra flags, e.g. E2E_ARGS="--models bert --repeat 3"
-stage e2e 540 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json" ${E2E_ARGS:-}
+stage e2e 590 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json" ${E2E_ARGS:-}
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
   python3 -m mptrain.bench.ddp --nproc 2 --models bert --batch 128 --json "$OUT/ddp_bert128.json";
   python3 -m pytest tests/gpu -q -s -rfE -p no:cacheprovider -o addopts="" -m multi_gpu' 
