@@ -10,6 +10,8 @@
 //  * gemmex_rotating: cublasGemmEx over several problems in turn, optionally with an ATen
 //    fill launched between GEMMs: whether alternating shapes and other launches (a cell
 //    step's pattern) raise cuBLAS's host time per call above the single-shape loop's.
+//  * gemmex_pair: two same-shape GEMMs as one strided-batched call (operands at any fixed
+//    offset), for batching a cell backward's GEMM pairs.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAStream.h>
@@ -123,6 +125,30 @@ double gemmex_rotating(const std::vector<std::tuple<at::Tensor, at::Tensor, at::
   return us_since(t0, iters * int64_t(problems.size()));
 }
 
+// Two GEMMs of one shape as one cublasGemmStridedBatchedEx call: the operands' second
+// matrices at a fixed element offset from the first (A2 - A1, B2 - B1: separate tensors, so
+// any offset, negative included), outputs [2, ...] in one buffer.  What batching a cell
+// backward's dx / dh and dW_ih / dW_hh pairs would be.  Host us per call of the pair.
+double gemmex_pair(at::Tensor A1, at::Tensor A2, at::Tensor B1, at::Tensor B2, at::Tensor C2, bool ta, bool tb,
+                   int64_t m, int64_t n, int64_t k, int64_t iters) {
+  cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
+  ok(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+  const float alpha = 1.f, b = 0.f;
+  const int64_t es = A1.element_size();
+  const long long sa = (static_cast<char*>(A2.data_ptr()) - static_cast<char*>(A1.data_ptr())) / es;
+  const long long sb = (static_cast<char*>(B2.data_ptr()) - static_cast<char*>(B1.data_ptr())) / es;
+  const long long sc = C2.stride(0);
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+    ok(cublasGemmStridedBatchedEx(h, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, int(m), int(n),
+                                  int(k), &alpha, A1.data_ptr(), dt(A1), int(A1.size(1)), sa, B1.data_ptr(), dt(B1),
+                                  int(B1.size(1)), sb, &b, C2.data_ptr(), dt(C2), int(C2.size(2)), sc, 2,
+                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP),
+       "cublasGemmStridedBatchedEx");
+  }
+  return us_since(t0, iters);
+}
+
 // The fill alone, from C++: what gemmex_rotating's interleaved launch costs by itself.
 double fill_loop(at::Tensor scratch, int64_t iters) {
   const auto t0 = Clock::now();
@@ -137,4 +163,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lt", &lt);
   m.def("gemmex_rotating", &gemmex_rotating);
   m.def("fill_loop", &fill_loop);
+  m.def("gemmex_pair", &gemmex_pair);
 }

@@ -9,7 +9,8 @@ shape, enqueue-only host us per call (interleaved rounds, best of 5):
   and what that one-off heuristic query costs;
 
 and whether each result is bitwise torch.mm's; then the three shapes in turn, alone and with a small
-ATen kernel launched between GEMMs (a cell step's pattern), for torch.mm and cublasGemmEx.
+ATen kernel launched between GEMMs (a cell step's pattern), for torch.mm and cublasGemmEx; then a
+cell backward's GEMM pairs as two calls or one strided-batched call (host us, bitwise or not).
 
     python3 dev/cuda/gemm_host_bench.py [--iters 200]
 """
@@ -90,6 +91,39 @@ def main():
                 best[3], heur = min(best[3], per), min(heur, h)
             print(f"{name + f' {rows}x{hid}':<28} " + " ".join(f"{v:9.2f}" for v in best) + f" {heur:7.1f}  {same}")
         rotating(ext, cases, rows, hid, a.iters)
+        pairs(ext, rows, hid, a.iters)
+
+
+def pairs(ext, rows, hid, iters):
+    """A cell backward's GEMM pairs (dx, dh = dgates W_ih, dgates W_hh; dW_ih, dW_hh = dgates^T x, dgates^T h)
+    as two cublasGemmEx calls or one strided-batched call over separately allocated operands: host us per
+    pair, and whether the batched results are bitwise the separate ones (and torch.mm's)."""
+    bf = torch.bfloat16
+    x, h = (torch.randn(rows, hid, device="cuda", dtype=bf) for _ in range(2))
+    w_ih, w_hh = (torch.randn(4 * hid, hid, device="cuda", dtype=bf) for _ in range(2))
+    g = torch.randn(rows, 4 * hid, device="cuda", dtype=bf)
+    # (name, column-major (A1, A2, B1, B2, ta, tb, m, n, k), output pair shape, torch references)
+    specs = [("dx,dh", (w_ih, w_hh, g, g, False, False, hid, rows, 4 * hid), (2, rows, hid), (g @ w_ih, g @ w_hh)),
+             ("dW_ih,dW_hh", (x, h, g, g, False, True, hid, 4 * hid, rows), (2, 4 * hid, hid), (g.t() @ x, g.t() @ h))]
+    for name, (a1, a2, b1, b2, ta, tb, m, n, k), shape, refs in specs:
+        out2 = torch.empty(shape, device="cuda", dtype=bf)
+        sep = [torch.empty(shape[1:], device="cuda", dtype=bf) for _ in range(2)]
+        ext.gemmex_pair(a1, a2, b1, b2, out2, ta, tb, m, n, k, 1)
+        ext.gemmex(a1, b1, sep[0], ta, tb, m, n, k, 0.0, 1)
+        ext.gemmex(a2, b2, sep[1], ta, tb, m, n, k, 0.0, 1)
+        torch.cuda.synchronize()
+        bitwise = all(torch.equal(out2[i], sep[i]) for i in range(2)), all(torch.equal(sep[i], refs[i]) for i in range(2))
+        best_sep = best_pair = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = ext.gemmex(a1, b1, sep[0], ta, tb, m, n, k, 0.0, iters) + ext.gemmex(a2, b2, sep[1], ta, tb, m, n, k,
+                                                                                     0.0, iters)
+            best_sep = min(best_sep, t)
+            torch.cuda.synchronize()
+            best_pair = min(best_pair, ext.gemmex_pair(a1, a2, b1, b2, out2, ta, tb, m, n, k, iters))
+        torch.cuda.synchronize()
+        print(f"{f'{name} {rows}x{hid}':<28} two GemmEx {best_sep:.2f} us, one strided-batched {best_pair:.2f} us; "
+              f"batched == separate: {bitwise[0]}, separate == torch.mm: {bitwise[1]}")
 
 
 def rotating(ext, cases, rows, hid, iters):
