@@ -108,6 +108,39 @@ def test_sync_counter_counts_synchronizing_calls_in_the_window(monkeypatch):
     assert calls == ["sync", "sync", "warn", "default"]
 
 
+def test_timed_window_opens_after_a_collection_and_reports_those_inside_it():
+    """Garbage left by the compile and the warm-up is collected before the window's clock starts;
+    a collection inside the window is counted (time and full ones), none after it."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    timer = e2e.StepTimer(warmup=1, steps=2, sync_steps=0)
+    timer.cuda = False
+    cycle = Node()
+    cycle.me = cycle  # only the collector frees a reference cycle
+    ref = weakref.ref(cycle)
+    del cycle
+    gc.disable()  # no automatic collection in between
+    try:
+        timer.on_train_batch_end(None, None, None, None, 0)  # warm-up over: the window opens
+        assert ref() is None and timer.gc_full == 0
+        gc.collect()  # a full collection inside the window
+        timer.on_train_batch_end(None, None, None, None, 1)
+        timer.on_train_batch_end(None, None, None, None, 2)  # the window closes
+        assert timer.t1 is not None
+        gc.collect()  # after the window: not counted
+    finally:
+        gc.enable()
+    assert timer.gc_full == 1 and timer.gc_ms > 0
+    assert timer._gc_pause not in gc.callbacks
+    paused = e2e.Result("bert", "mptrain:bf16-master", "bf16-master", 8, samples_per_s=1.0, step_ms=8.0,
+                        gc_ms_per_step=0.5, gc_full=1)
+    assert "1 full garbage collection(s) in the timed window, 0.50 ms/step" in e2e.format_table([paused])
+
+
 def test_repeats_alternate_the_order_and_report_the_median_run():
     orders = e2e.case_orders(["mptrain:bf16-master", "lightning:bf16-true", "mptrain+compile:best"], 3)
     assert orders == [["mptrain:bf16-master", "lightning:bf16-true", "mptrain+compile:best"],
