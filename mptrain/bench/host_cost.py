@@ -135,6 +135,12 @@ def cases(device: str, quick: bool):
     return out
 
 
+def calls_per_loop(iters: Optional[int], quick: bool, kind: str) -> int:
+    """Calls per timing loop: ``iters`` if given, else 1000 at a tiny shape and 50 at a benchmark one
+    (20 in a quick run)."""
+    return iters or (20 if quick else (1000 if kind == TINY else 50))
+
+
 def engine_us(device: str, iters: int) -> float:
     """``autograd.grad`` of one pointwise op on one leaf, µs per call: the engine's fixed cost, which both
     sides of every fwd+bwd row pay.  It differs by tens of µs between hosts of one kind, so it is printed
@@ -158,7 +164,7 @@ def run(device: str = "cuda", quick: bool = False, iters: Optional[int] = None) 
     rows = []
     try:
         for op, shape, kind, build in cases(device, quick):
-            n = iters or (20 if quick else (1000 if kind == TINY else 50))
+            n = calls_per_loop(iters, quick, kind)
             ours, ref, leaves = build(fused)
             plain, _, plain_leaves = build(False)
             dy = torch.ones_like(ref())
@@ -194,7 +200,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", default="host_cost.json", help="where to write the rows (default: %(default)s)")
     a = p.parse_args(argv)
     rows = run(a.device, a.quick, a.iters)
-    engine = engine_us(a.device, a.iters or (20 if a.quick else 1000))
+    engine = engine_us(a.device, calls_per_loop(a.iters, a.quick, TINY))  # a tiny op
     device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     print(f"host cost per eager call, {device}, torch {torch.__version__}, extension {ops.extension_status()}")
     print(format_table(rows))

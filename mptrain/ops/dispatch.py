@@ -39,6 +39,17 @@ def _load(required: bool) -> bool:
     return _cuda_kernels
 
 
+def call_fast(entry: str, x, fused, *args):
+    """The lean entry point ``entry`` ("fast_norm" or "fast_pool") called on ``(x, *args)`` for an eager call
+    on a CUDA tensor with ``fused`` True or "auto"; NotImplemented otherwise, and wherever the entry point
+    declines (the caller then takes the ``torch.ops`` path).  Compiled code never calls it: the graph holds
+    the op (the entry point is looked up by name after that test, so tracing never touches it)."""
+    if torch.compiler.is_compiling() or not x.is_cuda or not (fused is True or fused == "auto"):
+        return NotImplemented
+    fn = globals()[entry]
+    return NotImplemented if fn is None else fn(x, *args)
+
+
 # torch.compile runs the loader while tracing and treats its answer as a constant (what
 # torch.compiler.assume_constant_result sets; set directly: importing torch._dynamo costs ~1 s).
 _load._dynamo_marked_constant = True

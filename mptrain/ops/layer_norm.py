@@ -53,18 +53,10 @@ def _shape(normalized_shape):
     return (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
 
 
-def _fast(x, normalized_shape, weight, bias, eps, rms, fused):
-    """The lean entry point's output for an eager CUDA call it takes, else NotImplemented."""
-    if torch.compiler.is_compiling() or dispatch.fast_norm is None or not x.is_cuda or not (
-            fused is True or fused == "auto"):
-        return NotImplemented
-    return dispatch.fast_norm(x, normalized_shape, weight, bias, eps, rms)
-
-
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="auto"):
     """``F.layer_norm`` with fp32 statistics, the fused kernel for CUDA tensors; ``weight``/``bias`` may
     be fp32 under fp16/bf16 ``x``; the output has ``x``'s dtype."""
-    y = _fast(x, normalized_shape, weight, bias, eps, False, fused)
+    y = dispatch.call_fast("fast_norm", x, fused, normalized_shape, weight, bias, eps, False)
     if y is not NotImplemented:
         return y
     x, weight, bias = _cuda_autocast_upcast("aten::layer_norm", x, weight, bias)
@@ -77,7 +69,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, fused="
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, fused="auto"):
     """``F.rms_norm`` with fp32 statistics, the fused kernel for CUDA tensors; ``eps=None`` is torch's
     default (fp32 machine epsilon for fp32/fp16/bf16 input)."""
-    y = _fast(x, normalized_shape, weight, None, eps, True, fused)
+    y = dispatch.call_fast("fast_norm", x, fused, normalized_shape, weight, None, eps, True)
     if y is not NotImplemented:
         return y
     x, weight, _ = _cuda_autocast_upcast("aten::rms_norm", x, weight, None)

@@ -23,13 +23,11 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, *, fused="auto"):
     4-d channels_last input (``fused=True``: any 4-d CUDA input, made channels_last), torch's otherwise.
     Ties and NaN as torch: the first maximum of a window wins, NaN wins over numbers.  The output is
     channels_last on the fused path."""
-    if not torch.compiler.is_compiling() and dispatch.fast_pool is not None and x.is_cuda and (
-            fused is True or fused == "auto"):
-        # the lean entry point (csrc/fast_call.cpp): the op without torch.ops' boxed call, for the
-        # plain channels_last case; NotImplemented sends everything else the way below
-        y = dispatch.fast_pool(x, kernel_size, stride, padding)
-        if y is not NotImplemented:
-            return y
+    # the lean entry point (csrc/fast_call.cpp): the op without torch.ops' boxed call, for the plain
+    # channels_last case; NotImplemented sends everything else the way below
+    y = dispatch.call_fast("fast_pool", x, fused, kernel_size, stride, padding)
+    if y is not NotImplemented:
+        return y
     k, p = _pair(kernel_size), _pair(padding)
     s = _pair(stride) if stride is not None and stride != [] else k
     if x.dim() != 4 or k[0] * k[1] > MAX_WINDOW:

@@ -83,3 +83,24 @@ def test_loading_the_extension_is_a_constant_under_torch_compile(monkeypatch):
 
     assert torch.equal(f(torch.zeros(2)), torch.full((2,), -1.0))
     assert not counters["graph_break"]
+
+
+def test_call_fast_takes_eager_cuda_calls_only_and_reads_the_entry_point_by_name(monkeypatch):
+    """The lean entry points' one gate: an eager call on a CUDA tensor with fused True or "auto" goes to the
+    entry point as ``dispatch`` holds it now (patched here), anything else answers NotImplemented."""
+    calls = []
+
+    class CudaLike:
+        is_cuda = True
+
+    x = CudaLike()
+    monkeypatch.setattr(dispatch, "fast_pool", lambda *a: calls.append(a) or "y")
+    assert dispatch.call_fast("fast_pool", x, "auto", 3, 2, 1) == "y" and calls == [(x, 3, 2, 1)]
+    assert dispatch.call_fast("fast_pool", x, True, 3) == "y"
+    assert dispatch.call_fast("fast_pool", x, False, 3) is NotImplemented
+    assert dispatch.call_fast("fast_pool", torch.ones(2), "auto", 3) is NotImplemented  # a CPU tensor
+    monkeypatch.setattr(dispatch, "fast_norm", None)  # extension not loaded
+    assert dispatch.call_fast("fast_norm", x, "auto", (4,)) is NotImplemented
+    monkeypatch.setattr(dispatch.torch.compiler, "is_compiling", lambda: True)
+    assert dispatch.call_fast("fast_pool", x, "auto", 3) is NotImplemented  # compiled code calls the op
+    assert len(calls) == 2
