@@ -10,8 +10,8 @@
 //  * gemmex_rotating: cublasGemmEx over several problems in turn, optionally with an ATen
 //    fill launched between GEMMs: whether alternating shapes and other launches (a cell
 //    step's pattern) raise cuBLAS's host time per call above the single-shape loop's.
-//  * gemmex_pair: two same-shape GEMMs as one strided-batched call (operands at any fixed
-//    offset), for batching a cell backward's GEMM pairs.
+//  * gemmex_pair: two same-shape GEMMs as one strided-batched call (each pair of operands in
+//    one buffer), for batching a cell backward's GEMM pairs.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAStream.h>
@@ -126,9 +126,10 @@ double gemmex_rotating(const std::vector<std::tuple<at::Tensor, at::Tensor, at::
 }
 
 // Two GEMMs of one shape as one cublasGemmStridedBatchedEx call: the operands' second
-// matrices at a fixed element offset from the first (A2 - A1, B2 - B1: separate tensors, so
-// any offset, negative included), outputs [2, ...] in one buffer.  What batching a cell
-// backward's dx / dh and dW_ih / dW_hh pairs would be.  Host us per call of the pair.
+// matrices at a fixed element offset from the first (A2 - A1, B2 - B1; the bench passes
+// pairs that share one buffer: with unrelated allocations the call faulted), outputs
+// [2, ...] in one buffer.  What batching a cell backward's dx / dh and dW_ih / dW_hh pairs
+// would be.  Host us per call of the pair.
 double gemmex_pair(at::Tensor A1, at::Tensor A2, at::Tensor B1, at::Tensor B2, at::Tensor C2, bool ta, bool tb,
                    int64_t m, int64_t n, int64_t k, int64_t iters) {
   cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();

@@ -96,12 +96,16 @@ def main():
 
 def pairs(ext, rows, hid, iters):
     """A cell backward's GEMM pairs (dx, dh = dgates W_ih, dgates W_hh; dW_ih, dW_hh = dgates^T x, dgates^T h)
-    as two cublasGemmEx calls or one strided-batched call over separately allocated operands: host us per
-    pair, and whether the batched results are bitwise the separate ones (and torch.mm's)."""
+    as two cublasGemmEx calls or one strided-batched call: host us per pair, and whether the batched results
+    are bitwise the separate ones (and torch.mm's).  Each pair's operands share one buffer ([2, ...], a
+    positive fixed stride), the layout a shipped version would need (weights flattened as for cuDNN; x and h
+    copied side by side): with separately allocated operands (any offset between them) the batched call
+    faulted at 1024x1024 (illegal address, session 20)."""
     bf = torch.bfloat16
-    x, h = (torch.randn(rows, hid, device="cuda", dtype=bf) for _ in range(2))
-    w_ih, w_hh = (torch.randn(4 * hid, hid, device="cuda", dtype=bf) for _ in range(2))
+    xh = torch.randn(2, rows, hid, device="cuda", dtype=bf)
+    w = torch.randn(2, 4 * hid, hid, device="cuda", dtype=bf)
     g = torch.randn(rows, 4 * hid, device="cuda", dtype=bf)
+    x, h, w_ih, w_hh = xh[0], xh[1], w[0], w[1]
     # (name, column-major (A1, A2, B1, B2, ta, tb, m, n, k), output pair shape, torch references)
     specs = [("dx,dh", (w_ih, w_hh, g, g, False, False, hid, rows, 4 * hid), (2, rows, hid), (g @ w_ih, g @ w_hh)),
              ("dW_ih,dW_hh", (x, h, g, g, False, True, hid, 4 * hid, rows), (2, 4 * hid, hid), (g.t() @ x, g.t() @ h))]

@@ -5,11 +5,8 @@
 #   default: info build tests kernels host (about 4-5 minutes on an H200 with 16 cores:
 #   info 16 s, build 60 s, tests 118 s, kernels 40 s; each stage's timeout below keeps the
 #   default call under 9 minutes: 30 + 150 + 170 + 130 + 60 s).  e2e takes a call of its
-#   own: tests/gpu/run.sh build e2e (build 55-75 s; e2e 350-380 s at --warmup 6 --steps 20 up to
-#   session 19, more at the defaults).  Each case now compiles from a reset dynamo (inductor's
-#   on-disk cache still serves code seen before), so the four compiled cases that reused an earlier
-#   case's compile (1.7-6.5 s each in session 19's full run) compile again: estimated 450-530 s,
-#   not yet timed.  If build + e2e no longer fit one 600 s call, run e2e per model
+#   own: tests/gpu/run.sh build e2e (build 55-75 s; e2e about 350 s at --warmup 6 --steps 20,
+#   every case from a fresh dynamo; more at the defaults).  If build + e2e no longer fit one 600 s call, run e2e per model
 #   (E2E_ARGS="--models resnet50", then bert; every ratio is within one model) or load a prebuilt
 #   extension (dev/prebuilt_ext.py).  E2E_ARGS adds flags, e.g.
 #   E2E_ARGS="--models bert --repeat 3" for the host-bound BERT eager cases.  multi needs two GPUs
