@@ -91,6 +91,15 @@ def _has_cpu_half(obj) -> bool:
     return isinstance(obj, (list, tuple)) and any(_has_cpu_half(o) for o in obj)
 
 
+def _cpu_rnn_in_16_bits(args) -> bool:
+    """Whether a CPU LSTM call would compute in 16 bits: half CPU tensors, or fp32 ones that CPU autocast
+    (bf16-mixed on the CPU) lowers itself -- both reach oneDNN's 16-bit LSTM."""
+    if _has_cpu_half(args):
+        return True
+    x = args[0] if args else None  # lstm / lstm_cell: the input (or a packed sequence's data) comes first
+    return isinstance(x, torch.Tensor) and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+
+
 def _upcast(obj, dtype_seen: list):
     """``obj`` with its half tensors in fp32; their dtypes appended to ``dtype_seen`` in order."""
     if isinstance(obj, torch.Tensor) and obj.dtype in HALF:
@@ -168,7 +177,7 @@ def _spots(name: str) -> tuple:
 
 def _wrapper(name: str, orig):
     def fp32_fallback(*args, **kwargs):
-        if name in CPU_RNN_OPS and not _has_cpu_half(args):
+        if name in CPU_RNN_OPS and not _cpu_rnn_in_16_bits(args):
             return orig(*args, **kwargs)
         if torch.compiler.is_compiling():  # dynamo inlines the wrapper: the graph holds the fp32 path
             return _in_fp32(name, orig, args, kwargs)

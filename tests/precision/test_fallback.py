@@ -244,6 +244,24 @@ def test_lstm_runs_in_fp32_on_a_cpu_without_native_bf16(precision, monkeypatch, 
     assert len(lines) == 1 and "LSTM" in lines[0]
 
 
+def test_lstm_on_fp32_input_under_cpu_autocast_runs_in_fp32(monkeypatch):
+    """bf16-mixed on the CPU: the LSTM gets fp32 activations (an embedding's output) and autocast would lower
+    it to oneDNN's bf16 LSTM itself (the lstm_lm recipe crashed so on an AVX2-only CPU): the policy runs it
+    in fp32, bitwise the call without autocast."""
+    import mptrain.precision.fallback as fb
+
+    monkeypatch.setattr(fb, "cpu_lacks_native_bf16", lambda: True)
+    torch.manual_seed(0)
+    lstm, cell = nn.LSTM(6, 5, num_layers=2, batch_first=True), nn.LSTMCell(6, 5)
+    plugin = precision_plugin("bf16-mixed")
+    x = torch.randn(2, 3, 6)
+    with plugin.forward_context():
+        assert torch.is_autocast_enabled("cpu")
+        out, h = lstm(x)[0], cell(x[:, 0])[0]
+    assert out.dtype == torch.float32 and h.dtype == torch.float32
+    assert torch.equal(out, lstm(x)[0]) and torch.equal(h, cell(x[:, 0])[0])
+
+
 def test_lstm_is_left_alone_where_the_cpu_has_native_bf16():
     fallback = Fp32Fallback("default", cpu_rnn=False)
     assert "lstm" not in fallback.names and "lstm_cell" not in fallback.names
