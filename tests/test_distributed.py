@@ -10,17 +10,25 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
+PRECISIONS = ("32-true", "bf16-master")
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> dict:
+    """precision -> (rank 0's dump, rank 1's), every precision from one launch (each pays two ranks' imports)."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    r = subprocess.run([sys.executable, str(SCRIPT), str(tmp / "ddp"), ",".join(PRECISIONS)], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=tmp)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return {p: tuple(torch.load(tmp / f"ddp-{p}.rank{rank}.pt", weights_only=True) for rank in (0, 1))
+            for p in PRECISIONS}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["32-true", "bf16-master"])
-def test_two_ranks_end_with_identical_weights_and_skip_together(tmp_path, precision):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
-    r = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "ddp"), precision], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    a = torch.load(tmp_path / "ddp.rank0.pt", weights_only=True)
-    b = torch.load(tmp_path / "ddp.rank1.pt", weights_only=True)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_two_ranks_end_with_identical_weights_and_skip_together(ddp_runs, precision):
+    a, b = ddp_runs[precision]
     # 128 samples, 2 ranks, batch 8: 8 batches a rank an epoch, 4 steps (accumulation 2), 2 epochs
     assert a["world_size"] == 2 and a["steps"] == b["steps"] == 8
     assert a["skipped"] == b["skipped"] == 1, "the inf on rank 1 must skip the step on both ranks"

@@ -1,7 +1,8 @@
 """Sharded training on the CPU: 2 gloo ranks under Lightning's FSDPStrategy with ShardedPrecision.
 
 The tests launch this file as a script (Lightning's FSDP launcher re-runs the command line for
-rank 1, so it cannot run inside pytest); each mode below is one launch running several fits.
+rank 1, so it cannot run inside pytest).  A launch pays two ranks' imports of torch and Lightning (~25 s
+on a 2-core box), so the Trainer scenarios share one launch (``trainer_runs``); Fabric's has its own.
 """
 from __future__ import annotations
 
@@ -19,17 +20,28 @@ from lightning.pytorch import Callback
 HERE = Path(__file__).resolve()
 
 
-def _launch(tmp_path, mode: str) -> dict:
+TRAINER_MODES = ("trajectory", "nan", "checkpoint-full", "checkpoint-sharded", "bert")
+
+
+def _launch(out: Path, mode: str, modes: tuple = ()) -> dict:
+    """Runs ``mode`` ("trainer": every one of TRAINER_MODES in turn); each mode's results by rank."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parents[2]))
-    r = subprocess.run([sys.executable, str(HERE), mode, str(tmp_path)], env=env, capture_output=True, text=True,
-                       timeout=600, cwd=tmp_path)
+    r = subprocess.run([sys.executable, str(HERE), mode, str(out)], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=out)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    return {rank: torch.load(tmp_path / f"{mode}.rank{rank}.pt", weights_only=True) for rank in (0, 1)}
+    return {m: {rank: torch.load(out / f"{m}.rank{rank}.pt", weights_only=True) for rank in (0, 1)}
+            for m in modes or (mode,)}
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory) -> dict:
+    """mode -> {rank: result} for the Trainer scenarios, from one launch."""
+    return _launch(tmp_path_factory.mktemp("fsdp"), "trainer", TRAINER_MODES)
 
 
 @pytest.mark.slow
-def test_sharded_run_follows_the_unsharded_loss_trajectory(tmp_path):
-    out = _launch(tmp_path, "trajectory")
+def test_sharded_run_follows_the_unsharded_loss_trajectory(trainer_runs):
+    out = trainer_runs["trajectory"]
     for rank, d in out.items():
         assert len(d["fsdp 32-true"]) == len(d["ddp 32-true"]) == 8
         torch.testing.assert_close(d["fsdp 32-true"], d["ddp 32-true"], rtol=1e-5, atol=1e-6)
@@ -49,8 +61,8 @@ def test_sharded_run_follows_the_unsharded_loss_trajectory(tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_on_one_rank_skips_the_step_on_both(tmp_path):
-    out = _launch(tmp_path, "nan")
+def test_nan_on_one_rank_skips_the_step_on_both(trainer_runs):
+    out = trainer_runs["nan"]
     for rank, d in out.items():
         assert d["skipped"] == 1, f"rank {rank} must skip the step whose grad shard was NaN on rank 0 only"
         assert d["steps"] == 4
@@ -64,9 +76,9 @@ def test_nan_on_one_rank_skips_the_step_on_both(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
-def test_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path, state_dict_type):
+def test_checkpoint_resume_reproduces_the_uninterrupted_run(trainer_runs, state_dict_type):
     """16-master, cut after 3 of 8 steps (mid-epoch), resumed from ``last``."""
-    out = _launch(tmp_path, f"checkpoint-{state_dict_type}")
+    out = trainer_runs[f"checkpoint-{state_dict_type}"]
     for rank, d in out.items():
         for name, t in d["cut"].items():
             assert torch.equal(t, d["resumed start"][name]), f"rank {rank}: {name} not restored from the checkpoint"
@@ -87,8 +99,8 @@ def test_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path, state_dict
 
 
 @pytest.mark.slow
-def test_the_bert_recipe_model_shards_with_fp32_fused_layernorms(tmp_path):
-    for rank, d in _launch(tmp_path, "bert").items():
+def test_the_bert_recipe_model_shards_with_fp32_fused_layernorms(trainer_runs):
+    for rank, d in trainer_runs["bert"].items():
         assert torch.isfinite(d["loss"]) and d["skipped"] == 0
         assert d["units"].count("BertLayer") == 2, d["units"]
         assert d["units"].count("FusedLayerNorm") == 2 * 2 + 2, "each LayerNorm (2 a layer, embeddings, head) " \
@@ -98,7 +110,7 @@ def test_the_bert_recipe_model_shards_with_fp32_fused_layernorms(tmp_path):
 
 @pytest.mark.slow
 def test_lightning_fabric_takes_the_sharded_plugin(tmp_path):
-    for rank, d in _launch(tmp_path, "fabric").items():
+    for rank, d in _launch(tmp_path, "fabric")["fabric"].items():
         torch.testing.assert_close(d["fsdp 32-true"], d["ddp 32-true"], rtol=1e-5, atol=1e-6)
         # Fabric's FSDP returns fp32 outputs (Lightning's FSDPPrecision.convert_output): the loss is fp32 there
         torch.testing.assert_close(d["fsdp bf16-master"], d["ddp bf16-master"], rtol=2e-2, atol=2e-2)
@@ -372,19 +384,24 @@ def _run_fabric(out: Path) -> dict:
     return result
 
 
+def _run(mode: str, out: Path) -> dict:
+    if mode == "trajectory":
+        return _run_trajectory(out)
+    if mode == "nan":
+        return _run_nan(out)
+    if mode == "bert":
+        return _run_bert(out)
+    if mode == "fabric":
+        return _run_fabric(out)
+    return _run_checkpoint(out, mode.split("-", 1)[1])
+
+
 def _main(mode: str, out: Path) -> None:
     sys.path.insert(0, str(HERE.parents[1]))  # tests/: _models
-    if mode == "trajectory":
-        result = _run_trajectory(out)
-    elif mode == "nan":
-        result = _run_nan(out)
-    elif mode == "bert":
-        result = _run_bert(out)
-    elif mode == "fabric":
-        result = _run_fabric(out)
-    else:
-        result = _run_checkpoint(out, mode.split("-", 1)[1])
-    torch.save(result, out / f"{mode}.rank{torch.distributed.get_rank()}.pt")
+    for m in TRAINER_MODES if mode == "trainer" else (mode,):
+        (out / m).mkdir(exist_ok=True)  # each mode's checkpoints apart
+        result = _run(m, out / m)
+        torch.save(result, out / f"{m}.rank{torch.distributed.get_rank()}.pt")
     # gloo threads left to interpreter teardown abort the exit ("terminate called without an active
     # exception"): both ranks meet, drop the trainers' references to the group, then destroy it
     torch.distributed.barrier()
