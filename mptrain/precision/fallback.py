@@ -94,10 +94,11 @@ def _has_cpu_half(obj) -> bool:
 def _cpu_rnn_in_16_bits(args) -> bool:
     """Whether a CPU LSTM call would compute in 16 bits: half CPU tensors, or fp32 ones that CPU autocast
     (bf16-mixed on the CPU) lowers itself -- both reach oneDNN's 16-bit LSTM."""
-    if _has_cpu_half(args):
-        return True
     x = args[0] if args else None  # lstm / lstm_cell: the input (or a packed sequence's data) comes first
-    return isinstance(x, torch.Tensor) and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+    if not isinstance(x, torch.Tensor):
+        return _has_cpu_half(args)
+    # a call's tensors share the input's device: a CUDA call returns here without walking the weights
+    return x.device.type == "cpu" and (torch.is_autocast_enabled("cpu") or _has_cpu_half(args))
 
 
 def _upcast(obj, dtype_seen: list):
