@@ -18,7 +18,9 @@ the only lever left, and fp8 is the precision lever.  This times every linear la
   (inductor fuses the casts as far as it can).  In a compiled model some casts could fold into the
   producer's pointwise kernel, so the step's real cost lies between the two fp8 rows.
 
-Each time is triton's ``do_bench`` median (L2 flushed before each call).  Summed over the step's
+Each time is GPU time: triton's ``do_bench_cudagraph`` median (the call captured in a CUDA graph and
+replayed; host time, dynamo's guards included, would otherwise dominate the small linears, and the
+L2 is not flushed between replays: the same for every row).  Summed over the step's
 linears, the saving against bf16 is subtracted from ``--step-ms`` (mptrain's best compiled step,
 ms) and the result compared with ``--baseline-ms`` (Lightning + torch.compile's best step, ms):
 the ratio an fp8 mode could reach.  ``--e2e`` reads both from one ``mptrain bench e2e --out`` file.
@@ -31,7 +33,14 @@ import sys
 
 import torch
 
-from mptrain.bench.common import median_ms
+
+def median_ms(fn, rep_ms: float) -> float:
+    """GPU time of ``fn`` in ms: median CUDA-graph replay (triton.testing.do_bench_cudagraph)."""
+    from triton.testing import do_bench_cudagraph
+
+    fn()  # compiled functions compile (and warm up) before the capture
+    return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
 
 BF16, E4, E5 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
 TOKENS, PREDICTED = 128 * 128, 128 * 20
