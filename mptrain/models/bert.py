@@ -86,7 +86,9 @@ class BertMLM(L.LightningModule):
         lr / weight_decay / betas / eps: AdamW (no decay on biases and LayerNorms).
         warmup_steps: linear warm-up, then linear decay to 0 at the end of the run.
         total_steps: steps of the schedule; ``None`` asks the trainer.
-        fused_layernorm: swap LayerNorms for mptrain.nn's fused ones.
+        fused_layernorm: mptrain.nn's drop-ins (``fuse_modules``): fused LayerNorms, and the vocabulary
+            projection as a PaddedLinear when the vocabulary is not a multiple of 8 (30522: its 16-bit GEMMs
+            at a 64-aligned width).
         use_attention_mask: pass the batch's attention mask (only needed with padding: our blocks
             are never padded, and an all-ones mask keeps SDPA off its fastest kernels).
         max_predictions: masked tokens predicted per sequence (BERT's max_predictions_per_seq):

@@ -1,0 +1,78 @@
+"""A 16-bit linear layer whose output width is not a multiple of 8 (a vocabulary projection: BERT's
+30522, GPT-2's 50257), computed as is and with its weight zero-padded to a multiple of 64 at every
+call (the output sliced back): GPU time of forward + backward, eager and compiled; padded with the sliced view as output, and
+with a contiguous copy of it.  (lab tool)
+
+    python3 dev/ragged_linear.py
+
+Why: a row-major (N, K) operand's other orientation has a leading dimension of N elements; at
+N = 30522 bf16 that is 61044 bytes, not 16-byte aligned, and cuBLAS then cannot take its
+tensor-core kernels with vector loads.  dev/fp8_gemm.py measured the BERT e2e case's decoder (2560 x
+768 x 30522, fwd + 2 bwd GEMMs) at 1.51 ms, against 0.37 ms for the 16384 x 768 x 3072 FFN GEMMs
+with 2.5x its FLOPs.  Times: triton's do_bench_cudagraph median (CUDA-graph replay, GPU time).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+BF16 = torch.bfloat16
+CASES = [("BERT MLM decoder", 2560, 768, 30522), ("GPT-2 LM head", 8192, 768, 50257),
+         ("aligned control", 2560, 768, 30528)]
+
+
+def padded(n: int, multiple: int = 64) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plain(x, w, b):
+    return F.linear(x, w, b)
+
+
+def pad_call(x, w, b):
+    n = w.shape[0]
+    extra = padded(n) - n
+    return F.linear(x, F.pad(w, (0, 0, 0, extra)), F.pad(b, (0, extra)))[..., :n]
+
+
+def pad_call_contiguous(x, w, b):
+    return pad_call(x, w, b).contiguous()
+
+
+def fwd_bwd(fn, x, w, b, g):
+    return lambda: torch.autograd.grad(fn(x, w, b), (x, w, b), g)
+
+
+def main() -> int:
+    print(f"{'case':<20} {'M x K x N':>18} {'mode':>8} {'plain ms':>9} {'padded ms':>10} {'speed-up':>9} "
+          f"{'+contiguous':>12} {'speed-up':>9}")
+    for name, M, K, N in CASES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(M, K, device="cuda", dtype=BF16, generator=gen, requires_grad=True)
+        w = (torch.randn(N, K, device="cuda", dtype=BF16, generator=gen) * K ** -0.5).requires_grad_()
+        b = torch.zeros(N, device="cuda", dtype=BF16, requires_grad=True)
+        g = torch.randn(M, N, device="cuda", dtype=BF16, generator=gen)
+        want = torch.autograd.grad(plain(x, w, b), (x, w, b), g)
+        got = torch.autograd.grad(pad_call(x, w, b), (x, w, b), g)
+        for a, r in zip(got, want):  # same product: only the rounding of a different kernel may differ
+            err = ((a.float() - r.float()).norm() / r.float().norm()).item()
+            assert err < 1e-2, (name, err)
+        for mode in ("eager", "compile"):
+            fns = (plain, pad_call, pad_call_contiguous)
+            if mode == "compile":
+                fns = tuple(torch.compile(f) for f in fns)
+            t = []
+            for fn in fns:
+                step = fwd_bwd(fn, x, w, b, g)
+                step()
+                t.append(float(do_bench_cudagraph(step, rep=50, return_mode="median")))
+            print(f"{name:<20} {f'{M}x{K}x{N}':>18} {mode:>8} {t[0]:9.4f} {t[1]:10.4f} {t[0] / t[1]:8.2f}x "
+                  f"{t[2]:12.4f} {t[0] / t[2]:8.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
