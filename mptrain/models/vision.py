@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mptrain.nn import fuse_modules
+from mptrain.nn.retype import retype
 
 
 class ChannelPaddedConv2d(nn.Conv2d):
@@ -20,10 +21,7 @@ class ChannelPaddedConv2d(nn.Conv2d):
     @classmethod
     def from_conv(cls, conv: nn.Conv2d) -> "ChannelPaddedConv2d":
         """``conv`` itself, its class changed (parameters, hooks and settings stay as they are)."""
-        if type(conv) is not nn.Conv2d:
-            raise TypeError(f"ChannelPaddedConv2d.from_conv takes an nn.Conv2d, got {type(conv).__name__}")
-        conv.__class__ = cls
-        return conv
+        return retype(conv, nn.Conv2d, cls, "ChannelPaddedConv2d.from_conv")
 
     def pads(self, x: torch.Tensor) -> bool:
         return x.shape[1] == 3 and self.groups == 1 and x.dtype == torch.float16 and x.is_cuda

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mptrain.nn.retype import retype
+
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -42,10 +44,7 @@ class PaddedLinear(nn.Linear):
     @classmethod
     def from_module(cls, linear: nn.Linear) -> "PaddedLinear":
         """``linear`` itself with its class changed: parameters (tied ones too), hooks and settings stay."""
-        if type(linear) is not nn.Linear:
-            raise TypeError(f"PaddedLinear.from_module takes an nn.Linear, got {type(linear).__name__}")
-        linear.__class__ = cls
-        return linear
+        return retype(linear, nn.Linear, cls, "PaddedLinear.from_module")
 
     def pads(self, x: torch.Tensor) -> bool:
         """Whether this call's GEMM runs padded: a ragged width and a 16-bit GEMM on CUDA."""
