@@ -3,7 +3,8 @@
 call (the output sliced back): GPU time of forward + backward, eager and compiled; padded with the sliced view as output, and
 with a contiguous copy of it.  (lab tool)
 
-    python3 dev/ragged_linear.py
+    python3 dev/ragged_linear.py            # the layer alone
+    python3 dev/ragged_linear.py --gpt2     # a GPT-2 (124M) training step, its tied head plain vs PaddedLinear
 
 Why: a row-major (N, K) operand's other orientation has a leading dimension of N elements; at
 N = 30522 bf16 that is 61044 bytes, not 16-byte aligned, and cuBLAS then cannot take its
@@ -13,7 +14,9 @@ with 2.5x its FLOPs.  Times: triton's do_bench_cudagraph median (CUDA-graph repl
 """
 from __future__ import annotations
 
+import argparse
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +49,45 @@ def fwd_bwd(fn, x, w, b, g):
     return lambda: torch.autograd.grad(fn(x, w, b), (x, w, b), g)
 
 
+def gpt2_step_ms(padded: bool, batch: int = 8, seq: int = 1024, warmup: int = 5, steps: int = 20) -> float:
+    """Wall ms per bf16 training step (forward, LM loss, backward, fused AdamW) of transformers' GPT-2 small,
+    random init; ``padded``: its tied 768 -> 50257 head as mptrain.nn.PaddedLinear (nothing else swapped)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from mptrain.nn import PaddedLinear
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=seq)).cuda().to(BF16)
+    if padded:
+        PaddedLinear.from_module(model.lm_head)
+        assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, 50257, (batch, seq), device="cuda")
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def gpt2(rounds: int = 2) -> int:
+    print("GPT-2 small, bf16, batch 8 x 1024 tokens: ms per training step (alternating)")
+    for r in range(rounds):
+        for padded in ((False, True) if r % 2 == 0 else (True, False)):
+            print(f"round {r + 1}: head {'PaddedLinear' if padded else 'nn.Linear':<12} {gpt2_step_ms(padded):8.2f} ms",
+                  flush=True)
+    return 0
+
+
 def main() -> int:
+    p = argparse.ArgumentParser(description="a ragged 16-bit linear, plain and padded")
+    p.add_argument("--gpt2", action="store_true", help="time GPT-2 small's training step instead of the layer")
+    if p.parse_args().gpt2:
+        return gpt2()
     print(f"{'case':<20} {'M x K x N':>18} {'mode':>8} {'plain ms':>9} {'padded ms':>10} {'speed-up':>9} "
           f"{'+contiguous':>12} {'speed-up':>9}")
     for name, M, K, N in CASES:
