@@ -126,7 +126,6 @@ def main(argv=None) -> int:
         a.step_ms, a.baseline_ms = e2e_steps(a.e2e)
     if (a.step_ms is None) != (a.baseline_ms is None):
         p.error("give both --step-ms and --baseline-ms (or --e2e FILE.json), or neither (GEMM sums only)")
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch's default, stated
     totals = {"bf16": 0.0, "fp8 gemms": 0.0, "fp8 + quant": 0.0}
     print(f"{'shape':<26} {'x/step':>6} {'bf16 ms':>8} {'fp8 gemms':>10} {'fp8+quant':>10}  (fwd + 2 bwd GEMMs, one linear)")
     for name, M, K, N, count in SHAPES:
