@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from mptrain.precision.factory import (PRECISIONS, build_precision, check_device_supports, normalize_precision,
                                        precision_plugin)
+from mptrain.precision.fp8 import Fp8Precision
 from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
 from mptrain.precision.master import MasterPrecision
 from mptrain.precision.mixed import MixedPrecision
@@ -11,5 +12,5 @@ from mptrain.precision.sharded import ShardedPrecision
 from mptrain.precision.true import TruePrecision
 
 __all__ = ["PRECISIONS", "normalize_precision", "precision_plugin", "build_precision", "check_device_supports",
-           "MptrainPrecision", "MasterPrecision", "MixedPrecision", "TruePrecision", "ShardedPrecision",
+           "MptrainPrecision", "MasterPrecision", "Fp8Precision", "MixedPrecision", "TruePrecision", "ShardedPrecision",
            "DynamicLossScaler", "NonFiniteError"]

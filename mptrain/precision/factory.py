@@ -5,13 +5,15 @@ from typing import Any
 
 import torch
 
+from mptrain.precision.fp8 import Fp8Precision
 from mptrain.precision.master import MasterPrecision
 from mptrain.precision.mixed import MixedPrecision
 from mptrain.precision.plugin import MptrainPrecision, check_device_supports
 from mptrain.precision.sharded import ShardedPrecision
 from mptrain.precision.true import TruePrecision
 
-PRECISIONS: tuple[str, ...] = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "16-master", "bf16-master")
+PRECISIONS: tuple[str, ...] = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "16-master", "bf16-master",
+                                 "fp8-master")
 
 # Lightning's short spellings (lightning.fabric.connector's table, minus 64-true which we do not run).
 _ALIASES: dict[Any, str] = {32: "32-true", "32": "32-true", 16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed"}
@@ -32,6 +34,8 @@ def precision_plugin(precision: Any, *, sharded: bool = False, **kwargs: Any) ->
     name = normalize_precision(precision)
     if sharded:
         return ShardedPrecision(name, **kwargs)
+    if name == "fp8-master":
+        return Fp8Precision(name, **kwargs)
     cls = MasterPrecision if name.endswith("-master") else MixedPrecision if name.endswith("-mixed") else TruePrecision
     return cls(name, **kwargs)
 

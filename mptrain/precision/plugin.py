@@ -404,15 +404,34 @@ class MptrainPrecision(_LightningPrecision):
         self._loss_bad = None
 
 
+FP8_MIN_CAPABILITY = (8, 9)
+
+
 def check_device_supports(name: str, device: torch.device) -> None:
-    """bf16 on a GPU without bf16 (pre-Ampere) must fail before training, not produce garbage."""
-    if torch.device(device).type != "cuda" or not name.startswith("bf16"):
+    """bf16 on a GPU without bf16 (pre-Ampere) must fail before training, not produce garbage; an fp8 mode
+    without fp8 tensor cores must fail rather than train in bf16 under an fp8 name."""
+    device = torch.device(device)
+    if name.startswith("fp8"):
+        _check_fp8_device(name, device)
+    if device.type != "cuda" or not name.startswith(("bf16", "fp8")):
         return
     if not torch.cuda.is_bf16_supported(including_emulation=False):
         cap = torch.cuda.get_device_capability(device)
         raise RuntimeError(f"precision={name!r} needs a GPU with bf16 support (compute capability >= 8.0); "
                            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. "
                            f"Use '16-master' or '16-mixed' instead.")
+
+
+def _check_fp8_device(name: str, device: torch.device) -> None:
+    if device.type != "cuda":
+        raise RuntimeError(f"precision={name!r} needs an NVIDIA GPU with fp8 tensor cores (compute capability >= "
+                           f"8.9: Ada, Hopper or newer); this run trains on {device.type!r}. Use 'bf16-master' "
+                           f"there")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_MIN_CAPABILITY:
+        raise RuntimeError(f"precision={name!r} needs fp8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
+                           f"newer); {torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. Use "
+                           f"'bf16-master' on this GPU")
 
 
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:

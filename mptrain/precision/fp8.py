@@ -1,0 +1,119 @@
+"""``fp8-master``: fp8 GEMMs in the linear layers, bf16 elsewhere, fp32 masters (Hopper, Ada and newer).
+
+``bf16-master`` (bf16 parameters, norms fp32, fp32 masters updated in the optimizer step, the fp32 fallback,
+the skip machinery) plus, at setup, the model's linear layers chosen by :mod:`.fp8_policy` swapped in place
+for torchao's float8 training linears: each forward and backward GEMM quantizes its operands with the
+recipe's scales (e4m3 for inputs and weights, e5m2 for output gradients with ``tensorwise``; e4m3 with
+power-of-2 row scales with ``rowwise``) and runs on the fp8 tensor cores.  The swap keeps every Parameter
+object and state-dict key, so optimizers, checkpoints and ``load_from_checkpoint`` see the model's own
+linears.  A switch to ``32-true`` (``fp32_finetune_*``) or an automatic fp32 promotion turns the layers back
+into ``nn.Linear``.
+
+Without an fp8 GPU (CPU, or compute capability below 8.9) the plugin refuses at setup, naming the device:
+an fp8 mode never trains in bf16 silently.  torchao's float8 machinery is the implementation (its casts
+compile into fused amax/scale/cast kernels under ``torch.compile``, which is how fp8 pays off: run
+``fp8-master`` with ``compile=True``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Union
+
+import torch
+from torch import nn
+
+from mptrain.precision.fp8_policy import plan_fp8_layers, resolve_keep_list
+from mptrain.precision.master import MasterPrecision
+from mptrain.precision.plugin import check_device_supports
+
+log = logging.getLogger("mptrain")
+
+#: ``recipe=`` -> torchao's recipe name
+RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise"}
+
+
+class Fp8Precision(MasterPrecision):
+    """fp8 GEMMs for linear layers with fp32 masters; see the module docstring.
+
+    Args:
+        precision: ``"fp8-master"``.
+        recipe: ``"tensorwise"`` (one current scale per tensor; the fastest) or ``"rowwise"`` (power-of-2
+            scales per row, more accurate for activations with outlier rows).
+        keep_bf16: which linear layers stay in bf16: ``"default"``, a list of name patterns and rules
+            (``"+x"`` / ``"-x"`` edit the default list) or ``[]``; see :mod:`mptrain.precision.fp8_policy`.
+        **kwargs: as :class:`~mptrain.precision.master.MasterPrecision` (``loss_scaler``, ``fp32_fallback``,
+            ``fused``, ``max_consecutive_skips``).
+    """
+
+    MODES = {"fp8-master": torch.bfloat16}
+    SCALER_BY_DEFAULT = ()
+
+    def __init__(self, precision: str = "fp8-master", *, recipe: str = "tensorwise",
+                 keep_bf16: Union[str, Iterable[str], None] = "default", **kwargs: Any):
+        if recipe not in RECIPES:
+            raise ValueError(f"Fp8Precision(recipe={recipe!r}) is not supported. Valid values: "
+                             f"{', '.join(map(repr, RECIPES))}")
+        self.keep_bf16 = resolve_keep_list(keep_bf16)
+        super().__init__(precision, **kwargs)
+        self.recipe = recipe
+        self.fp8_layers: list[str] = []  # qualified names of the layers running in fp8
+        self.kept_layers: dict[str, str] = {}  # qualified name of each linear kept in bf16 -> why
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.precision!r}, recipe={self.recipe!r})"
+
+    def _convert(self, module: nn.Module) -> nn.Module:
+        if module not in self._converted and self.phase == "low":
+            # Lightning converts the module before moving it to its device: refuse now when no fp8 GPU is
+            # in sight at all (connect() checks the run's own device again).
+            p = next(module.parameters(), None)
+            on_gpu = p is not None and p.device.type == "cuda"
+            check_device_supports(self.initial_precision, p.device if on_gpu else torch.device(
+                "cuda" if torch.cuda.is_available() else "cpu"))
+            self._swap_linears(module)
+        return super()._convert(module)
+
+    def _swap_linears(self, module: nn.Module) -> None:
+        convert, kept = plan_fp8_layers(module, self.keep_bf16)
+        if not convert:
+            why = "; ".join(f"{n}: {r}" for n, r in list(kept.items())[:8]) or "the model has no nn.Linear"
+            raise ValueError(f"precision='fp8-master' found no linear layer to run in fp8 ({why}). Train with "
+                             f"'bf16-master', or edit keep_bf16 (e.g. keep_bf16=['-<small>'])")
+        float8 = _torchao_float8()
+        config = float8.Float8LinearConfig.from_recipe_name(RECIPES[self.recipe])
+        chosen = set(convert)
+        float8.convert_to_float8_training(module, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+        self.fp8_layers, self.kept_layers = convert, kept
+        log.info("fp8-master (%s): %d linear layers in fp8, %d kept in bf16%s", self.recipe, len(convert),
+                 len(kept), "".join(f"\n  {n}: {r}" for n, r in kept.items()))
+
+    def switch_to_fp32(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        if self.phase != "fp32":
+            unswap_fp8_linears(self._module or model)
+        super().switch_to_fp32(model, optimizers)
+
+    def promote_module(self, module: nn.Module) -> None:
+        unswap_fp8_linears(module)
+        super().promote_module(module)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "fp8_recipe": self.recipe, "fp8_layers": list(self.fp8_layers)}
+
+
+def unswap_fp8_linears(module: nn.Module) -> list[str]:
+    """Turn torchao's float8 linears inside ``module`` back into ``nn.Linear`` in place (same Parameters)."""
+    names = []
+    for name, m in module.named_modules():
+        if type(m).__name__ == "Float8Linear" and isinstance(m, nn.Linear):
+            m.__class__ = nn.Linear
+            names.append(name)
+    return names
+
+
+def _torchao_float8():
+    try:
+        import torchao.float8 as float8
+    except ImportError as e:
+        raise ImportError("precision='fp8-master' runs on torchao's float8 training linears: "
+                          "pip install 'mptrain[fp8]' (or pip install torchao)") from e
+    return float8
