@@ -1,0 +1,147 @@
+"""Where the time of a compiled Llama training step goes, per precision case (lab tool, not shipped).
+
+Runs mptrain.Trainer on transformers' LlamaForCausalLM (synthetic tokens), times the steps with CUDA events
+and profiles a few of them, summing GPU kernel time by category (fp8 GEMM, bf16 GEMM, attention, casts and
+amax, optimizer, other).  Cases: bf16-master; torchao tensorwise swapped inside bf16-master; fp8-master.
+
+    python dev/fp8_llama_profile.py --config 1b --cases bf16-master,torchao,fp8-master
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+CONFIGS = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+               num_key_value_heads=16, batch=8),
+    "8b_layers": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
+                      num_key_value_heads=8, batch=4),
+}
+SEQ, VOCAB = 2048, 32000
+
+
+class LM(L.LightningModule):
+    def __init__(self, cfg, torchao_swap: bool):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+        c = {k: v for k, v in cfg.items() if k != "batch"}
+        conf = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, attn_implementation="sdpa", **c)
+        with torch.device("cuda"):
+            self.model = LlamaForCausalLM(conf)
+        if torchao_swap:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            convert_to_float8_training(self.model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                                       module_filter_fn=lambda m, fqn: fqn != "lm_head")
+
+    def training_step(self, batch, _):
+        logits = self.model(input_ids=batch).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+
+class Probe(L.Callback):
+    def __init__(self, warmup, steps, prof_steps):
+        self.warmup, self.steps, self.prof_steps = warmup, steps, prof_steps
+        self.n, self.ev, self.prof, self.ms = 0, None, None, None
+
+    def on_train_batch_end(self, trainer, pl_module, *a):
+        self.n += 1
+        if self.n == self.warmup:
+            torch.cuda.synchronize()
+            self.ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            self.ev[0].record()
+        elif self.n == self.warmup + self.steps:
+            self.ev[1].record()
+            torch.cuda.synchronize()
+            self.ms = self.ev[0].elapsed_time(self.ev[1]) / self.steps
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        elif self.n == self.warmup + self.steps + self.prof_steps:
+            torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+
+
+def category(name: str) -> str:
+    n = name.lower()
+    if "flash" in n or "fmha" in n or "attention" in n or "sdpa" in n or "cudnn" in n and "mha" in n:
+        return "attention"
+    if ("gemm" in n or "xmma" in n or "cutlass" in n or "sm90" in n or "nvjet" in n) and ("e4m3" in n or "e5m2" in n
+                                                                                         or "f8" in n or "fp8" in n):
+        return "fp8 gemm"
+    if "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n or "sm90_" in n:
+        return "bf16 gemm"
+    if "adam" in n or "foreach" in n or "multi_tensor" in n:
+        return "optimizer"
+    if "triton" in n:
+        return "triton (fused elementwise, casts, amax, norms)"
+    return "other"
+
+
+def run(case: str, cfg: dict, warmup: int, steps: int, prof_steps: int) -> dict:
+    from mptrain import Trainer
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = LM(cfg, torchao_swap=case == "torchao")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    data = [torch.randint(0, VOCAB, (cfg["batch"], SEQ), device="cuda", generator=g) for _ in range(4)]
+    total = warmup + steps + prof_steps + 1
+    loader = [data[i % 4] for i in range(total)]
+    probe = Probe(warmup, steps, prof_steps)
+    precision = "fp8-master" if case == "fp8-master" else "bf16-master"
+    trainer = Trainer(precision=precision, compile=True, max_steps=total, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], fused=False)
+    t = time.perf_counter()
+    trainer.fit(model, loader)
+    cats = collections.Counter()
+    top = collections.Counter()
+    for e in probe.prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.self_device_time_total / prof_steps / 1e3
+            cats[category(e.key)] += us
+            top[e.key[:90]] += us
+    out = dict(case=case, ms=probe.ms, peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+               wall_s=time.perf_counter() - t, categories_ms=dict(cats.most_common()),
+               top_ms=dict(top.most_common(25)))
+    del trainer, model, data, loader
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="1b", choices=list(CONFIGS))
+    p.add_argument("--cases", default="bf16-master,torchao,fp8-master")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prof-steps", type=int, default=2)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    results = []
+    for case in a.cases.split(","):
+        try:
+            r = run(case, CONFIGS[a.config], a.warmup, a.steps, a.prof_steps)
+        except Exception as e:  # a lab tool: record and go on to the next case
+            r = dict(case=case, error=f"{type(e).__name__}: {e}"[:2000])
+        results.append(r)
+        print(json.dumps(r, indent=1), flush=True)
+    base = next((r["ms"] for r in results if r.get("case") == "bf16-master" and "ms" in r), None)
+    for r in results:
+        if "ms" in r:
+            print(f"{a.config} {r['case']:>12}: {r['ms']:.1f} ms/step  peak {r['peak_gb']:.1f} GB"
+                  + (f"  {base / r['ms']:.3f}x bf16-master" if base else ""))
+    if a.out:
+        json.dump(results, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
