@@ -70,6 +70,19 @@ class Probe(L.Callback):
             self.prof.__exit__(None, None, None)
 
 
+class Batches:
+    """An iterable of device batches (a plain list would be taken as several loaders)."""
+
+    def __init__(self, data, n):
+        self.data, self.n = data, n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return (self.data[i % len(self.data)] for i in range(self.n))
+
+
 def category(name: str) -> str:
     n = name.lower()
     if "flash" in n or "fmha" in n or "attention" in n or "sdpa" in n or "cudnn" in n and "mha" in n:
@@ -96,7 +109,7 @@ def run(case: str, cfg: dict, warmup: int, steps: int, prof_steps: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     data = [torch.randint(0, VOCAB, (cfg["batch"], SEQ), device="cuda", generator=g) for _ in range(4)]
     total = warmup + steps + prof_steps + 1
-    loader = [data[i % 4] for i in range(total)]
+    loader = Batches(data, total)
     probe = Probe(warmup, steps, prof_steps)
     precision = "fp8-master" if case == "fp8-master" else "bf16-master"
     trainer = Trainer(precision=precision, compile=True, max_steps=total, logger=False, enable_checkpointing=False,
