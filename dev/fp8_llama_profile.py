@@ -87,8 +87,8 @@ def category(name: str) -> str:
     n = name.lower()
     if "flash" in n or "fmha" in n or "attention" in n or "sdpa" in n or "cudnn" in n and "mha" in n:
         return "attention"
-    if ("gemm" in n or "xmma" in n or "cutlass" in n or "sm90" in n or "nvjet" in n) and ("e4m3" in n or "e5m2" in n
-                                                                                         or "f8" in n or "fp8" in n):
+    # cuBLAS's nvjet kernels name fp8 operands with q: "qqtst" (both fp8), "qrtst" (fp8 x row-scaled)
+    if n.startswith("nvjet") and ("_qq" in n or "_qr" in n) or "e4m3" in n or "e5m2" in n:
         return "fp8 gemm"
     if "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n or "sm90_" in n:
         return "bf16 gemm"
