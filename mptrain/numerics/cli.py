@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -64,6 +64,13 @@ def numerics_parser():
     parser.add_argument("--train_mode", type=bool, default=False, help="keep training mode (BatchNorm batch stats)")
     parser.add_argument("--top", type=Optional[int], default=None, help="print only the N worst modules")
     parser.add_argument("--json", type=Optional[str], default=None, help="write the report as JSON to this path")
+    parser.add_argument("--fp8", type=bool, default=False, help="instead: what fp8-master's casts do to each linear "
+                        "layer's input, weight and output grad over --steps forward+backward passes (docs/numerics.md)")
+    parser.add_argument("--fp8_recipe", type=Literal["tensorwise", "rowwise"], default="tensorwise",
+                        help="with --fp8: the fp8-master recipe")
+    parser.add_argument("--fp8_scaling", type=Literal["current", "delayed"], default="current",
+                        help="with --fp8: current (fp8-master's) or delayed (scales from the previous steps' amax)")
+    parser.add_argument("--steps", type=int, default=4, help="with --fp8: training batches to run")
     return parser
 
 
@@ -80,7 +87,13 @@ def batch_to_input(model: Any, batch: Any) -> Any:
 
 
 def build_model_and_batch(parser, cfg) -> tuple[Any, Any]:
-    """The recipe's model and one training batch of its data (class paths checked before anything is built)."""
+    """The recipe's model and one training batch of its data."""
+    model, data = build_model_and_data(parser, cfg)
+    return model, next(iter(data.train_dataloader()))
+
+
+def build_model_and_data(parser, cfg) -> tuple[Any, Any]:
+    """The recipe's model and its data module set up for fit (class paths checked before anything is built)."""
     plain = cfg.clone().as_dict()
     check_class_paths({k: plain.get(k) for k in ("model", "data")}, object)
     if cfg.seed_everything is not False:
@@ -92,12 +105,14 @@ def build_model_and_batch(parser, cfg) -> tuple[Any, Any]:
         raise ConfigError(one_line(innermost_error(str(e)))) from None
     built.data.prepare_data()
     built.data.setup("fit")
-    return built.model, next(iter(built.data.train_dataloader()))
+    return built.model, built.data
 
 
 def numerics_main(argv: Optional[list[str]] = None) -> int:
     parser = numerics_parser()
     cfg = parser.parse_args(argv)
+    if cfg.fp8:
+        return fp8_main(parser, cfg)
     precision = cfg.precision or cfg.trainer.get("precision") or "bf16-mixed"
     try:
         precision = normalize_precision(precision)
@@ -113,4 +128,31 @@ def numerics_main(argv: Optional[list[str]] = None) -> int:
         Path(cfg.json).write_text(report.to_json())
         print(f"wrote {cfg.json}")
     print(report.table(top=cfg.top))  # its last line: the worst module and why
+    return 0
+
+
+def fp8_main(parser, cfg) -> int:
+    """``mptrain numerics --fp8``: the recipe's model in fp32 over ``--steps`` of its training batches
+    (forward and backward, no optimizer step), and what fp8-master's casts do to its linear layers."""
+    from mptrain.numerics.fp8 import fp8_report
+
+    layerwise = [k for k in ("precision", "rtol", "atol") if cfg[k] is not None] + \
+        [k for k in ("backward", "train_mode") if cfg[k]]
+    if layerwise:
+        raise ConfigError(f"--{layerwise[0]} is an option of the layerwise comparison; --fp8 always runs forward and "
+                          f"backward in training mode on whole batches: drop --{layerwise[0]}")
+    if cfg.steps < 1:
+        raise bad_value("steps", cfg.steps, "an integer >= 1")
+    if cfg.fp8_scaling == "delayed" and cfg.fp8_recipe != "tensorwise":
+        raise ConfigError("--fp8_scaling=delayed keeps one amax history per tensor: use it with --fp8_recipe=tensorwise")
+    model, data = build_model_and_data(parser, cfg)
+    if not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+        raise ConfigError(f"--fp8: {type(model).__name__} has no nn.Linear layer (fp8-master converts only those)")
+    model = model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    report = fp8_report(model, data.train_dataloader(), steps=cfg.steps, recipe=cfg.fp8_recipe,
+                        scaling=cfg.fp8_scaling)
+    if cfg.json:
+        Path(cfg.json).write_text(report.to_json())
+        print(f"wrote {cfg.json}")
+    print(report.table(top=cfg.top))  # its last line: the summary and the keep_bf16 advice
     return 0
