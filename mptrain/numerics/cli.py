@@ -144,7 +144,8 @@ def fp8_main(parser, cfg) -> int:
     if cfg.steps < 1:
         raise bad_value("steps", cfg.steps, "an integer >= 1")
     if cfg.fp8_scaling == "delayed" and cfg.fp8_recipe != "tensorwise":
-        raise ConfigError("--fp8_scaling=delayed keeps one amax history per tensor: use it with --fp8_recipe=tensorwise")
+        raise ConfigError("--fp8_scaling=delayed keeps one amax history per tensor: "
+                          "use it with --fp8_recipe=tensorwise")
     model, data = build_model_and_data(parser, cfg)
     if not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
         raise ConfigError(f"--fp8: {type(model).__name__} has no nn.Linear layer (fp8-master converts only those)")

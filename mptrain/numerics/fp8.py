@@ -83,7 +83,8 @@ def recipe_casts(recipe: str) -> list[Cast]:
     W per row), ``grad_input = dY @ W`` (dY per row, W per column), ``grad_weight = dY^T @ x`` (both per
     column).  Tensorwise casts of one operand are identical whatever the GEMM: they are listed once."""
     if recipe not in RECIPES:
-        raise ValueError(f"recipe={recipe!r} is not an fp8-master recipe. Valid values: {', '.join(map(repr, RECIPES))}")
+        raise ValueError(f"recipe={recipe!r} is not an fp8-master recipe. "
+                         f"Valid values: {', '.join(map(repr, RECIPES))}")
     float8 = _torchao_float8()
     from torchao.float8.config import ScalingGranularity, ScalingType
 
@@ -177,8 +178,9 @@ class _CastRecord:
         self.step_scales, self.step_amax = [], []
 
     def result(self) -> dict:
-        """The cast's entry (``CAST_KEYS``); the fractions are over the operand's non-zero finite values
-        (``nonfinite_frac`` over all), ``rel_err`` is ``||q/scale - x|| / ||x||`` over all calls."""
+        """The cast's entry (``CAST_KEYS`` but ``over``, which the layer adds); the fractions are over the
+        operand's non-zero finite values (``nonfinite_frac`` over all), ``rel_err`` is ``||q/scale - x|| / ||x||``
+        over all calls."""
         c = self.cast
         st = [0.0] * 8 if self.stats is None else self.stats.cpu().tolist()
         nz = max(st[_NZ], 1.0)
@@ -287,8 +289,9 @@ def fp8_report(model: nn.Module, batches: Iterable[Any], *, steps: Optional[int]
     order = sorted(range(len(layers)), key=lambda i: (-layers[i]["score"], i))
     advice = _keep_advice(keep_bf16, [layers[i]["layer"] for i in order
                                       if layers[i]["flags"] and layers[i]["fp8_master"].startswith("fp8")])
-    return Fp8Report(recipe=recipe, scaling=scaling, amax_history_len=amax_history_len if scaling == "delayed" else None,
-                     steps=n_steps, thresholds=thresholds, layers=[layers[i] for i in order], keep_bf16=advice)
+    return Fp8Report(recipe=recipe, scaling=scaling,
+                     amax_history_len=amax_history_len if scaling == "delayed" else None, steps=n_steps,
+                     thresholds=thresholds, layers=[layers[i] for i in order], keep_bf16=advice)
 
 
 def _check_args(**checks: tuple) -> None:
@@ -389,7 +392,9 @@ def _layer_advice(name: str, status: str, keep_bf16: Any) -> str:
     if not name:
         return "keep in bf16: the model is this one linear layer: train it with 'bf16-master'"
     # the summary's keep_bf16 adds every flagged layer to the user's value
-    return f"keep in bf16: keep_bf16={[f'+{name}']!r}" if _edits(keep_bf16) else f"keep in bf16: add {name!r} to keep_bf16"
+    if _edits(keep_bf16):
+        return f"keep in bf16: keep_bf16={[f'+{name}']!r}"
+    return f"keep in bf16: add {name!r} to keep_bf16"
 
 
 def _edits(keep_bf16: Any) -> bool:

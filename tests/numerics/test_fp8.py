@@ -175,7 +175,8 @@ def test_a_torchao_float8_linear_is_measured_as_converted():
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     model = _mlp(nn.Identity())
-    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True), module_filter_fn=lambda m, fqn: fqn == "3")
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True),
+                               module_filter_fn=lambda m, fqn: fqn == "3")
     report = fp8_report(model, _batches(2), loss_fn=_mse)
     layer = _layer(report, "3")
     assert layer["fp8_master"] == "fp8: already a Float8Linear" and layer["calls"] == 2
