@@ -83,6 +83,7 @@ def test_wide_range_layer_is_ranked_first_and_kept_in_bf16():
     assert all(c["underflow_frac"] < 1e-3 and c["saturated_frac"] == 0 for c in normal["casts"])
     assert _cast(normal, "x")["rel_err"] < 0.04 and not normal["flags"] and normal["advice"] is None
     assert _layer(report, "0")["fp8_master"].startswith("kept: <first>")
+    assert _cast(_layer(report, "0"), "dy")["underflow_frac"] < 1e-3  # its 1e6-range gradient fits e5m2
     text = report.table()
     assert text.splitlines()[3].startswith("3 ") and "-> keep in bf16: keep_bf16=['+3']" in text
     assert text.splitlines()[-1] == report.summary() and "keep_bf16=['-<small>', '+3']" in report.summary()
@@ -123,6 +124,8 @@ def test_rowwise_scales_are_powers_of_two_per_row_and_never_saturate():
     # per-row scales rescue the 1e-6 channels along the tokens (x.col), not along the features (x.row)
     x3 = {c["operand"]: c for c in _layer(report, "3")["casts"]}
     assert x3["x.row"]["underflow_frac"] > 0.3 and x3["x.col"]["underflow_frac"] < 1e-3
+    # rowwise casts dY to e4m3: behind the 1e-6 channels the first layer's output gradient spans 1e6 per row
+    assert _cast(_layer(report, "0"), "dy.row")["underflow_frac"] > 0.3
 
 
 def test_one_scale_per_step_training_with_an_optimizer_and_state_restored():
