@@ -69,7 +69,7 @@ def numerics_parser():
     parser.add_argument("--fp8_recipe", type=Literal["tensorwise", "rowwise"], default="tensorwise",
                         help="with --fp8: the fp8-master recipe")
     parser.add_argument("--fp8_scaling", type=Literal["current", "delayed"], default="current",
-                        help="with --fp8: current (fp8-master's) or delayed (scales from the previous steps' amax)")
+                        help="with --fp8: current (fp8-master's) or delayed (from the amax of the 16 previous calls)")
     parser.add_argument("--steps", type=int, default=4, help="with --fp8: training batches to run")
     return parser
 
