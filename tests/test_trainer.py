@@ -30,7 +30,8 @@ def _mean_loss(model, ds) -> float:
         return float(torch.nn.functional.cross_entropy(model(x.to(p.dtype)).float(), y))
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+# fp8-master needs an fp8 GPU: its CPU refusal and plugin logic are in tests/precision/test_fp8.py
+@pytest.mark.parametrize("precision", [p for p in PRECISIONS if p != "fp8-master"])
 def test_every_precision_trains(precision):
     torch.manual_seed(0)
     ds = classification_data()
