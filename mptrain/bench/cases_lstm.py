@@ -1,4 +1,4 @@
-"""LSTM benchmark cases (issue 3 targets), each against PyTorch in the same process, bf16, fwd+bwd
+"""LSTM benchmark cases, each against PyTorch in the same process, bf16, fwd+bwd
 with autograd.grad over inputs and parameters; ours and torch's timed alike, in interleaved rounds.
 
 * FusedLSTMCell vs nn.LSTMCell, batch x hidden 256x1024 and 1024x1024.  Both sides are host-bound

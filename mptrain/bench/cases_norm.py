@@ -20,7 +20,7 @@ from mptrain import ops
 from mptrain.bench.common import Result, floor_ms, input_sets
 from mptrain.bench.graph_timing import step_ms
 
-# (rows, hidden) from the target table; all bf16.
+# (rows, hidden): the shapes of the published norm rows (docs/kernels/norm.md); all bf16.
 CASES = [(16384, 1024), (16384, 4096), (65536, 768)]
 QUICK_CASES = [(16384, 1024)]
 

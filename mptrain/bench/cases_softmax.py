@@ -14,7 +14,8 @@ from mptrain import ops
 from mptrain.bench.common import Result, floor_ms, input_sets
 from mptrain.bench.graph_timing import step_ms
 
-# (batch, heads, S): 512x512x512 and 128x2048x2048 rows x cols from the table.
+# (batch, heads, S): 512x512x512 and 128x2048x2048 rows x cols, the shapes Megatron's fused softmax is
+# compared at (docs/kernels/softmax.md).
 CASES = [(32, 16, 512), (8, 16, 2048)]
 QUICK_CASES = [(32, 16, 512)]
 SCALE = 0.125

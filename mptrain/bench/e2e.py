@@ -256,7 +256,7 @@ def best_mptrain_mode(results: list[Result], model: str) -> str:
 
 
 def summarize(results: list[Result], model: str, runs: Optional[list[Result]] = None) -> dict:
-    """The comparisons issues 11 and 12 ask for; the mixed modes' as the median of each pass's (``runs``)."""
+    """The ratios of docs/PERFORMANCE.md's e2e table; the mixed modes' as the median of each pass's (``runs``)."""
     def rate(names):
         r = _rate(results, model, names)
         return None if r is None else {"case": r.case, "samples_per_s": r.samples_per_s}

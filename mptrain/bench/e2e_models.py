@@ -11,7 +11,7 @@ import lightning as L
 import torch
 
 MODELS = ("resnet50", "bert")
-#: per-GPU batch of the reference measurements (issues 11 and 12)
+#: per-GPU batch of the published measurements (docs/PERFORMANCE.md, "End to end")
 BATCH = {"resnet50": 256, "bert": 128}
 SEQ_LEN, MAX_PREDICTIONS, MASK_PROB = 128, 20, 0.15
 QUICK = {"batch": 2, "image_size": 16, "seq_len": 16, "vocab": 1000,

@@ -6,7 +6,7 @@ each.  At the tiny shape the GPU work is negligible, so it is the host time a ho
 per call; at the benchmark shapes, the eager wall time.  Pairs (ours / torch): ``ops.layer_norm`` /
 ``F.layer_norm``, ``ops.rms_norm`` / ``F.rms_norm``, ``ops.scaled_masked_softmax(x, mask)`` /
 ``torch.softmax(x.masked_fill(mask, -inf), -1)``, ``FusedLSTMCell`` / ``nn.LSTMCell`` (same
-weights), ``ops.max_pool2d`` / ``F.max_pool2d`` (3x3/2, channels_last input).  Targets (issue 12):
+weights), ``ops.max_pool2d`` / ``F.max_pool2d`` (3x3/2, channels_last input).  Targets:
 ratio <= 1.1 tiny, <= 1.0 at the benchmark shapes; the last column is ours with ``fused=False``
 (the reference).  Printed after the table: ``autograd.grad``'s fixed cost on this host (one leaf, one op).
 On the CPU only the tiny shapes run, in fp32: ours is the op's Python CPU kernel behind the

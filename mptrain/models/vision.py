@@ -13,8 +13,8 @@ class ChannelPaddedConv2d(nn.Conv2d):
     """nn.Conv2d (same parameters and state_dict) whose fp16 CUDA input is zero-padded to 4 channels,
     with the weight to match, when it has 3: cuDNN's channels_last fp16 kernels for a 3-channel image
     are slower than for 4 (ResNet-50's stem, batch 256 on the H200: forward + weight gradient 1.18 ->
-    0.93 ms; docs/PERFORMANCE.md, session 17).  The zero channels add exactly zero to every output and
-    receive no gradient.  bf16 and fp32 input run unpadded (padding did not pay there)."""
+    0.93 ms; docs/kernels/pool.md, "The stem convolution, padded").  The zero channels add exactly zero
+    to every output and receive no gradient.  bf16 and fp32 input run unpadded (padding did not pay there)."""
 
     PAD_TO = 4
 
