@@ -26,12 +26,15 @@ TINY = {  # model overrides that keep each architecture but make two CPU steps t
                   "--model.intermediate_size=64", "--data.vocab_size=200", "--data.seq_len=16",
                   "--model.warmup_steps=1", "--trainer.checkpoint_every_n_steps=1"],
     "lstm_lm": ["--model.embedding_dim=16", "--model.hidden_size=16", "--data.vocab_size=100", "--data.seq_len=8"],
+    "llama_1b": ["--model.hidden_size=64", "--model.num_layers=2", "--model.num_heads=4", "--model.intermediate_size=128",
+                 "--data.vocab_size=512", "--data.seq_len=32", "--model.warmup_steps=1",
+                 "--trainer.checkpoint_every_n_steps=1", "--trainer.compile=false"],
 }
 # FSDP is GPU-only in Lightning: the sharded recipe's CPU smoke run is the same model unsharded
 TINY["bert_large"] = TINY["bert_base"] + ["--trainer.strategy=auto"]
 VAL_METRICS = {"quickstart": {"val/acc", "val/acc_top5"}, "resnet50": {"val/acc", "val/acc_top5"},
                "bert_base": {"val/mlm_acc", "val/perplexity"}, "bert_large": {"val/mlm_acc", "val/perplexity"},
-               "lstm_lm": {"val/perplexity"}}
+               "lstm_lm": {"val/perplexity"}, "llama_1b": {"val/perplexity"}}
 
 
 @pytest.fixture

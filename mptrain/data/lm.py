@@ -1,7 +1,8 @@
-"""Character- or word-level language-model data from text files: the corpus becomes one token
-stream cut into ``seq_len`` windows; the target is the window shifted by one token."""
+"""Language-model data from text files, at character, word or WordPiece level: the corpus becomes one
+token stream cut into ``seq_len`` windows; the target is the window shifted by one token."""
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Literal, Optional
 
@@ -10,6 +11,7 @@ from torch.utils.data import Dataset
 
 from mptrain.data.module import MPTDataModule, require_data_dir
 from mptrain.data.text import read_text, split_files
+from mptrain.data.tokenizer import load_or_train
 
 UNK, EOS = "<unk>", "<eos>"
 
@@ -39,6 +41,25 @@ class Vocabulary:
         return len(self.itos)
 
 
+class WordPieceStream:
+    """Token <-> id for ``level`` "wordpiece": the local WordPiece tokenizer of :mod:`mptrain.data.tokenizer`
+    (loaded from ``path``, or trained there on ``files`` with ``vocab_size`` entries), each line of text
+    followed by ``[SEP]`` (the end of a line, as ``<eos>`` is at word level)."""
+
+    def __init__(self, path: str, files: list[str], vocab_size: int):
+        self.tokenizer = load_or_train(path, files, vocab_size)
+        self.eos_id = self.tokenizer.token_to_id("[SEP]")
+
+    def encode(self, text: str) -> torch.Tensor:
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        ids = [i for enc in self.tokenizer.encode_batch(lines, add_special_tokens=False)
+               for i in (*enc.ids, self.eos_id)]
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+
 class LMWindows(Dataset):
     """Non-overlapping windows: item ``i`` is (stream[iL:(i+1)L], stream[iL+1:(i+1)L+1])."""
 
@@ -61,24 +82,34 @@ class LMTextDataModule(MPTDataModule):
 
     Args:
         data_dir: folder (or file) of text (ignored when ``synthetic``).
-        level: "char" or "word".
+        level: "char", "word" or "wordpiece" (a local WordPiece tokenizer, trained on the training files
+            at start when missing: the subword vocabulary a Transformer LM wants).
         seq_len: tokens per training window.
         min_freq / max_vocab: word-level vocabulary pruning.
-        vocab_size: vocabulary of synthetic data.
+        vocab_size: vocabulary of synthetic data; with "wordpiece" also the size of the trained tokenizer.
+        tokenizer_path: with "wordpiece": a ``tokenizers`` ``tokenizer.json``; ``None``:
+            ``.mptrain/wordpiece<vocab_size>.json`` in ``data_dir`` (or its folder; written when missing).
         (others: see ``MPTDataModule``)
     """
 
-    def __init__(self, data_dir: Optional[str] = None, level: Literal["char", "word"] = "word", seq_len: int = 128,
-                 min_freq: int = 1, max_vocab: Optional[int] = None, vocab_size: int = 10000,
+    def __init__(self, data_dir: Optional[str] = None, level: Literal["char", "word", "wordpiece"] = "word",
+                 seq_len: int = 128, min_freq: int = 1, max_vocab: Optional[int] = None, vocab_size: int = 10000,
                  batch_size: int = 32, num_workers: int = 0, pin_memory: bool = True, seed: int = 0,
-                 synthetic: bool = False, synthetic_batches: int = 1000, val_fraction: float = 0.1):
+                 synthetic: bool = False, synthetic_batches: int = 1000, val_fraction: float = 0.1,
+                 tokenizer_path: Optional[str] = None):
         super().__init__(batch_size, num_workers, pin_memory, seed, synthetic, synthetic_batches)
-        if level not in ("char", "word"):
-            raise ValueError(f"data.level must be 'char' or 'word', got {level!r}")
+        if level not in ("char", "word", "wordpiece"):
+            raise ValueError(f"data.level must be 'char', 'word' or 'wordpiece', got {level!r}")
+        if tokenizer_path is not None and level != "wordpiece":
+            raise ValueError(f"data.tokenizer_path={tokenizer_path!r} is read only with data.level=wordpiece "
+                             f"(level={level!r} builds its vocabulary from the corpus)")
+        if seq_len < 1:
+            raise ValueError(f"data.seq_len must be >= 1, got {seq_len}")
         require_data_dir(data_dir, synthetic)
         self.data_dir, self.level, self.seq_len, self.val_fraction = data_dir, level, seq_len, val_fraction
         self.min_freq, self.max_vocab, self._vocab_size = min_freq, max_vocab, vocab_size
-        self.vocab: Optional[Vocabulary] = None
+        self.tokenizer_path = tokenizer_path
+        self.vocab: Optional[Vocabulary | WordPieceStream] = None
 
     @property
     def vocab_size(self) -> int:
@@ -99,6 +130,11 @@ class LMTextDataModule(MPTDataModule):
             train_text, val_text = train_text[:cut], train_text[cut:]
         else:
             val_text = read_text(val_files)
-        self.vocab = Vocabulary(train_text, self.level, self.min_freq, self.max_vocab)
+        if self.level == "wordpiece":
+            folder = self.data_dir if os.path.isdir(self.data_dir) else os.path.dirname(os.path.abspath(self.data_dir))
+            path = self.tokenizer_path or os.path.join(folder, ".mptrain", f"wordpiece{self._vocab_size}.json")
+            self.vocab = WordPieceStream(path, train_files, self._vocab_size)
+        else:
+            self.vocab = Vocabulary(train_text, self.level, self.min_freq, self.max_vocab)
         self.train_set = LMWindows(self.vocab.encode(train_text), self.seq_len)
         self.val_set = LMWindows(self.vocab.encode(val_text), self.seq_len)
