@@ -75,10 +75,43 @@ def _same_list(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> bool
     return dst is src
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether the kernels can walk ``t`` flat: ATen's ``is_non_overlapping_and_dense`` (contiguous,
+    channels_last, a transpose, ...; not a slice with gaps, not an expanded view), which csrc checks."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _split_walkable(src: list, dst: list, in_place: bool) -> tuple[list, list, list, list]:
+    """``(src, dst)`` the kernel can walk and the rest ``(src, dst)``, for the per-tensor reference: a tensor that is
+    not dense, or a (src, dst) pair whose strides differ (the kernel walks both flat, element i with element i).
+    ``dst`` empty (check only) or ``src`` itself (``in_place``) is split along.  The usual lists (dense, same strides)
+    come back as they are."""
+    if dst and not in_place:
+        ok = [a.stride() == b.stride() and _dense(a) and _dense(b) for a, b in zip(src, dst)]
+    else:
+        ok = [_dense(t) for t in src]
+    if all(ok):
+        return src, dst, [], []
+    walk_s = [t for t, keep in zip(src, ok) if keep]
+    rest_s = [t for t, keep in zip(src, ok) if not keep]
+    if not dst or in_place:
+        return walk_s, (walk_s if dst else []), rest_s, (rest_s if dst else [])
+    return walk_s, [t for t, keep in zip(dst, ok) if keep], rest_s, [t for t, keep in zip(dst, ok) if not keep]
+
+
 def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], scale: Optional[Scalar],
                         found_inf: Optional[torch.Tensor] = None, *, fused="auto") -> None:
     """``dst[i] = src[i] * scale`` (any fp32/fp16/bf16 mix), and ``found_inf = 1`` if any
-    ``src`` element is inf or NaN. ``scale=None`` copies. Empty ``dst`` only checks."""
+    ``src`` element is inf or NaN. ``scale=None`` copies. Empty ``dst`` only checks.  Any layout: the
+    kernel takes the dense tensors, the reference the others (a slice, a transposed grad copied into a
+    contiguous one), both on the device."""
     in_place = _same_list(src, dst)
     src = list(src)
     dst = src if in_place else list(dst)
@@ -94,7 +127,13 @@ def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
         sc = _device_scalar(scale, device, "scale", "multi_tensor_scale_")
         if not _use_op("multi_tensor_scale_", s + d, fused):
             reference.multi_tensor_scale(s, d, sc, found_inf)
-        elif not d or (in_place and sc is None):  # nothing to write: only the check
+            continue
+        s, d, rest_s, rest_d = _split_walkable(s, d, in_place)
+        if rest_s:  # in place without a scale: only the check, as below
+            reference.multi_tensor_scale(rest_s, [] if in_place and sc is None else rest_d, sc, found_inf)
+        if not s:
+            continue
+        if not d or (in_place and sc is None):  # nothing to write: only the check
             if found_inf is not None:
                 OPS["multi_tensor_check_finite_"](s, found_inf)
         elif in_place:
@@ -105,8 +144,9 @@ def multi_tensor_scale_(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
 
 def multi_tensor_unscale_(grads: Sequence[torch.Tensor], inv_scale: Scalar, found_inf: torch.Tensor, *,
                           fused="auto") -> None:
-    """In place ``g *= inv_scale`` for every grad (fp32, fp16 **and bf16**), and ``found_inf = 1`` if any grad held an
-    inf or NaN: torch's ``_amp_foreach_non_finite_check_and_unscale_`` with bf16 support."""
+    """In place ``g *= inv_scale`` for every grad (fp32, fp16 **and bf16**; any layout, a slice or a transposed view
+    included), and ``found_inf = 1`` if any grad held an inf or NaN: torch's
+    ``_amp_foreach_non_finite_check_and_unscale_``, one kernel launch per dtype for the dense grads."""
     multi_tensor_scale_(grads, grads, inv_scale, found_inf, fused=fused)
 
 
@@ -117,14 +157,16 @@ def multi_tensor_check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch
 
 def multi_tensor_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, fused="auto") -> None:
     """``dst[i].copy_(src[i])`` for the whole list in one launch per dtype pair (the
-    master-weight path's grads-up / params-down copies)."""
+    master-weight path's grads-up / params-down copies); pairs of other layouts (a transposed grad into a
+    contiguous master grad, a slice) are copied one by one."""
     multi_tensor_scale_(src, dst, None, None, fused=fused)
 
 
 def multi_tensor_l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = False, *, fused="auto"):
     """The L2 norm of all tensors together, a 0-dim float32 tensor on their device; with ``per_tensor=True`` also each
     tensor's norm (float32 [n]): ``(total, norms)``. Deterministic (no atomics). Squares are summed in fp32 within
-    chunks of a few thousand elements and in float64 across them."""
+    chunks of a few thousand elements and in float64 across them. A tensor the kernel cannot walk flat (a slice) is
+    read through a dense copy."""
     tensors = list(tensors)
     if not tensors:
         raise ValueError("multi_tensor_l2norm: got an empty list; pass at least one tensor")
@@ -149,7 +191,8 @@ def multi_tensor_l2norm(tensors: Sequence[torch.Tensor], per_tensor: bool = Fals
 def _l2norm(tensors, per_tensor, fused):
     if not _use_op("multi_tensor_l2norm", tensors, fused):
         return reference.multi_tensor_l2norm(tensors, per_tensor)
-    return OPS["multi_tensor_l2norm"](tensors, per_tensor)
+    # A read-only pass: a tensor the kernel cannot walk flat (a slice) is read through a dense copy.
+    return OPS["multi_tensor_l2norm"]([t if _dense(t) else t.contiguous() for t in tensors], per_tensor)
 
 
 def _lr_for_kernel(lr: Scalar, device: torch.device):

@@ -169,3 +169,64 @@ def test_unscale_captured_in_a_cuda_graph(ext):
     grads[3][0] = float("inf")
     graph.replay()
     assert found.item() == 1
+
+
+def _strided(dtype, seed=0):
+    """Grads of every layout: contiguous, a transposed view (dense), a column slice and a step slice (gaps); long
+    enough for several chunks."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(dtype)  # noqa: E731
+    return [r(257, 129), r(300, 70).t(), r(96, 200)[:, 3:150], r(30001)[::3]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unscale_of_strided_grads_matches_torch_amp(ext, dtype):
+    """What torch.amp.GradScaler unscales, mptrain unscales too: the slices in place, through to their storage."""
+    gs = _strided(dtype)
+    theirs = [g.clone() for g in gs]
+    found, found_t = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    inv = torch.tensor(2.0**-7, device="cuda")
+    ops.multi_tensor_unscale_(gs, inv, found, fused=True)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_t, inv)
+    assert all(torch.equal(a, b) for a, b in zip(gs, theirs)) and found.item() == found_t.item() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", [1, 2, 3])
+def test_inf_in_a_strided_grad_sets_found_inf(ext, dtype, where):
+    gs = _strided(dtype)
+    gs[where][(5, 7) if gs[where].dim() == 2 else (5,)] = float("inf")
+    found, checked = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    ops.multi_tensor_unscale_(gs, 0.5, found, fused=True)
+    ops.multi_tensor.multi_tensor_check_finite_(gs, checked, fused=True)
+    assert found.item() == checked.item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_copy_and_l2norm_of_strided_grads(ext, dtype):
+    """The master-weight path: half grads of any layout copied up into contiguous fp32 grads, and their norm."""
+    src = _strided(dtype)
+    dst = [torch.full(s.shape, float("nan"), device="cuda") for s in src]
+    ops.multi_tensor_copy_(dst, src, fused=True)
+    assert all(torch.equal(d, s.float()) for d, s in zip(dst, src))
+    total, per = ops.multi_tensor_l2norm(src, per_tensor=True, fused=True)
+    exact = torch.stack([s.double().norm() for s in src])
+    torch.testing.assert_close(per.double(), exact, rtol=2e-6, atol=0)
+    torch.testing.assert_close(total.double(), exact.pow(2).sum().sqrt(), rtol=2e-6, atol=0)
+
+
+def test_unscale_of_a_sliced_grad_captured_in_a_cuda_graph(ext):
+    base = torch.zeros(64, 96, device="cuda", dtype=torch.bfloat16)
+    grads = [torch.randn(4096, device="cuda", dtype=torch.bfloat16), base[:, 8:40]]
+    inv, found = torch.ones((), device="cuda"), torch.zeros((), device="cuda")
+    graph, _ = capture_graph(lambda: ops.multi_tensor_unscale_(grads, inv, found, fused=True))
+    fresh = [torch.randn_like(g) for g in grads]
+    for g, f in zip(grads, fresh):
+        g.copy_(f)
+    inv.fill_(0.5)
+    graph.replay()
+    assert all(torch.equal(g, (f.float() * 0.5).to(g.dtype)) for g, f in zip(grads, fresh))
+    assert not base[:, :8].any() and not base[:, 40:].any() and found.item() == 0
+    grads[1][3, 3] = float("nan")
+    graph.replay()
+    assert found.item() == 1
