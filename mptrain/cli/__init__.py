@@ -9,12 +9,7 @@ import sys
 from typing import Optional, Sequence
 
 from mptrain.cli.errors import ConfigError, one_line
-
-TOOLS = {
-    "doctor": "check the GPU, the compiler toolchain and the fused kernels",
-    "numerics": "layerwise fp32-vs-low-precision comparison of a recipe's model on one batch",
-    "bench": "benchmarks: mptrain bench gemm|kernels|e2e|ddp [options]",
-}
+from mptrain.cli.tools import TOOLS, run_tool
 
 __all__ = ["TOOLS", "ConfigError", "main"]
 
@@ -42,8 +37,6 @@ def _run(argv: list[str]) -> int:
     """A tool's exit status (``bench ddp`` under torchrun sets up a process group too), or 0 once
     LightningCLI's subcommand returns."""
     if argv and argv[0] in TOOLS:
-        from mptrain.cli.tools import run_tool
-
         return run_tool(argv[0], argv[1:])
     from mptrain.cli.config_files import check_config_file, config_paths
     from mptrain.cli.lightning_cli import MptrainCLI

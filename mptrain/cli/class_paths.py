@@ -4,12 +4,11 @@ refused and never runs).  A ``class_path`` under a key typed ``Any`` is refused 
 what it may be."""
 from __future__ import annotations
 
-import importlib
 import inspect
 import typing
 from typing import Any, Optional
 
-from mptrain.cli.errors import ConfigError
+from mptrain.cli.errors import ConfigError, resolve
 
 
 def _expected_bases() -> dict[str, tuple[type, ...]]:
@@ -36,17 +35,6 @@ def _expected_bases() -> dict[str, tuple[type, ...]]:
         "optimizer": (torch.optim.Optimizer,),
         "lr_scheduler": (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau),
     }
-
-
-def resolve(class_path: str, where: str) -> Any:
-    """The object ``class_path`` names (its module is imported; nothing is called)."""
-    module, _, name = class_path.rpartition(".")
-    if not module:
-        raise ConfigError(f"{where}.class_path={class_path!r} must be a dotted path (package.module.Class)")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{where}.class_path={class_path!r} cannot be imported: {e}") from None
 
 
 def _classes_in(hint: Any) -> tuple[type, ...]:

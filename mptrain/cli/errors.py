@@ -3,14 +3,31 @@ Lightning's multi-line messages into "key, value, what is valid"."""
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import re
 from typing import Any, Iterable, Optional
+
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+#: errors of a class's constructor that mean "this config cannot work"
+CONSTRUCTION_ERRORS = (ValueError, TypeError, MisconfigurationException)
 
 
 class ConfigError(ValueError):
     """A recipe or override that cannot work: reported as one line, exit status 2, before
     anything (log dir, checkpoint dir) is created."""
+
+
+def resolve(class_path: str, where: str) -> Any:
+    """The object ``class_path`` names (its module is imported; nothing is called)."""
+    module, _, name = class_path.rpartition(".")
+    if not module:
+        raise ConfigError(f"{where}.class_path={class_path!r} must be a dotted path (package.module.Class)")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{where}.class_path={class_path!r} cannot be imported: {e}") from None
 
 
 def unknown_key(path: str, valid: Iterable[str], value: Any = None) -> ConfigError:
@@ -46,13 +63,22 @@ def innermost_error(message: str) -> str:
 
 def _init_params(class_path: str) -> list[str]:
     """The keyword arguments of an (already imported) class named in a parse error."""
-    from mptrain.cli.class_paths import resolve  # it imports this module
-
     try:
         params = inspect.signature(resolve(class_path, "")).parameters
     except (ConfigError, TypeError, ValueError):
         return []
     return [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def parser_keys(parser) -> dict[str, list[str]]:
+    """Group ("" for top-level keys) -> the keys a jsonargparse parser accepts (for the did-you-mean)."""
+    keys: dict[str, list[str]] = {"": []}
+    for action in parser._actions:
+        dest = getattr(action, "dest", "")
+        group, _, name = dest.partition(".")
+        if dest and not dest.endswith(".help") and dest != "help":
+            keys.setdefault(group if name else "", []).append(name or group)
+    return keys
 
 
 def _unknown(key: str, valid_keys: dict[str, list[str]], value: Any = None) -> str:

@@ -12,15 +12,13 @@ from typing import Any
 
 from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mptrain.cli.class_paths import check_class_paths
-from mptrain.cli.errors import ConfigError, explain_parse_error, innermost_error, one_line
+from mptrain.cli.errors import CONSTRUCTION_ERRORS, ConfigError, explain_parse_error, innermost_error, one_line, \
+    parser_keys
+from mptrain.cli.tools import TOOLS, tool_parser
 from mptrain.cli.trainer_values import check_ckpt_path, check_trainer_values
 from mptrain.cli.vocab import fill_vocab_size
-
-#: errors of a class's constructor that mean "this config cannot work"
-CONSTRUCTION_ERRORS = (ValueError, TypeError, MisconfigurationException)
 
 
 class MptrainCLI(LightningCLI):
@@ -42,9 +40,6 @@ class MptrainCLI(LightningCLI):
 
     def _add_subcommands(self, parser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
-        from mptrain.cli import TOOLS
-        from mptrain.cli.tools import tool_parser
-
         for name, text in TOOLS.items():  # listed in `mptrain --help`; main() runs them
             parser._subcommands_action.add_subcommand(name, tool_parser(name), help=text)
 
@@ -94,13 +89,3 @@ class MptrainCLI(LightningCLI):
         except CONSTRUCTION_ERRORS as e:
             raise ConfigError(one_line(innermost_error(str(e)))) from None
 
-
-def parser_keys(parser) -> dict[str, list[str]]:
-    """Group ("" for top-level keys) -> the keys a jsonargparse parser accepts."""
-    keys: dict[str, list[str]] = {"": []}
-    for action in parser._actions:
-        dest = getattr(action, "dest", "")
-        group, _, name = dest.partition(".")
-        if dest and not dest.endswith(".help") and dest != "help":
-            keys.setdefault(group if name else "", []).append(name or group)
-    return keys

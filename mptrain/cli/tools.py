@@ -5,8 +5,14 @@ import importlib
 
 from jsonargparse import ArgumentError
 
-from mptrain.cli.errors import ConfigError, explain_parse_error
+from mptrain.cli.errors import ConfigError, explain_parse_error, parser_keys
 
+#: name -> its line in ``mptrain --help`` (main() runs them; LightningCLI lists them)
+TOOLS = {
+    "doctor": "check the GPU, the compiler toolchain and the fused kernels",
+    "numerics": "layerwise fp32-vs-low-precision comparison of a recipe's model on one batch",
+    "bench": "benchmarks: mptrain bench gemm|kernels|e2e|ddp [options]",
+}
 BENCHES = ("gemm", "kernels", "e2e", "ddp")  # each is mptrain.bench.<name>
 
 
@@ -34,8 +40,6 @@ def run_tool(name: str, argv: list[str]) -> int:
 
         return getattr(cli, f"{name}_main")(argv)
     except ArgumentError as e:  # jsonargparse's, with exit_on_error=False
-        from mptrain.cli.lightning_cli import parser_keys
-
         raise ConfigError(explain_parse_error(str(e), parser_keys(tool_parser(name)))) from None
 
 

@@ -14,8 +14,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from mptrain.cli.class_paths import check_class_paths
-from mptrain.cli.errors import ConfigError, bad_value, innermost_error, one_line
-from mptrain.cli.lightning_cli import CONSTRUCTION_ERRORS
+from mptrain.cli.errors import CONSTRUCTION_ERRORS, ConfigError, bad_value, innermost_error, one_line
 from mptrain.cli.vocab import fill_vocab_size
 from mptrain.numerics.evaluate import LABEL_KEYS
 from mptrain.numerics.hardware import doctor_report, format_doctor
