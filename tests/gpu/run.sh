@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: build the extension, run the CUDA tests and the benchmarks on the GPU
 # machine.  Usage: tests/gpu/run.sh [stage ...]
-#   stages: info build tests kernels host e2e multi
+#   stages: info build tests kernels host e2e fp8 multi
 #   default: info build tests kernels host (about 4-5 minutes on an H200 with 16 cores:
 #   info 16 s, build 60 s, tests 118 s, kernels 40 s; each stage's timeout below keeps the
 #   default call under 9 minutes: 30 + 150 + 170 + 130 + 60 s).  e2e takes a call of its
@@ -11,7 +11,8 @@
 #   extension (dev/prebuilt_ext.py).  E2E_ARGS adds flags, e.g.
 #   E2E_ARGS="--models bert --repeat 3" for the host-bound BERT eager cases.  multi needs two GPUs
 #   (nvidia-h200-x2): tests/gpu/run.sh info build multi -- DDP scaling of both models, then the FSDP
-#   BERT-large test against DDP (tests marked multi_gpu; the tests stage leaves them out).
+#   BERT-large test against DDP (tests marked multi_gpu; the tests stage leaves them out).  fp8 takes a call of its
+#   own (tests/gpu/run.sh fp8): compiled Llama steps, bf16-master vs torchao float8 vs fp8-master, two models.
 # Each stage logs to $OUT/<stage>.log; the benchmarks also write $OUT/<stage>.json, and
 # $OUT/summary.txt lists every stage's exit code and seconds.
 set -uo pipefail
@@ -30,8 +31,8 @@ export MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 STAGES=${*:-info build tests kernels host}
 for s in $STAGES; do
-  case $s in info | build | tests | kernels | host | e2e | multi) ;;
-  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e multi" >&2; exit 2 ;;
+  case $s in info | build | tests | kernels | host | e2e | fp8 | multi) ;;
+  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e fp8 multi" >&2; exit 2 ;;
   esac
 done
 summary=()
@@ -63,6 +64,7 @@ stage kernels 130 python3 -m mptrain.bench.kernels --no-host --json "$OUT/kernel
 stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
 # shellcheck disable=SC2086  # E2E_ARGS: extra flags, e.g. E2E_ARGS="--models bert --repeat 3"
 stage e2e 590 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json" ${E2E_ARGS:-}
+stage fp8 560 python3 -m mptrain.bench.fp8 --out "$OUT/fp8.json"
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
   python3 -m mptrain.bench.ddp --nproc 2 --models bert --batch 128 --json "$OUT/ddp_bert128.json";
   python3 -m pytest tests/gpu -q -s -rfE -p no:cacheprovider -o addopts="" -m multi_gpu' 
