@@ -19,6 +19,7 @@ from torch import nn
 from mptrain import ops
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module, run_module_in_fp32
+from mptrain.precision.fused_step import take_over_step
 from mptrain.precision.plugin import HALF, MptrainPrecision, _unwrap_optimizer
 
 
@@ -120,6 +121,8 @@ class MasterPrecision(MptrainPrecision):
         return (init if init is not None else p).detach().to(p.device, torch.float32, copy=True)
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.fused is not False and not G.is_mptrain_fused(optimizer):
+            take_over_step(optimizer, self.fused)  # torch's fused Adam/AdamW/SGD: our one-pass master step
         if G.is_mptrain_fused(optimizer):
             # The fused kernel keeps the fp32 master in its state and writes the half param back.
             optimizer.enable_master_weights()
@@ -221,8 +224,10 @@ class MasterPrecision(MptrainPrecision):
         if pair is not None and pair[0]:
             with torch.no_grad():
                 torch._foreach_copy_(pair[0], pair[1])  # masters down into the half params
-            for p in pair[0]:
-                p.grad = None  # the window's half grads are consumed (zero_grad clears the masters')
+            # The window's grads are consumed: the half ones and the masters' fp32 copies go now, not at the
+            # next zero_grad, which Lightning calls after the next forward (the fp32 set would sit through it).
+            for p, m in zip(*pair):
+                p.grad = m.grad = None
         self._fused_norm.pop(id(optimizer), None)
         self._fused_unscaled.discard(id(optimizer))
         super()._end_step(optimizer)
