@@ -65,6 +65,8 @@ MISTAKES = {
     "unknown_model_key": (["--model.lrr=3"], "model.lrr", "Did you mean 'lr'"),
     "unknown_top_key": (["--max_steps=3"], "max_steps"),
     "ckpt_missing": (["--ckpt_path=missing.ckpt"], "missing.ckpt", "does not exist"),
+    "reference": (["--trainer.logger.init_args.save_dir=${data.data_dir}/logs"], "trainer.logger.init_args.save_dir",
+                  "${data.data_dir}", "${trainer.default_root_dir}"),
     "data_dir_missing": (["--data=mptrain.data.LMTextDataModule", "--data.data_dir=no/corpus",
                           "--model=mptrain.models.LSTMLanguageModel"], "data.data_dir='no/corpus'", "synthetic=true"),
 }
@@ -165,6 +167,34 @@ def test_tiny_fit_writes_into_its_own_version_dir(workdir, capsys):
         assert (log_dir / "config.yaml").is_file() and (log_dir / "metrics.csv").is_file()
         dirs.append(log_dir)
     assert dirs[0] != dirs[1] and dirs[0].parent == dirs[1].parent  # version_0, version_1: nothing overwritten
+
+
+def test_default_root_dir_decides_where_a_recipe_run_writes(workdir, capsys):
+    """logs (metrics.csv), config.yaml and checkpoints under --trainer.default_root_dir, nothing elsewhere; the
+    saved config keeps the reference, so it follows the flag when run again."""
+    root = workdir / "elsewhere" / "exp1"
+    rc, out, err = run(capsys, "fit", "--config", QUICK, *TINY, "--trainer.log_every_n_steps=1",
+                       "--trainer.checkpoint_every_n_steps=1", f"--trainer.default_root_dir={root}")
+    assert rc == 0, err[-3000:]
+    log_dir = Path(json.loads(out.strip().splitlines()[-1])["log_dir"])
+    assert log_dir.parent.parent == root  # root/lightning_logs/version_0
+    assert (log_dir / "metrics.csv").is_file() and list((log_dir / "checkpoints").glob("*.ckpt"))
+    assert all(p.startswith("elsewhere") for p in files_under(workdir)), sorted(files_under(workdir))
+    import yaml
+
+    saved = yaml.safe_load((log_dir / "config.yaml").read_text())["trainer"]
+    assert saved["default_root_dir"] == str(root)
+    assert saved["logger"]["init_args"]["save_dir"] == "${trainer.default_root_dir}"
+
+
+def test_recipe_root_by_default_and_an_explicit_logger_dir_is_kept(workdir, capsys):
+    rc, out, err = run(capsys, "fit", "--config", QUICK, *TINY)
+    assert rc == 0, err[-3000:]
+    assert Path(json.loads(out.strip().splitlines()[-1])["log_dir"]) == Path("runs/quickstart/lightning_logs/version_0")
+    rc, out, err = run(capsys, "fit", "--config", QUICK, *TINY, "--trainer.default_root_dir=root",
+                       "--trainer.logger.init_args.save_dir=mine")
+    assert rc == 0, err[-3000:]
+    assert Path(json.loads(out.strip().splitlines()[-1])["log_dir"]) == Path("mine/lightning_logs/version_0")
 
 
 def test_tensorboard_files_land_in_the_printed_log_dir(workdir, capsys):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from mptrain.cli import main
 
@@ -65,6 +66,14 @@ def test_all_four_recipes_exist_and_use_lightnings_logger_form():
 
 
 @pytest.mark.parametrize("name", RECIPES)
+def test_recipe_writes_under_its_default_root_dir(name):
+    """runs/<recipe> by default; --trainer.default_root_dir moves logs, config.yaml and checkpoints (docs/cli.md)."""
+    trainer = yaml.safe_load(Path(recipe(name)).read_text())["trainer"]
+    assert trainer.get("default_root_dir") == f"runs/{name}"
+    assert trainer["logger"]["init_args"].get("save_dir") == "${trainer.default_root_dir}"
+
+
+@pytest.mark.parametrize("name", RECIPES)
 def test_print_config(name, workdir, capsys):
     assert main(["fit", "--config", recipe(name), *SMOKE, "--print_config"]) == 0
     out = capsys.readouterr().out
@@ -78,6 +87,7 @@ def test_two_synthetic_steps_on_cpu(name, workdir, capsys):
     assert rc == 0, err[-3000:]
     result = result_line(out)
     assert result["global_step"] == 2
+    assert Path(result["log_dir"]).parts[:2] == ("runs", name)
     rows = read_metrics(result["log_dir"])
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))

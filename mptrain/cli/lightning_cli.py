@@ -16,6 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 from mptrain.cli.class_paths import check_class_paths
 from mptrain.cli.errors import CONSTRUCTION_ERRORS, ConfigError, explain_parse_error, innermost_error, one_line, \
     parser_keys
+from mptrain.cli.run_dir import place_run_under_root
 from mptrain.cli.tools import TOOLS, tool_parser
 from mptrain.cli.trainer_values import check_ckpt_path, check_trainer_values
 from mptrain.cli.vocab import fill_vocab_size
@@ -83,9 +84,15 @@ class MptrainCLI(LightningCLI):
                               "metrics": metrics}), flush=True)
 
     def instantiate_classes(self) -> None:
+        """The classes built from the config; the run writes under ``trainer.default_root_dir``
+        (:mod:`mptrain.cli.run_dir`), and the saved config keeps its references to it."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        restore = place_run_under_root(config)
         try:
-            fill_vocab_size(self.config[self.subcommand] if self.subcommand else self.config)
+            fill_vocab_size(config)
             super().instantiate_classes()
         except CONSTRUCTION_ERRORS as e:
             raise ConfigError(one_line(innermost_error(str(e)))) from None
+        finally:
+            restore()
 
