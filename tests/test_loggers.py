@@ -1,18 +1,110 @@
-"""W&B through Lightning's WandbLogger: offline without credentials, and the API key in no
-file or output of a run."""
+"""W&B through Lightning's WandbLogger: offline without credentials, what a run logs lands in the offline run's
+``.wandb`` file, the files follow ``--trainer.default_root_dir``, and the API key is in no file or output of a run."""
 from __future__ import annotations
 
+import csv
+import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mptrain.cli import wandb_offline_without_key
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_KEY = "0123456789abcdef0123456789abcdef01fake42"
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf ``Record``s of a ``.wandb`` file: wandb's 7-byte header (":W&B", magic 0xBEE1, version 0), then a
+    LevelDB log (32 KiB blocks; each chunk a 7-byte header: crc32, length, type FULL=1/FIRST=2/MIDDLE=3/LAST=4)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    ident, magic, version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), f"{path}: not a .wandb file"
+    pos, chunks, records = 7, [], []
+    while pos + 7 <= len(data):
+        if (left := 32768 - pos % 32768) < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunks.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, LAST: a record is complete
+            records.append(pb.Record.FromString(b"".join(chunks)))
+            chunks = []
+    return records
+
+
+def _item(item) -> tuple[str, object]:
+    """(key, value) of a history / config item: the value typed (newer wandb) or as JSON."""
+    key = item.key or "/".join(item.nested_key)
+    oneof = item.WhichOneof("value") if "value" in item.DESCRIPTOR.oneofs_by_name else None
+    return key, getattr(item, oneof) if oneof else json.loads(item.value_json)
+
+
+def logged(records: list) -> tuple[list[dict], dict]:
+    """(history rows, config) an offline run recorded."""
+    rows = [dict(map(_item, r.history.item)) for r in records if r.WhichOneof("record_type") == "history"]
+    config = {}
+    for r in records:
+        kind = r.WhichOneof("record_type")
+        if kind in ("config", "run"):
+            config.update(map(_item, (r.config if kind == "config" else r.run.config).update))
+    return rows, config
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """wandb offline, quiet, with every file it writes under tmp_path and no key anywhere; the service process is
+    torn down after the test."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_CODE": "true",
+                        "WANDB_DISABLE_GIT": "true", "WANDB_CONSOLE": "off", "HOME": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home" / name.lower()))
+    yield wandb
+    wandb.finish()
+    wandb.teardown()
+
+
+def test_wandb_offline_run_records_the_metrics_and_config(wandb_offline, tmp_path):
+    """A fit logs through WandbLogger (next to a CSVLogger): the offline run's .wandb file holds every train_loss
+    the CSV holds, step by step, the validation metrics and the model's hyperparameters."""
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    from _models import Classifier, classification_data, mlp, quiet_trainer
+
+    class Model(Classifier):
+        def __init__(self, lr: float = 0.02, width: int = 16):
+            super().__init__(mlp(width), lr=lr)
+            self.save_hyperparameters()
+
+    wb = WandbLogger(save_dir=tmp_path / "wb", project="mptrain-test", offline=True)
+    data = torch.utils.data.DataLoader(classification_data(48), batch_size=16)  # 3 steps: one epoch, then validation
+    trainer = quiet_trainer(max_steps=3, log_every_n_steps=1, precision="bf16-mixed", enable_model_summary=False,
+                            logger=[wb, CSVLogger(tmp_path / "csv")])
+    trainer.fit(Model(), data, data)
+    run_id = wb.version
+    wandb_offline.finish()
+    wandb_offline.teardown()  # the service process writes the .wandb file: it is complete once the service is gone
+
+    files = list((tmp_path / "wb" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(files) == 1, sorted(p.name for p in (tmp_path / "wb").rglob("*"))
+    rows, config = logged(wandb_records(files[0]))
+    assert config.get("lr") == 0.02 and config.get("width") == 16, config
+    wandb_loss = {int(r["trainer/global_step"]): r["train_loss"] for r in rows if "train_loss" in r}
+    with open(Path(trainer.loggers[1].log_dir) / "metrics.csv") as f:
+        csv_loss = {int(r["step"]): float(r["train_loss"]) for r in csv.DictReader(f) if r.get("train_loss")}
+    assert sorted(wandb_loss) == [0, 1, 2] and wandb_loss == pytest.approx(csv_loss, rel=1e-6)
+    assert any("val_loss" in r and "val_acc" in r for r in rows), rows
 
 
 def test_no_credentials_means_offline(tmp_path, monkeypatch):
@@ -37,18 +129,29 @@ def test_a_login_or_an_explicit_mode_is_left_alone(tmp_path, monkeypatch):
     assert "WANDB_MODE" not in os.environ
 
 
-def test_wandb_run_never_shows_the_api_key(tmp_path):
+@pytest.mark.slow  # a subprocess: a whole `mptrain fit` start-up
+def test_wandb_run_never_shows_the_api_key_and_writes_under_the_root_dir(tmp_path):
+    """``mptrain fit`` with a WandbLogger given no save_dir: its files and the checkpoints land under
+    --trainer.default_root_dir, and the key is in no output and no file."""
     pytest.importorskip("wandb")
     env = dict(os.environ, WANDB_API_KEY=FAKE_KEY, WANDB_MODE="offline", WANDB_SILENT="false",
-               WANDB_DIR=str(tmp_path), PYTHONPATH=str(ROOT), HOME=str(tmp_path))
-    logger = ("{class_path: lightning.pytorch.loggers.WandbLogger, init_args: "
-              f"{{save_dir: {tmp_path / 'wb'}, project: mptrain-test, offline: true}}}}")
+               WANDB_DISABLE_CODE="true", PYTHONPATH=str(ROOT), HOME=str(tmp_path))
+    env.pop("WANDB_DIR", None)
+    logger = "{class_path: lightning.pytorch.loggers.WandbLogger, init_args: {project: mptrain-test, offline: true}}"
+    root = tmp_path / "root"
     r = subprocess.run([sys.executable, "-m", "mptrain", "fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
                         "--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
-                        f"--trainer.logger={logger}", f"--trainer.default_root_dir={tmp_path / 'root'}"],
+                        "--trainer.checkpoint_every_n_steps=1", f"--trainer.logger={logger}",
+                        f"--trainer.default_root_dir={root}"],
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert list((tmp_path / "wb").rglob("*.wandb")), "no offline W&B run was written"
+    runs = list((root / "wandb").glob("offline-run-*/*.wandb"))
+    assert len(runs) == 1, sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    rows, _ = logged(wandb_records(runs[0]))
+    assert [r["trainer/global_step"] for r in rows if "train/loss" in r] == [0, 1]
+    run_id = runs[0].stem.removeprefix("run-")
+    assert list((root / "mptrain-test" / run_id / "checkpoints").glob("*.ckpt"))
+    assert not (tmp_path / "wandb").exists() and not (tmp_path / "runs").exists()
     assert FAKE_KEY not in r.stdout and FAKE_KEY not in r.stderr
     leaks = [p for p in tmp_path.rglob("*") if p.is_file() and FAKE_KEY.encode() in p.read_bytes()]
     assert not leaks, leaks
