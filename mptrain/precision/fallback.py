@@ -6,6 +6,9 @@
   unlisted ops are not touched, where a ``TorchFunctionMode`` would cost each of a forward's hundreds of
   torch calls a Python round trip;
 * **module policy**: in ``*-master`` norm layers keep fp32 parameters and take/give half tensors;
+* **half saved for backward** (eager): an op that saves its input for backward (layer_norm, a norm layer's
+  ops, ...) keeps the half tensor an fp32 upcast was made from, not the upcast, and backward upcasts it again
+  (exact): 2 bytes an element where the upcast costs 4, the same values (compiled graphs choose what they save);
 * **CPU RNN policy**: torch's oneDNN bf16 LSTM crashes on CPUs without native bf16, so there
   ``torch.lstm`` / ``torch.lstm_cell`` run in fp32 on CPU tensors (GPU tensors untouched);
 * **automatic promotion** (``auto_fp32_fallback``): leaf modules' outputs are checked for inf/NaN on
@@ -101,14 +104,75 @@ def _cpu_rnn_in_16_bits(args) -> bool:
     return x.device.type == "cpu" and (torch.is_autocast_enabled("cpu") or _has_cpu_half(args))
 
 
-def _upcast(obj, dtype_seen: list):
-    """``obj`` with its half tensors in fp32; their dtypes appended to ``dtype_seen`` in order."""
+def _upcast(obj, dtype_seen: list, pairs: Optional[list] = None):
+    """``obj`` with its half tensors in fp32; their dtypes appended to ``dtype_seen`` in order, and each
+    (fp32 upcast, half source) to ``pairs`` if given."""
     if isinstance(obj, torch.Tensor) and obj.dtype in HALF:
         dtype_seen.append(obj.dtype)
-        return obj.float()
+        up = obj.float()
+        if pairs is not None:
+            pairs.append((up, obj))
+        return up
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_upcast(o, dtype_seen) for o in obj)
+        return type(obj)(_upcast(o, dtype_seen, pairs) for o in obj)
     return obj
+
+
+# -- upcasts saved for backward as their half source ---------------------------------------------------------------
+class _HalfSource:
+    """What autograd holds for a saved fp32 upcast: the half tensor it was made from (as the hooks below it packed
+    it), and that tensor's version."""
+    __slots__ = ("packed", "version", "shape", "dtype")
+
+    def __init__(self, half: torch.Tensor, packed):
+        self.packed, self.version, self.shape, self.dtype = packed, half._version, tuple(half.shape), half.dtype
+
+
+def _pack_upcast(pairs: list, outer_pack, t: torch.Tensor):
+    for up, half in pairs:
+        if t is up:
+            return _HalfSource(half, outer_pack(half) if outer_pack is not None else half)
+    return outer_pack(t) if outer_pack is not None else t
+
+
+def _unpack_upcast(outer_unpack, saved):
+    if type(saved) is not _HalfSource:
+        return outer_unpack(saved) if outer_unpack is not None else saved
+    half = outer_unpack(saved.packed) if outer_unpack is not None else saved.packed
+    if outer_unpack is None and half._version != saved.version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: a "
+            f"{saved.dtype} tensor of shape {saved.shape} (is at version {half._version}; expected version "
+            f"{saved.version}), the input of an op that mptrain's fp32 fallback computed in fp32: backward upcasts "
+            f"that input again, as an fp32 run would reuse it. Modify a copy instead (x = x + y rather than x += y)")
+    return half.float()
+
+
+_hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def push_half_saving(pairs: list) -> bool:
+    """While autograd records (eager, grad on), the tensors an op saves that are the fp32 upcasts in ``pairs``
+    are kept as their half sources and upcast again in backward; hooks already in force (activation
+    checkpointing, offloading) see the half source where the op saved its upcast, and every other tensor as
+    before.  False (nothing pushed) when compiling (the graph decides what it saves), when saved-tensor hooks are
+    disabled, or on a torch that cannot show the hooks in force.  A True return must be followed by
+    :func:`pop_half_saving` once the op has run."""
+    if not pairs or _top_hooks is None or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
+            or not _hooks_enabled():
+        return False
+    outer = _top_hooks(False) or (None, None)
+    torch._C._autograd._push_saved_tensors_default_hooks(functools.partial(_pack_upcast, pairs, outer[0]),
+                                                        functools.partial(_unpack_upcast, outer[1]))
+    return True
+
+
+def pop_half_saving(pairs: list) -> None:
+    """Undoes :func:`push_half_saving`, and empties ``pairs``: every tensor saved meanwhile keeps a reference to
+    the pack hook, which must not keep the upcasts alive."""
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    pairs.clear()
 
 
 def _downcast(obj, dtype: torch.dtype):
@@ -136,7 +200,13 @@ def _batch_norm_fp32(func, args, kwargs):
         v = bound.get(k)
         upcast = isinstance(v, torch.Tensor) and v.dtype in HALF and not (k == "input" and keep_half_input)
         call[k] = v.float() if upcast else v
-    out = func(*[call[k] for k in names], *args[len(names):], **rest_kwargs)
+    pairs = [(call["input"], x)] if call["input"] is not x and isinstance(x, torch.Tensor) else []
+    pushed = push_half_saving(pairs)
+    try:
+        out = func(*[call[k] for k in names], *args[len(names):], **rest_kwargs)
+    finally:
+        if pushed:
+            pop_half_saving(pairs)
     for k in ("running_mean", "running_var"):
         if isinstance(bound.get(k), torch.Tensor) and bound[k] is not call[k]:
             with torch.no_grad():
@@ -239,11 +309,18 @@ def _fp32_call(name: str, func, args, kwargs):
     if name == "batch_norm":
         return _batch_norm_fp32(func, args, kwargs)
     seen: list = []
-    up_args = _upcast(tuple(args), seen)
-    up_kwargs = {k: _upcast(v, seen) for k, v in kwargs.items()}
+    pairs: list = []
+    up_args = _upcast(tuple(args), seen, pairs)
+    up_kwargs = {k: _upcast(v, seen, pairs) for k, v in kwargs.items()}
     if not seen:
         return func(*args, **kwargs)
-    return _downcast(func(*up_args, **up_kwargs), seen[0])  # "the input's dtype": the first half tensor's
+    pushed = push_half_saving(pairs)
+    try:
+        out = func(*up_args, **up_kwargs)
+    finally:
+        if pushed:
+            pop_half_saving(pairs)
+    return _downcast(out, seen[0])  # "the input's dtype": the first half tensor's
 
 
 class Fp32Fallback:
@@ -292,20 +369,29 @@ def run_module_in_fp32(module: nn.Module) -> list:
     def pre(mod, args, kwargs):
         dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         mod._mpt_in_dtype = dtypes[0] if dtypes else None
+        mod._mpt_saving = None
         if cudnn_mixed and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
             # cuDNN batch norm: half in, fp32 weights/stats, fp32 math, half out; no upcast copy.
             mod._mpt_in_dtype = None
             return None
         seen: list = []
-        return _upcast(tuple(args), seen), {k: _upcast(v, seen) for k, v in kwargs.items()}
+        pairs: list = []
+        up = _upcast(tuple(args), seen, pairs), {k: _upcast(v, seen, pairs) for k, v in kwargs.items()}
+        if push_half_saving(pairs):  # what the module's ops save of its input: the half tensor
+            mod._mpt_saving = pairs
+        return up
 
     def post(mod, args, kwargs, out):
+        pairs = getattr(mod, "_mpt_saving", None)
+        if pairs is not None:
+            mod._mpt_saving = None
+            pop_half_saving(pairs)
         dt = getattr(mod, "_mpt_in_dtype", None)
         return _downcast(out, dt) if dt in HALF else out
 
     return [
         module.register_forward_pre_hook(pre, with_kwargs=True),
-        module.register_forward_hook(post, with_kwargs=True),
+        module.register_forward_hook(post, with_kwargs=True, always_call=True),  # pops after an error too
     ]
 
 
