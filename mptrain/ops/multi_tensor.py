@@ -93,10 +93,14 @@ def _split_walkable(src: list, dst: list, in_place: bool) -> tuple[list, list, l
     not dense, or a (src, dst) pair whose strides differ (the kernel walks both flat, element i with element i).
     ``dst`` empty (check only) or ``src`` itself (``in_place``) is split along.  The usual lists (dense, same strides)
     come back as they are."""
+    # is_contiguous() first, inline: the usual lists cost one C call per tensor (the host must stay ahead). Two
+    # contiguous tensors of one shape have the same strides; of different shapes they are the caller's mistake,
+    # which the kernel's own check names.
     if dst and not in_place:
-        ok = [a.stride() == b.stride() and _dense(a) and _dense(b) for a, b in zip(src, dst)]
+        ok = [(a.is_contiguous() and b.is_contiguous()) or (a.stride() == b.stride() and _dense(a) and _dense(b))
+              for a, b in zip(src, dst)]
     else:
-        ok = [_dense(t) for t in src]
+        ok = [t.is_contiguous() or _dense(t) for t in src]
     if all(ok):
         return src, dst, [], []
     walk_s = [t for t, keep in zip(src, ok) if keep]
@@ -192,7 +196,8 @@ def _l2norm(tensors, per_tensor, fused):
     if not _use_op("multi_tensor_l2norm", tensors, fused):
         return reference.multi_tensor_l2norm(tensors, per_tensor)
     # A read-only pass: a tensor the kernel cannot walk flat (a slice) is read through a dense copy.
-    return OPS["multi_tensor_l2norm"]([t if _dense(t) else t.contiguous() for t in tensors], per_tensor)
+    return OPS["multi_tensor_l2norm"]([t if t.is_contiguous() or _dense(t) else t.contiguous() for t in tensors],
+                                      per_tensor)
 
 
 def _lr_for_kernel(lr: Scalar, device: torch.device):
