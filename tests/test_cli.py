@@ -255,3 +255,33 @@ def test_class_paths_are_checked_in_lists_init_args_and_by_annotation():
                  "init_args": {"on_fit_start": {"class_path": "os.system"}}}  # typed Callable: no class expected
     with pytest.raises(ConfigError, match=r"callbacks\[0\].init_args.on_fit_start' does not declare"):
         check_class_paths({"trainer": {"callbacks": [lambda_cb]}}, Trainer)
+
+
+def test_root_reference_anywhere_and_default_logger_dirs_follow_the_root_and_are_restored():
+    """mptrain.cli.run_dir on a parsed config: ${trainer.default_root_dir} in any string (a callback's dirpath, a
+    logger in a list), a WandbLogger left at save_dir='.' without dir; an explicit path and `dir` are kept; the
+    config as given comes back after the classes are built."""
+    from jsonargparse import Namespace
+
+    from mptrain.cli.run_dir import place_run_under_root
+
+    def wandb(**init_args):
+        return Namespace(class_path="lightning.pytorch.loggers.WandbLogger",
+                         init_args=Namespace(**{"save_dir": ".", "dir": None, **init_args}))
+
+    config = Namespace(trainer=Namespace(
+        default_root_dir="exp", logger=[wandb(), wandb(dir="mine"), wandb(save_dir="kept"), Namespace(
+            class_path="lightning.pytorch.loggers.CSVLogger", init_args=Namespace(save_dir="${trainer.default_root_dir}"))],
+        callbacks=[Namespace(class_path="lightning.pytorch.callbacks.ModelCheckpoint",
+                             init_args=Namespace(dirpath="${trainer.default_root_dir}/best"))]))
+    given = config.clone()
+    restore = place_run_under_root(config)
+    assert [lg.init_args.save_dir for lg in config.trainer.logger] == ["exp", ".", "kept", "exp"]
+    assert config.trainer.callbacks[0].init_args.dirpath == "exp/best"
+    restore()
+    assert config == given
+    config.trainer.default_root_dir = None  # Lightning's default: the current directory
+    place_run_under_root(config)
+    assert config.trainer.logger[3].init_args.save_dir == "."
+    with pytest.raises(ConfigError, match=r"trainer.default_root_dir='\$\{trainer.default_root_dir\}/x'"):
+        place_run_under_root(Namespace(trainer=Namespace(default_root_dir="${trainer.default_root_dir}/x")))

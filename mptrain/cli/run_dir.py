@@ -28,6 +28,9 @@ _OTHER_REFERENCE = re.compile(r"\$\{[^}]*\}")
 def run_root(trainer: Any) -> str:
     """The run's root: ``trainer.default_root_dir``, or "." (Lightning's default, the current directory)."""
     root = _get(trainer, "default_root_dir")
+    if isinstance(root, str) and "${" in root:
+        raise ConfigError(f"trainer.default_root_dir={root!r}: the root cannot refer to itself or another key; "
+                          "give it a path")
     return "." if root is None else str(root)
 
 
@@ -90,9 +93,6 @@ def _default_save_dir_to_root(logger: Any, root: str, where: str, changes: list)
 
 def _get(node: Any, key: str, default: Any = None) -> Any:
     """``node[key]`` of a Namespace or dict, ``default`` when absent."""
-    if isinstance(node, dict):
-        return node.get(key, default)
-    try:
+    if isinstance(node, (dict, Namespace)):
         return node[key] if key in node else default
-    except TypeError:  # not a mapping (a bool logger, None)
-        return default
+    return default  # not a mapping (a bool logger, None)
