@@ -2,7 +2,7 @@
 ResNet-50 and transformers' ``BertForMaskedLM`` -- no mptrain module inside, the network stored as
 ``self.model``, ``training_step`` calling ``self.model(...)``, torch's own fused optimizers.
 
-``quick=True`` (``--quick``) shrinks both (ResNet-18 on 32-pixel images, a 2-layer BERT) for CPU smoke tests.
+``quick=True`` (``--quick``) shrinks both (ResNet-18 on 16-pixel images, a 2-layer BERT) for CPU smoke tests.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ USER_MODELS = ("user_resnet50", "user_bert")
 #: per-GPU batch of each user model
 USER_BATCH = {"user_resnet50": 256, "user_bert": 128}
 SEQ_LEN, IMAGE_SIZE = 128, 224
-QUICK = {"batch": 2, "image_size": 32, "seq_len": 16,
+QUICK = {"batch": 2, "image_size": 16, "seq_len": 16,
          "bert": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                       vocab_size=1000)}
 

@@ -40,20 +40,24 @@ def test_quick_run_prints_the_table_and_writes_json(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_each_case_starts_from_a_fresh_dynamo_state():
+def test_each_case_starts_from_a_fresh_dynamo_state(monkeypatch):
     """A compiled case does not inherit dynamo's cache entries from the cases before it: in one process
-    they pile up across precisions until a shared frame reaches the recompile limit and runs eagerly."""
+    they pile up across precisions until a shared frame reaches the recompile limit and runs eagerly.
+    (Counted when each case's fit ends: the case resets dynamo again once it is over.)"""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     code = L.LightningModule.log.__code__  # compiled by every Lightning + compile case
+    counts = []
+    record = e2e._record
+    monkeypatch.setattr(e2e, "_record", lambda *a: (counts.append(len(_debug_get_cache_entry_list(code))),
+                                                    record(*a)))
     for precision in ("bf16-true", "bf16-mixed"):
         assert e2e.run_case("bert", f"lightning+compile:{precision}", precision, 1, 1, True).status == "ok"
-    after_two = len(_debug_get_cache_entry_list(code))
-    torch._dynamo.reset()
+    assert len(_debug_get_cache_entry_list(code)) == 0  # nothing left once the case is over
     assert e2e.run_case("bert", "lightning+compile:bf16-mixed", "bf16-mixed", 1, 1, True).status == "ok"
-    alone = len(_debug_get_cache_entry_list(code))
+    first, after_one, alone = counts
     assert alone > 0, "the case compiled nothing: the check would prove nothing"
-    assert after_two == alone
+    assert after_one == alone == first
 
 
 def test_bad_arguments_name_the_valid_values(capsys):
@@ -166,3 +170,105 @@ def test_paired_ratios_compare_the_cases_of_each_pass():
     summary = e2e.summarize(e2e.median_runs(runs), "bert", runs)
     assert summary["ratios"]["mptrain:16-mixed / lightning:16-mixed"] == pytest.approx(1.05)  # median of 0.9, 1.2
     assert summary["each_pass"]["mptrain:16-mixed / lightning:16-mixed"] == [0.9, 1.2]
+
+
+USER_QUICK_CASES = ["lightning:bf16-mixed", "mptrain:bf16-master", "lightning+compile:bf16-mixed",
+                    "mptrain+compile+cuda_graphs:bf16-master"]
+
+
+@pytest.mark.slow
+def test_quick_user_models_write_throughput_and_memory_fields(tmp_path, capsys):
+    """The plain-Lightning user models train 2 steps a case on the CPU: each case has its throughput and
+    the memory fields (None on the CPU), a refused feature its reason, and the summary its two targets."""
+    out = tmp_path / "user.json"
+    rc = e2e.main(["--quick", "--models", "user_resnet50,user_bert", "--cases", ",".join(USER_QUICK_CASES),
+                   "--warmup", "1", "--steps", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    results = {(r["model"], r["case"]): r for r in data["results"]}
+    assert set(results) == {(m, c) for m in ("user_resnet50", "user_bert") for c in USER_QUICK_CASES}
+    errors = {k: r["message"] for k, r in results.items() if r["status"] == "error"}
+    assert not errors and rc == 0, errors
+    for key, r in results.items():
+        for field in ("samples_per_s", "step_ms", "peak_mem_gb", "mem_start_gb", "mem_end_gb", "mem_phases"):
+            assert field in r, (key, field)
+        if key[1].endswith("cuda_graphs:bf16-master"):  # the CPU refuses CUDA graphs: the reason, no timing
+            assert r["status"] == "not supported" and "cuda" in r["message"] and r["samples_per_s"] is None
+        else:
+            assert r["status"] == "ok" and r["samples_per_s"] > 0 and r["step_ms"] > 0, key
+            assert r["peak_mem_gb"] is None and r["mem_phases"] is None  # CUDA-only measurements
+    assert results[("user_resnet50", "mptrain:bf16-master")]["batch"] == 2
+    for model in ("user_resnet50", "user_bert"):
+        summary = data["summary"][model]
+        assert summary["ratios"]["mptrain_best / lightning_compile_best"] > 0
+        assert summary["ratios"]["peak mptrain:bf16-master / lightning:bf16-mixed"] is None  # no CUDA peak
+        assert f"{model}: speed: mptrain best" in printed and f"{model}: memory:" in printed
+    assert "img/s" in printed and "seq/s" in printed
+
+
+def test_user_models_run_their_own_case_list_and_bad_cases_name_it(capsys):
+    args = e2e.parse_args(["--models", "bert,user_bert"])
+    assert args.cases["user_bert"] == list(e2e.USER_CASES) and args.cases["bert"] == list(e2e.CASES)
+    assert all(s.optimizer == "user" for s in e2e.USER_CASES.values())
+    args = e2e.parse_args(["--models", "user_bert", "--cases", "mptrain:bf16-master,lightning+compile:bf16-true"])
+    assert args.cases["user_bert"] == ["mptrain:bf16-master", "lightning+compile:bf16-true"]  # the list's order
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--models", "user_bert", "--cases", "mptrain:16-master"])
+    err = capsys.readouterr().err
+    assert "none of mptrain:16-master is a case of user_bert" in err and "mptrain+compile:bf16-mixed" in err
+
+
+def test_user_summary_compares_speed_with_compile_and_own_peak_memory():
+    def res(case, rate=None, peak=None, start=0.0, status="ok"):
+        return e2e.Result("user_bert", case, "x", 128, status=status, samples_per_s=rate, peak_mem_gb=peak,
+                          mem_start_gb=start)
+
+    results = [res("lightning:bf16-mixed", 100.0, 12.0), res("mptrain:bf16-master", 95.0, 11.5, start=0.5),
+               res("lightning+compile:bf16-mixed", 120.0, 10.0), res("lightning+compile:bf16-true", 110.0, 9.0),
+               res("mptrain+compile:bf16-master", 130.0, 9.5),
+               res("mptrain+compile+cuda_graphs:bf16-master", status="not supported"),
+               res("lightning:bf16-true", 104.0, 12.6)]
+    summary = e2e.summarize_user(results, "user_bert")
+    assert summary["mptrain_best"]["case"] == "mptrain+compile:bf16-master"
+    assert summary["lightning_compile_best"]["case"] == "lightning+compile:bf16-mixed"
+    assert summary["lightning_best"]["case"] == "lightning:bf16-true"
+    ratios = summary["ratios"]
+    assert ratios["mptrain_best / lightning_compile_best"] == pytest.approx(130 / 120)
+    assert ratios["peak mptrain:bf16-master / lightning:bf16-mixed"] == pytest.approx(11.0 / 12.0)  # own peaks
+    assert ratios["peak mptrain+compile:bf16-master / lightning+compile:bf16-mixed"] == pytest.approx(0.95)
+    line = e2e.format_user_summary("user_bert", summary)
+    assert "= 1.083x (target >= 1.05)" in line and "11.00 GB / lightning:bf16-mixed peak 12.00 GB = 0.917" in line
+
+
+def test_memory_phases_record_each_phase_and_keep_the_case_peak(monkeypatch):
+    """One batch's phases on a fake CUDA allocator: each phase's peak and what it leaves allocated; the case's
+    peak still counts the peak before the measured batch, which the per-phase resets cleared."""
+    state = {"alloc": 0, "peak": 0}
+
+    def alloc(n):
+        state["alloc"] += n
+        state["peak"] = max(state["peak"], state["alloc"])
+
+    monkeypatch.setattr(e2e.torch.cuda, "memory_allocated", lambda: state["alloc"])
+    monkeypatch.setattr(e2e.torch.cuda, "max_memory_allocated", lambda: state["peak"])
+    monkeypatch.setattr(e2e.torch.cuda, "reset_peak_memory_stats", lambda: state.update(peak=state["alloc"]))
+    gb = e2e.GB
+    phases = e2e.MemoryPhases(step=2, cuda=True)
+    alloc(9 * gb)  # the first batch's peak, e.g. a compile
+    alloc(-7 * gb)
+    phases.on_train_batch_start(None, None, None, 0)
+    phases.on_train_batch_end(None, None, None, None, 0)  # the first batch: not measured
+    assert phases.gb == {}
+    phases.on_train_batch_start(None, None, None, 1)
+    alloc(5 * gb)
+    alloc(-1 * gb)
+    phases.on_before_backward(None, None, None)
+    alloc(2 * gb)
+    alloc(-4 * gb)
+    phases.on_after_backward(None, None)
+    alloc(3 * gb)
+    alloc(-3 * gb)
+    phases.on_train_batch_end(None, None, None, None, 1)
+    assert phases.gb == {"start": 2.0, "forward_peak": 7.0, "after_forward": 6.0, "backward_peak": 8.0,
+                         "after_backward": 4.0, "optimizer_peak": 7.0, "after_optimizer": 4.0}
+    assert phases.peak() == 9 * gb

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: build the extension, run the CUDA tests and the benchmarks on the GPU
 # machine.  Usage: tests/gpu/run.sh [stage ...]
-#   stages: info build tests kernels host e2e fp8 multi
+#   stages: info build tests kernels host e2e user fp8 multi
 #   default: info build tests kernels host (about 4-5 minutes on an H200 with 16 cores:
 #   info 16 s, build 60 s, tests 118 s, kernels 40 s; each stage's timeout below keeps the
 #   default call under 9 minutes: 30 + 150 + 170 + 130 + 60 s).  e2e takes a call of its
@@ -9,7 +9,9 @@
 #   every case from a fresh dynamo; more at the defaults).  If build + e2e no longer fit one 600 s call, run e2e per model
 #   (E2E_ARGS="--models resnet50", then bert; every ratio is within one model) or load a prebuilt
 #   extension (dev/prebuilt_ext.py).  E2E_ARGS adds flags, e.g.
-#   E2E_ARGS="--models bert --repeat 3" for the host-bound BERT eager cases.  multi needs two GPUs
+#   E2E_ARGS="--models bert --repeat 3" for the host-bound BERT eager cases.  user: the plain-Lightning
+#   ResNet-50 and BertForMaskedLM against Lightning (+ torch.compile) in one process, speed and peak memory
+#   (tests/gpu/run.sh build user; 5 compiles a model, about 400 s).  multi needs two GPUs
 #   (nvidia-h200-x2): tests/gpu/run.sh info build multi -- DDP scaling of both models, then the FSDP
 #   BERT-large test against DDP (tests marked multi_gpu; the tests stage leaves them out).  fp8 takes a call of its
 #   own (tests/gpu/run.sh fp8): compiled Llama steps, bf16-master vs torchao float8 vs fp8-master, two models.
@@ -31,8 +33,8 @@ export MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 STAGES=${*:-info build tests kernels host}
 for s in $STAGES; do
-  case $s in info | build | tests | kernels | host | e2e | fp8 | multi) ;;
-  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e fp8 multi" >&2; exit 2 ;;
+  case $s in info | build | tests | kernels | host | e2e | user | fp8 | multi) ;;
+  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e user fp8 multi" >&2; exit 2 ;;
   esac
 done
 summary=()
@@ -64,6 +66,7 @@ stage kernels 130 python3 -m mptrain.bench.kernels --no-host --json "$OUT/kernel
 stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
 # shellcheck disable=SC2086  # E2E_ARGS: extra flags, e.g. E2E_ARGS="--models bert --repeat 3"
 stage e2e 590 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json" ${E2E_ARGS:-}
+stage user 450 python3 -m mptrain.bench.e2e --models user_resnet50,user_bert --warmup 6 --steps 20 --out "$OUT/user.json"
 stage fp8 560 python3 -m mptrain.bench.fp8 --out "$OUT/fp8.json"
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
   python3 -m mptrain.bench.ddp --nproc 2 --models bert --batch 128 --json "$OUT/ddp_bert128.json";
