@@ -3,13 +3,14 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from mptrain.callbacks import (AutoFp32Fallback, ChannelsLast, CompileModel, CudaGraphs, Fp32Finetune, OverflowMonitor,
-                               ResumeState)
+from mptrain.callbacks import (AutoFp32Fallback, ChannelsLast, CompileModel, CudaGraphs, Fp32Finetune, FuseModules,
+                               OverflowMonitor, ResumeState)
 from mptrain.checkpoint import AtomicCheckpointIO, CheckpointError
 from mptrain.precision import (PRECISIONS, DynamicLossScaler, Fp8Precision, MasterPrecision, MixedPrecision, NonFiniteError,
                                ShardedPrecision, TruePrecision)
 from mptrain.trainer import Trainer
 
 __all__ = ["PRECISIONS", "AtomicCheckpointIO", "AutoFp32Fallback", "ChannelsLast", "CheckpointError", "CompileModel",
-           "CudaGraphs", "DynamicLossScaler", "Fp32Finetune", "Fp8Precision", "MasterPrecision", "MixedPrecision", "NonFiniteError",
-           "OverflowMonitor", "ResumeState", "ShardedPrecision", "Trainer", "TruePrecision", "__version__"]
+           "CudaGraphs", "DynamicLossScaler", "Fp32Finetune", "Fp8Precision", "FuseModules", "MasterPrecision",
+           "MixedPrecision", "NonFiniteError", "OverflowMonitor", "ResumeState", "ShardedPrecision", "Trainer",
+           "TruePrecision", "__version__"]

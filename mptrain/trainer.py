@@ -16,13 +16,14 @@ from mptrain.callbacks.channels_last import ChannelsLast
 from mptrain.callbacks.compile_model import CompileModel
 from mptrain.callbacks.cuda_graphs import CudaGraphs
 from mptrain.callbacks.fp32_finetune import Fp32Finetune
+from mptrain.callbacks.fuse_modules import FuseModules
 from mptrain.callbacks.resumable_loader import make_train_loader_resumable
 from mptrain.callbacks.resume_state import ResumeState
 from mptrain.checkpoint import AtomicCheckpointIO
 from mptrain.precision import normalize_precision, precision_plugin
 from mptrain.precision.sharded import is_sharded_strategy
-from mptrain.trainer_checks import (check_arguments, check_finetune, check_mode_for_strategy, check_sharded_arguments,
-                                    check_sharded_plugin, check_user_plugin)
+from mptrain.trainer_checks import (check_arguments, check_finetune, check_fuse_modules, check_mode_for_strategy,
+                                    check_sharded_arguments, check_sharded_plugin, check_user_plugin)
 
 
 class Trainer(pl.Trainer):
@@ -38,7 +39,14 @@ class Trainer(pl.Trainer):
             (``"+name"``/``"-name"`` edit the default list) or ``[]``.
         auto_fp32_fallback: Promote modules whose output overflows to fp32, and log which.
         fused: ``"auto"``: the fused CUDA kernels where available, ``True``: required, ``False``: PyTorch only.
-        cuda_graphs: Capture the train step in CUDA graphs and replay it (one GPU, no accumulation).
+        fuse_modules: Swap mptrain's fused modules into the LightningModule at setup (any attribute; Parameter
+            objects and state-dict keys kept; one log line lists them), each only where measured faster:
+            LayerNorm / RMSNorm (eager only: ``torch.compile`` keeps its own), MaxPool2d and ragged vocabulary
+            ``nn.Linear`` layers.  ``"auto"``: on for a CUDA run in a 16-bit mode with ``fused`` not False;
+            ``True``: on in every mode and device; ``False``: off.  See :class:`~mptrain.callbacks.FuseModules`.
+        cuda_graphs: Capture the train step in CUDA graphs and replay it (one GPU, no accumulation): the one call
+            per step of ``self(...)`` or of a direct submodule (``self.model(...)``) and its backward, and the
+            optimizer step.
         checkpoint_every_n_steps: Add ``ModelCheckpoint(every_n_train_steps=N, save_last=True)``.
         channels_last: Convert the module and every 4-D input batch to ``torch.channels_last``.
         seed: ``seed_everything(seed, workers=True)`` at the start of ``fit``.
@@ -51,12 +59,13 @@ class Trainer(pl.Trainer):
     def __init__(self, *, precision: Optional[Union[str, int]] = None, fp32_finetune_epochs: int = 0,
                  fp32_finetune_steps: int = 0, loss_scaler: Any = None,
                  fp32_fallback: Union[str, list[str]] = "default", auto_fp32_fallback: bool = False,
-                 fused: Union[str, bool] = "auto", cuda_graphs: bool = False,
+                 fused: Union[str, bool] = "auto", fuse_modules: Union[str, bool] = "auto", cuda_graphs: bool = False,
                  checkpoint_every_n_steps: Optional[int] = None, channels_last: bool = False,
                  seed: Optional[int] = None, compile: Union[bool, dict[str, Any]] = False, plugins: Any = None,
                  callbacks: Any = None, **kwargs: Any) -> None:
         check_finetune(fp32_finetune_epochs, fp32_finetune_steps, kwargs)
         check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback)
+        check_fuse_modules(fuse_modules, fused)
         plugins = _as_list(plugins)
         strategy = kwargs.get("strategy")
         sharded = is_sharded_strategy(strategy)
@@ -80,7 +89,7 @@ class Trainer(pl.Trainer):
         # ours first (a user's epoch-start hook sees the new phase); ResumeState last: it restores the RNG
         # after every other on_train_start hook, the moment the uninterrupted run was at
         ours = _our_callbacks(fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback, checkpoint_every_n_steps,
-                              channels_last, compile, cuda_graphs)
+                              channels_last, compile, cuda_graphs, fuse_modules)
         callbacks = ours + _as_list(callbacks) + [ResumeState()]
         self._mptrain_seed = seed
         super().__init__(plugins=plugins, callbacks=callbacks, **kwargs)
@@ -103,8 +112,10 @@ class Trainer(pl.Trainer):
 
 
 def _our_callbacks(fp32_finetune_epochs, fp32_finetune_steps, auto_fp32_fallback, checkpoint_every_n_steps,
-                   channels_last, compile, cuda_graphs) -> list:
+                   channels_last, compile, cuda_graphs, fuse_modules="auto") -> list:
     table = [  # (wanted, callback class, its arguments), in the order they run
+        # first: its setup swaps modules before CompileModel's compiles them and the optimizers are built
+        (fuse_modules is not False, FuseModules, dict(mode=fuse_modules)),
         (fp32_finetune_epochs or fp32_finetune_steps, Fp32Finetune,
          dict(epochs=fp32_finetune_epochs, steps=fp32_finetune_steps)),
         (auto_fp32_fallback, AutoFp32Fallback, {}),

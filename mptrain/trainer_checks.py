@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mptrain.callbacks.fuse_modules import check_fuse_mode
 from mptrain.precision import MptrainPrecision
 from mptrain.precision.sharded import ShardedPrecision
 
@@ -20,6 +21,14 @@ def check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, 
     if not isinstance(compile, (bool, dict)):
         raise ValueError(f"compile={compile!r} is not valid; valid values: True, False, "
                          "or a dict of torch.compile arguments")
+
+
+def check_fuse_modules(fuse_modules, fused) -> None:
+    """``fuse_modules`` is "auto", True or False, and True needs mptrain's kernels (``fused`` not False)."""
+    check_fuse_mode(fuse_modules)
+    if fuse_modules is True and fused is False:
+        raise ValueError("fuse_modules=True swaps in mptrain's fused modules, but fused=False runs PyTorch only: "
+                         "drop one of them (fuse_modules='auto' is off with fused=False)")
 
 
 def check_finetune(epochs, steps, lightning_kwargs) -> None:
