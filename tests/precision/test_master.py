@@ -140,3 +140,48 @@ def test_a_second_fit_keeps_the_masters():
     model.lr = 0.0  # the second fit's optimizer changes nothing: its masters must be the first fit's
     trainer(plugin, max_steps=1).fit(model, loader())
     assert torch.equal(plugin.master_for(w), first)
+
+
+class GradsAlive(Callback):
+    """What each step leaves for the next forward: the fp32 init copies, and the grads (half and masters')."""
+
+    def __init__(self):
+        self.at_batch_start = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        plugin = trainer.precision_plugin
+        masters = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
+        self.at_batch_start.append({
+            "fp32_init": len(plugin._fp32_init),
+            "half grads": sum(p.grad is not None for p in pl_module.parameters() if p.dtype == torch.bfloat16),
+            "master grads": sum(m.grad is not None for m in masters if plugin.master_for(m) is None
+                                and m.dtype == torch.float32 and m.dim() > 1),
+        })
+
+
+def test_no_fp32_copy_outlives_the_step_that_consumed_it():
+    """No fp32 init copy survives the masters' creation, and a step frees its fp32 grad set: the next forward
+    runs beside the params, masters and optimizer state only (Lightning's zero_grad comes after that forward)."""
+    torch.manual_seed(0)
+    model = Classifier(mlp(), optimizer="adamw")
+    plugin = MasterPrecision("bf16-master")
+    alive = GradsAlive()
+    trainer(plugin, max_steps=3, callbacks=[alive]).fit(model, loader())
+    assert plugin._fp32_init == {}
+    assert [a["fp32_init"] for a in alive.at_batch_start] == [0, 0, 0]
+    assert [a["half grads"] + a["master grads"] for a in alive.at_batch_start] == [0, 0, 0]
+    w = model.net[0].weight
+    assert w.grad is None and plugin.master_for(w).grad is None  # after the last step too
+
+
+def test_a_skipped_step_frees_its_grads_too():
+    """A step skipped for inf grads consumes its window as well: nothing of it reaches the next one."""
+    torch.manual_seed(0)
+    model = Classifier(mlp(), optimizer="sgd", inf_at_steps={1})
+    plugin = MasterPrecision("16-master", loss_scaler={"init_scale": 256.0})
+    alive = GradsAlive()
+    trainer(plugin, max_steps=3, callbacks=[alive]).fit(model, loader())
+    assert plugin.skipped_steps == 1
+    assert [a["half grads"] + a["master grads"] for a in alive.at_batch_start] == [0, 0, 0]
+    w = model.net[0].weight
+    assert w.grad is None and plugin.master_for(w).grad is None
