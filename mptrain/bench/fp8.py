@@ -3,8 +3,8 @@ linears swapped in under bf16-master, and in fp8-master, in one process.
 
 Every case trains transformers' LlamaForCausalLM (the llama_1b recipe's builder, same seed) through
 ``mptrain.Trainer(compile=True)`` on the same synthetic token batches made once on the device, with a
-LightningModule a user would write (next-token cross-entropy on ``self.model(input_ids=...).logits``) and torch's
-fused AdamW over fp32 masters and moments:
+LightningModule a user would write (next-token cross-entropy on ``self.model(input_ids=...).logits``, torch's
+AdamW with ``fused=True``) and fp32 masters and moments in every case:
 
   bf16-master          Trainer(precision="bf16-master")
   torchao-tensorwise   torchao.float8.convert_to_float8_training(model, Float8LinearConfig.from_recipe_name(
@@ -18,8 +18,10 @@ vocabulary 32000; batch 4 x 2048).  Per case: ms/step, the median of the per-ste
 step's end) over --steps steps after --warmup; tokens/s from it; peak memory (max_memory_allocated from the case's
 start, and over the timed steps alone); host syncs per step over 2 more steps; the seconds to the first step's end
 (model build, setup and compile).  Each case starts from a fresh dynamo and with the last case's memory freed.
-The master weights' copies run torch's foreach ops in every case (--fused=auto loads or builds mptrain's CUDA
-extension first: a minute cold).
+With ``--fused=auto`` (the default: the Trainer's default) the master modes step torch's fused AdamW through
+mptrain's one-pass master-weight kernel in every case; the CUDA extension is loaded, or built (about a minute
+cold), before the first case, and if it cannot be, every case runs ``fused=False`` (said in the output).
+``--fused=off``: the generic master path (fp32 grads copied up, torch's fused AdamW, params copied down).
 
     python -m mptrain.bench.fp8 --out fp8.json          # both models x 3 cases: about 8 minutes on an H200
     python -m mptrain.bench.fp8 --models llama1b --rowwise
@@ -339,9 +341,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rowwise", action="store_true", help=f"also run {', '.join(ROWWISE_CASES)}")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per case (the compile happens in the first)")
     p.add_argument("--steps", type=int, default=15, help="timed steps per case")
-    p.add_argument("--fused", choices=("off", "auto"), default="off",
-                   help="the Trainer's fused= (off: torch's foreach ops copy the masters in every case; auto: "
-                        "mptrain's CUDA kernels, built or loaded before the first case)")
+    p.add_argument("--fused", choices=("auto", "off"), default="auto",
+                   help="the Trainer's fused= in every case (auto: mptrain's one-pass master AdamW kernel, the CUDA "
+                        "extension built or loaded before the first case; off: the generic master path)")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON (after each case)")
     p.add_argument("--quick", action="store_true",
                    help="a tiny Llama on the CPU, compiled with the eager backend: checks the harness, not speed")
@@ -355,6 +357,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def extension_for(fused: str, quick: bool) -> tuple:
+    """(the Trainer's ``fused`` for every case, what the cases run, in words).  ``auto`` loads or builds mptrain's
+    CUDA extension now, so no case pays the build; without it every case runs ``fused=False``: the references of
+    the kernels would be timed otherwise."""
+    if fused == "off":
+        return False, "off (fused=False: the generic master path)"
+    t = time.perf_counter()
+    status = fused_kernel_status(quick)
+    if quick:
+        return "auto", status
+    from mptrain.ops.build import extension_status
+
+    if extension_status() != "built":
+        return False, f"off: fused=False in every case, the extension is unavailable ({status})"
+    return "auto", f"auto: mptrain's kernels ({status}; {time.perf_counter() - t:.0f} s before the first case)"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not args.quick and not torch.cuda.is_available():
@@ -362,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 2
     device = "cpu" if args.quick else "cuda"
-    kernels = fused_kernel_status(args.quick) if args.fused == "auto" else "off (fused=False: torch's foreach ops)"
+    fused, kernels = extension_for(args.fused, args.quick)
     try:
         import torchao
 
@@ -379,8 +398,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for model in args.models:
         shape = QUICK if args.quick else MODELS[model]
         for name in args.cases:
-            res = run_case(model, name, shape, args.warmup, args.steps, device, compile_args,
-                           "auto" if args.fused == "auto" else False)
+            res = run_case(model, name, shape, args.warmup, args.steps, device, compile_args, fused)
             results.append(res)
             done = (f"{res.step_ms:.1f} ms/step, {res.tokens_per_s:.0f} tokens/s, "
                     f"peak {_fmt(res.peak_mem_gb, '{:.1f}')} GB, first step at {res.first_step_s:.0f} s"
