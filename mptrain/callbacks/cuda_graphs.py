@@ -1,16 +1,20 @@
 """CudaGraphs (``Trainer(cuda_graphs=True)``): the train step captured in CUDA graphs and replayed.
 
-``torch.cuda.graph`` captures ``LightningModule.forward`` and its backward (:mod:`.graphed_forward`) and the
-precision plugin's optimizer side (:mod:`mptrain.precision.graphed_step`).  ``torch.compile(mode="reduce-overhead")``
-graphs only what dynamo compiles (a graph break splits the step, a skipped graph is a log line); a direct capture
-graphs every kernel, fused ones included, writes each ``.grad`` inside the backward graph and fails loudly, naming
-the line.  ``compile=True`` (default mode) composes with it: the compiled kernels are captured.
+``torch.cuda.graph`` captures the step's network call and its backward (:mod:`.graphed_forward`) and the precision
+plugin's optimizer side (:mod:`mptrain.precision.graphed_step`).  ``torch.compile(mode="reduce-overhead")`` graphs
+only what dynamo compiles (a graph break splits the step, a skipped graph is a log line); a direct capture graphs
+every kernel, fused ones included, writes each ``.grad`` inside the backward graph and fails loudly, naming the
+line.  ``compile=True`` (default mode) composes with it: the compiled kernels are captured.
 
-The model's contract: ``training_step`` calls ``self(...)`` once, forward is a function of its tensor inputs and the
-parameters (no host reads, no ``self.log``), every batch has one shape.  After ``warmup_steps`` eager steps one step
-captures and every later step replays forward, backward, the unscale and inf/NaN check and the optimizer step
-(skipped on the device) with the scaler update.  Lightning's loop, every hook, logging, the loss computed from the
-outputs, ``zero_grad``, clipping, LR schedulers and checkpoints stay eager.
+The model's contract: ``training_step`` makes one network call -- ``self(...)``, or a direct submodule holding
+trainable parameters, whatever its attribute name (``self.model(...)``, ``self.net(...)``) -- once per step, the
+same module every step (the first eager step finds which; two different ones, the same one twice, or none is
+refused, naming them); that call is a function of its tensor inputs and the parameters (no host reads, no
+``self.log``), and every batch has one shape.  After ``warmup_steps`` eager steps one step captures and every later
+step replays the call, its backward, the unscale and inf/NaN check and the optimizer step (skipped on the device)
+with the scaler update.  Lightning's loop, every hook, logging, the rest of ``training_step`` (the loss computed
+from the outputs, parameterless modules such as a loss or a metric), ``zero_grad``, clipping, LR schedulers and
+checkpoints stay eager.
 
 transformers builds an all-true ``attention_mask`` while a graph captures (SDPA then takes its fp32 math path): see
 ``mptrain.models.bert.MaskedLMNet``.  What the graphs cannot follow is refused before the first step (the checks

@@ -1,11 +1,17 @@
-"""GraphedForward: a LightningModule's forward and its backward replayed from CUDA graphs (``cuda_graphs=True``).
+"""GraphedForward: the network call of a training step and its backward, replayed from CUDA graphs (cuda_graphs=True).
 
-Installed as ``pl_module.forward`` by :class:`~mptrain.callbacks.cuda_graphs.CudaGraphs`; outside the training
-step's closure (validation, no_grad, hooks) it is the original forward.  Inside, the first steps run eagerly and
-record the inputs' structure, shapes and dtypes; then one call is captured.  Replaying copies the inputs into
-static buffers and the outputs out; the backward graph, captured at the step's backward, takes the outputs'
-gradients and writes every parameter's ``.grad`` (the same tensors each step).  Changed inputs, a second forward
-call in one step, or a loss built from other outputs than at capture raise :class:`CudaGraphError`.
+Installed by :class:`~mptrain.callbacks.cuda_graphs.CudaGraphs` on the LightningModule's ``forward`` and on each
+direct submodule that holds trainable parameters (its ``forward``, or its compiled call when it was compiled in
+place), so that whichever a ``training_step`` calls is graphed: ``self(x)``, or ``self.model(x)`` with the network
+stored as ``self.model`` (or any other attribute).  Calls outside the training step's closure (validation, no_grad,
+hooks) and calls nested inside the graphed one run the original code.
+
+Inside the closure, the first steps run eagerly and record which of these modules the step called (exactly one,
+exactly once: two different ones, the same one twice, or none is refused, naming them) and the inputs'
+structure, shapes and dtypes; then one call is captured.  Replaying copies the inputs into static buffers and the
+outputs out; the backward graph, captured at the step's backward, takes the outputs' gradients and writes the
+``.grad`` of every parameter of the graphed module (the same tensors each step).  Changed inputs, another module
+or a second call in one step, or a loss built from other outputs than at capture raise :class:`CudaGraphError`.
 """
 from __future__ import annotations
 
@@ -24,55 +30,121 @@ _FIX = ("forward must be a function of its tensor inputs and the parameters: do 
 _CONSTANT = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
+class _Slot:
+    """One module a training step may call, as ``call`` names it (``self(...)``, ``self.model(...)``), and the
+    attribute its calls go through: ``forward``, or ``_compiled_call_impl`` for a module compiled in place (its
+    compiled code runs ``forward`` inside, where a wrapper would be traced)."""
+
+    def __init__(self, module: torch.nn.Module, call: str):
+        self.module, self.call = module, call
+        self.attr = "_compiled_call_impl" if getattr(module, "_compiled_call_impl", None) is not None else "forward"
+        self.had = self.attr in module.__dict__  # an instance attribute (torch.compile's, a user's): put back
+        self.saved = module.__dict__.get(self.attr)
+        self.eager = getattr(module, self.attr)
+
+    def install(self, wrapper) -> None:
+        # name, doc and __wrapped__ (the signature Lightning inspects); not the compiled function's dynamo attributes
+        self.module.__dict__[self.attr] = functools.update_wrapper(wrapper, self.eager, updated=())
+
+    def uninstall(self) -> None:
+        if self.had:
+            self.module.__dict__[self.attr] = self.saved
+        else:
+            self.module.__dict__.pop(self.attr, None)
+
+
 class GraphedForward:
-    """Callable that replaces ``pl_module.forward``; see the module docstring."""
+    """The graphed network call of ``pl_module``'s training step; see the module docstring."""
 
     def __init__(self, pl_module: torch.nn.Module):
         self.module = pl_module
-        self.eager = pl_module.forward
+        self.name = type(pl_module).__name__
+        self.slots = [_Slot(pl_module, "self(...)")]
+        seen = {id(pl_module)}
+        for name, child in pl_module.named_children():
+            if id(child) not in seen and any(p.requires_grad for p in child.parameters()):
+                seen.add(id(child))
+                self.slots.append(_Slot(child, f"self.{name}(...)"))
+        self.target: Optional[_Slot] = None  # the module the steps call, known after the first one
         self.mode: Optional[str] = None  # inside the training step: "eager" or "graph"
-        self.calls = 0
+        self.called: list[_Slot] = []  # this step's calls (nested calls excluded)
+        self.inside = False  # a graphed module's call is running: calls within it are its own code
         self.signature: Optional[tuple] = None  # (input spec, [(path, meta)]) of the first step
         self.fwd: Optional[torch.cuda.CUDAGraph] = None
         self.bwd: Optional[torch.cuda.CUDAGraph] = None
         self.grads: list = []  # (param, the grad tensor the backward graph writes)
 
+    @property
+    def calls(self) -> int:
+        """Calls of a graphable module in the current (or last) training step."""
+        return len(self.called)
+
     def install(self) -> None:
-        self.module.forward = functools.wraps(self.eager)(lambda *args, **kwargs: self(*args, **kwargs))
+        for slot in self.slots:
+            slot.install(functools.partial(self._call, slot))
 
     def uninstall(self) -> None:
-        self.module.__dict__.pop("forward", None)
+        for slot in self.slots:
+            slot.uninstall()
 
     @contextlib.contextmanager
     def training_step(self, graph: bool):
         """The closure of one optimizer step: graphed (captured on first use) or eager."""
-        self.mode, self.calls = ("graph" if graph else "eager"), 0
+        self.mode, self.called = ("graph" if graph else "eager"), []
         try:
             yield
         finally:
             self.mode = None
-        if self.calls == 0:
-            raise CudaGraphError(f"cuda_graphs=True graphs {type(self.module).__name__}.forward, but training_step "
-                                 "did not call it: compute the network's output with self(...) in training_step")
+        if not self.called:
+            children = ", ".join(s.call for s in self.slots[1:])
+            options = f"{self.name}.forward (self(...))" + (
+                f" or a direct submodule with trainable parameters ({children})" if children else "")
+            raise CudaGraphError(f"cuda_graphs=True graphs the one network call of each training step: {options}, but "
+                                 f"{self.name}.training_step called none of them. Compute the network's output with "
+                                 "one such call, or train with cuda_graphs=False")
+        if self.target is None:
+            self.target = self.called[0]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.mode is None or not torch.is_grad_enabled():
-            return self.eager(*args, **kwargs)
-        self.calls += 1
-        if self.calls > 1:
-            raise CudaGraphError(f"cuda_graphs=True graphs one forward call per training step; "
-                                 f"{type(self.module).__name__}.training_step called self(...) again: call it once")
+    def _call(self, slot: _Slot, *args: Any, **kwargs: Any) -> Any:
+        if self.mode is None or self.inside or not torch.is_grad_enabled():
+            return slot.eager(*args, **kwargs)
+        self._count(slot)
         leaves, spec = self._check_inputs(args, kwargs)
-        if self.mode == "eager":
-            return self.eager(*args, **kwargs)
-        if self.fwd is None:
-            self._capture_forward(leaves, spec)
-        else:
-            for buf, x in zip(self.static_in, leaves):
-                if buf is not None:
-                    buf.copy_(x)
-        self.fwd.replay()
+        self.inside = True
+        try:
+            if self.mode == "eager":
+                return slot.eager(*args, **kwargs)
+            if self.fwd is None:
+                self._capture_forward(leaves, spec)
+            else:
+                for buf, x in zip(self.static_in, leaves):
+                    if buf is not None:
+                        buf.copy_(x)
+            self.fwd.replay()
+        finally:
+            self.inside = False
         return self._outputs()
+
+    def _count(self, slot: _Slot) -> None:
+        """One call per step, of one module, the same every step: else refused, naming the calls."""
+        self.called.append(slot)
+        first = self.called[0]
+        if slot is not first:
+            raise CudaGraphError(
+                f"cuda_graphs=True graphs one network call per training step, and {self.name}.training_step called "
+                f"{first.call} and {slot.call}: call one module that runs the whole network (e.g. a forward that "
+                f"calls both, through self(...)), or train with cuda_graphs=False")
+        if len(self.called) > 1:
+            raise CudaGraphError(f"cuda_graphs=True graphs one forward call per training step; {self.name}."
+                                 f"training_step called {slot.call} again: call it once")
+        if self.target is not None and slot is not self.target:
+            raise CudaGraphError(
+                f"cuda_graphs=True graphs the module the first training step called ({self.target.call}), but at "
+                f"step {self._step()} training_step called {slot.call}: call the same module every step, or train "
+                f"with cuda_graphs=False")
+
+    def _step(self):
+        return getattr(getattr(self.module, "_trainer", None), "global_step", "?")
 
     # -- inputs -----------------------------------------------------------------
     def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
@@ -89,8 +161,7 @@ class GraphedForward:
         return [x for _, x in with_path], spec
 
     def _changed(self, spec: Any, meta: list) -> str:
-        step = getattr(getattr(self.module, "_trainer", None), "global_step", "?")
-        head = f"cuda_graphs=True replays one captured forward, but at step {step} "
+        head = f"cuda_graphs=True replays one captured forward, but at step {self._step()} "
         if spec != self.signature[0]:
             what = f"the inputs' structure changed from {self.signature[0]} to {spec}"
         else:
@@ -101,9 +172,10 @@ class GraphedForward:
 
     # -- capture and replay ---------------------------------------------------------
     def _capture_forward(self, leaves: list, spec: Any) -> None:
-        refuse_module_hooks(self.module)
+        refuse_module_hooks(self.target.module)
         refuse_cudagraph_trees()
-        device = next(self.module.parameters()).device
+        device = next(self.target.module.parameters(), None)
+        device = (device if device is not None else next(self.module.parameters())).device
         for (path, m) in self.signature[1]:
             if m[0] == "tensor" and (m[3] or m[2] != device):
                 raise CudaGraphError(f"cuda_graphs=True: forward input {path} is {_show(m)}; graphed inputs must be "
@@ -113,7 +185,7 @@ class GraphedForward:
         self.pool = torch.cuda.graph_pool_handle()
         self.fwd = torch.cuda.CUDAGraph()
         with refuse_logging(self.module), capture(self.fwd, self.pool, "the training forward", _FIX):
-            out = self.eager(*args, **kwargs)
+            out = self.target.eager(*args, **kwargs)
         self.static_out, self.out_spec = tree_flatten(out)
         for o in self.static_out:
             if not isinstance(o, (torch.Tensor,) + _CONSTANT):
@@ -154,7 +226,7 @@ class GraphedForward:
         self.present = present
         outs = [self.static_out[i] for i, used in zip(self.diff, present) if used]
         self.grad_out = [torch.empty_like(o) for o in outs]
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = [p for p in self.target.module.parameters() if p.requires_grad]
         self.bwd = torch.cuda.CUDAGraph()
         with capture(self.bwd, self.pool, "the training backward", _FIX):
             grads = torch.autograd.grad(outs, params, self.grad_out, allow_unused=True)

@@ -1,10 +1,12 @@
 """cuda_graphs=True on the CPU: every setup-time refusal, the error for a failed capture, and the wiring.
 
-Real captures need a GPU (tests/gpu/test_cuda_graphs.py).  Here the graphed forward and the graphed
+Real captures need a GPU (tests/gpu/test_cuda_graphs_cuda.py).  Here the graphed forward and the graphed
 optimizer step run inside real ``lightning.Trainer`` fits: in their eager warm-up path, which must
 train exactly like the plain plugin; and captured and replayed on a CPU emulation of CUDA graphs
-(``_graph_emulator.py``), which must train like eager too (losses, weights, skipped steps).  Their
-checks (inputs, calls, hooks, hyperparameters, host syncs) fire.
+(``_graph_emulator.py``), which must train like eager too (losses, weights, skipped steps), whether
+``training_step`` calls ``self(x)`` or the network where it lives (``self.net(x)``, a user's
+``self.model(...)`` around transformers' BERT).  Their checks (inputs, calls, hooks, hyperparameters,
+host syncs) fire.
 """
 from __future__ import annotations
 
@@ -210,8 +212,34 @@ class TwoCalls(Classifier):
 
 
 class NoCall(Classifier):
+    """Uses the network's layers one by one: no module a graph could hold is called."""
+
     def training_step(self, batch, batch_idx):
+        h = batch[0]
+        for layer in self.net:
+            h = layer(h)
+        return torch.nn.functional.cross_entropy(h, batch[1])
+
+
+class ChildTwice(Classifier):
+    def training_step(self, batch, batch_idx):
+        self.net(batch[0])
         return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+
+class TwoChildren(Classifier):
+    def __init__(self, net):
+        super().__init__(net)
+        self.head = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.head(self.net(batch[0])), batch[1])
+
+
+class SwitchesModule(Classifier):
+    def training_step(self, batch, batch_idx):
+        logits = self(batch[0]) if batch_idx == 0 else self.net(batch[0])
+        return torch.nn.functional.cross_entropy(logits, batch[1])
 
 
 class ShapeChange(Classifier):
@@ -224,7 +252,13 @@ class ShapeChange(Classifier):
 
 @pytest.mark.parametrize("cls,match", [
     (TwoCalls, r"one forward call per training step; TwoCalls\.training_step called self\(\.\.\.\) again"),
-    (NoCall, r"graphs NoCall\.forward, but training_step did not call it"),
+    (NoCall, r"one network call of each training step: NoCall\.forward \(self\(\.\.\.\)\) or a direct submodule "
+             r"with trainable parameters \(self\.net\(\.\.\.\)\), but NoCall\.training_step called none of them"),
+    (ChildTwice, r"one forward call per training step; ChildTwice\.training_step called self\.net\(\.\.\.\) again"),
+    (TwoChildren, r"one network call per training step, and TwoChildren\.training_step called self\.net\(\.\.\.\) "
+                  r"and self\.head\(\.\.\.\): call one module that runs the whole network"),
+    (SwitchesModule, r"graphs the module the first training step called \(self\(\.\.\.\)\), but at step 1 "
+                     r"training_step called self\.net\(\.\.\.\)"),
     (ShapeChange, r"at step 2 forward input args\[0\] is a torch\.bfloat16 tensor of shape \(8, 16\) on cpu; the "
                   r"first steps had a torch\.bfloat16 tensor of shape \(16, 16\).*drop_last=True"),
 ])
@@ -352,6 +386,119 @@ def test_emulated_replays_train_exactly_like_eager(monkeypatch, precision, opt, 
     for (name, a), b in zip(m0.state_dict().items(), m1.state_dict().values()):
         # torch's fused AdamW rounds a tensor lr (the captured step's) and a float lr one ulp apart
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+
+
+class ViaChild(Scheduled):
+    """training_step calls self.net(x), not self(x); also a parameterless child (the loss) and a parameter of the
+    LightningModule's own, both used eagerly around the graphed call."""
+
+    def __init__(self, opt: str, inf_loss_at: int):
+        super().__init__(opt, inf_loss_at)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        raise AssertionError("training_step calls self.net")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss_fn(self.net(x) * self.scale, y)
+        self.losses.append(loss.detach().float())
+        return loss + float("inf") if self.trainer.global_step == self.inf_loss_at else loss
+
+
+def _emulated_runs(monkeypatch, make_model, precision="bf16-master", max_steps=9, fit_callbacks=(), **fit_kw):
+    """The same seeded run eager and on the emulated graphs (captured at step 2): (model, trainer, wired) each."""
+    from _graph_emulator import emulate_cuda_graphs
+
+    runs = []
+    for graphs in (False, True):
+        if graphs:
+            emulate_cuda_graphs(monkeypatch)
+        torch.manual_seed(0)
+        model = make_model()
+        wired = Wired(warmup_steps=2)
+        callbacks = [InfGrad(6), *fit_callbacks] + ([wired] if graphs else [])
+        trainer = _fit(model, callbacks=callbacks, plugin=precision_plugin(precision), max_steps=max_steps, **fit_kw)
+        runs.append((model, trainer, wired))
+    return runs
+
+
+def _same_training(runs, rtol=1e-6, atol=1e-7):
+    (m0, t0, _), (m1, t1, _) = runs
+    assert t0.precision_plugin.skipped_steps == t1.precision_plugin.skipped_steps
+    assert torch.equal(torch.stack(m0.losses), torch.stack(m1.losses))
+    for (name, a), b in zip(m0.state_dict().items(), m1.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("opt", ["mptrain", "torch"])
+def test_emulated_replays_of_self_net_train_exactly_like_eager(monkeypatch, opt):
+    """The graphed module is the child training_step calls: captured, replayed, the same losses, weights and skips;
+    the LightningModule's own parameter, used eagerly, gets its gradient too."""
+    runs = _emulated_runs(monkeypatch, lambda: ViaChild(opt, inf_loss_at=4), gradient_clip_val=0.5)
+    (m0, _, _), (m1, t1, wired) = runs
+    assert wired.replays == 9 - 2 and wired.forward.target.call == "self.net(...)"
+    assert t1.precision_plugin.skipped_steps == 2
+    _same_training(runs)
+    assert not torch.equal(m1.scale.detach().float(), torch.ones(()))  # trained through the eager part
+    assert "forward" not in m1.net.__dict__ and "forward" not in m1.__dict__  # uninstalled
+
+
+def test_emulated_replays_of_a_child_compiled_in_place_train_like_eager(monkeypatch):
+    """compile=True compiles self.model in place: the graphed wrapper goes on its compiled call (a wrapper on its
+    forward would be traced into the compiled code), and the captured step replays the compiled kernels."""
+    class Compiled(ViaChild):
+        def __init__(self):
+            super().__init__("torch", inf_loss_at=4)
+            self.model = self.net  # what compile=True compiles; the steps call it as self.net
+
+    runs = _emulated_runs(monkeypatch, Compiled, max_steps=7, fit_callbacks=[CompileModel(backend="eager")])
+    wired = runs[1][2]
+    assert wired.replays == 7 - 2 and wired.forward.target.attr == "_compiled_call_impl"
+    _same_training(runs)
+    assert runs[1][0].net._compiled_call_impl is not None  # put back after the run
+
+
+class UserBert(L.LightningModule):
+    """transformers' BertForMaskedLM as a user stores it: self.model(...) returns a MaskedLMOutput with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        self.model = BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                                num_attention_heads=2, intermediate_size=32, hidden_dropout_prob=0.0,
+                                                attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))
+        self.losses: list = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+def test_emulated_user_bert_calling_self_model_replays_like_eager(monkeypatch):
+    """A plain LightningModule around BertForMaskedLM (a ModelOutput out, the loss inside the graphed call)."""
+    from _graph_emulator import emulate_cuda_graphs
+    from mptrain.bench.e2e_models import mlm_batches
+
+    runs = []
+    for graphs in (False, True):
+        if graphs:
+            emulate_cuda_graphs(monkeypatch)
+        torch.manual_seed(0)
+        model, wired = UserBert(), Wired(warmup_steps=2)
+        trainer = L.Trainer(plugins=[MasterPrecision("bf16-master")], accelerator="cpu", devices=1, max_steps=6,
+                            logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                            enable_model_summary=False, callbacks=[wired] if graphs else [])
+        trainer.fit(model, mlm_batches(4, 6, "cpu", seq_len=8, vocab=50))
+        runs.append((model, trainer, wired))
+    assert runs[1][2].replays == 6 - 2 and runs[1][2].forward.target.call == "self.model(...)"
+    _same_training(runs)
 
 
 def test_emulated_tiny_bert_replays_like_eager(monkeypatch):

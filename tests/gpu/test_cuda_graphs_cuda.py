@@ -1,5 +1,6 @@
 """cuda_graphs=True on the GPU: the replayed step trains like the eager one (a tiny MLP, a small CNN with
-BatchNorm, a tiny BERT with the fused LayerNorm and an LR schedule), skips a step with an inf loss and one
+BatchNorm, a tiny BERT with the fused LayerNorm and an LR schedule, a user's module calling self.model(...) around
+torchvision's ResNet-18 or transformers' BERT with fuse_modules="auto"), skips a step with an inf loss and one
 with an inf gradient on the device, never syncs with the host, and fails loudly where it cannot capture."""
 from __future__ import annotations
 
@@ -248,3 +249,73 @@ def test_host_sync_in_forward_fails_at_capture_naming_the_line():
                                              r"\d+ in forward: `return self\.net\(x\[x\.sum\(1\) > -1e9\]\)"):
         _fit(Syncing(mlp()), _device_loader(classification_data(n=64), 16), "bf16-master", True)
     torch.randn(4, device="cuda")  # the failed capture left the device's random generator usable
+
+
+USER_VOCAB = 8195
+
+
+class UserNet(L.LightningModule):
+    """A plain user module: the network as ``self.model``, training_step calls ``self.model(...)`` (no forward),
+    torch's fused, capturable AdamW."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.losses = kind, []
+        if kind == "resnet":
+            import torchvision
+
+            self.model = torchvision.models.resnet18(num_classes=10)
+        else:
+            from transformers import BertConfig, BertForMaskedLM
+
+            # a ragged vocabulary with 2**20+ decoder weights: fuse_modules="auto" makes the decoder a PaddedLinear
+            self.model = BertForMaskedLM(BertConfig(vocab_size=USER_VOCAB, hidden_size=128, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=256,
+                                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                    attn_implementation="sdpa"))
+
+    def training_step(self, batch, batch_idx):
+        if self.kind == "resnet":
+            loss = torch.nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+        else:
+            loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        self.losses.append(loss.detach().float())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True, capturable=True)  # smooth: cuDNN varies
+
+
+
+@pytest.mark.parametrize("kind", ["resnet", "bert"])
+def test_user_module_calling_self_model_is_captured_with_fused_modules(kind):
+    """mptrain's Trainer on a user's own module: fuse_modules="auto" swaps its pool / LayerNorms and vocabulary
+    decoder, cuda_graphs=True captures self.model(...) and replays it; the losses follow the eager run's."""
+    from mptrain import FuseModules, Trainer
+    from mptrain.bench.e2e_models import image_batches, mlm_batches
+    from mptrain.nn import FusedLayerNorm, FusedMaxPool2d, PaddedLinear
+
+    runs = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        model = UserNet(kind)
+        loader = image_batches(16, STEPS, "cuda", image_size=32, num_classes=10) if kind == "resnet" else \
+            mlm_batches(8, STEPS, "cuda", seq_len=32, vocab=USER_VOCAB)
+        trainer = Trainer(precision="bf16-master", cuda_graphs=graphs, channels_last=kind == "resnet",
+                          accelerator="cuda", devices=1, max_steps=STEPS, logger=False, enable_progress_bar=False,
+                          enable_checkpointing=False, enable_model_summary=False)
+        trainer.fit(model, loader)
+        fuse = next(c for c in trainer.callbacks if isinstance(c, FuseModules))
+        graph_cb = next((c for c in trainer.callbacks if isinstance(c, CudaGraphs)), None)
+        runs.append((model, fuse, graph_cb))
+    (m0, _, _), (m1, fuse, cb) = runs
+    assert fuse.off_reason is None, fuse.off_reason
+    if kind == "resnet":
+        assert type(m1.model.maxpool) is FusedMaxPool2d
+    else:
+        assert type(m1.model.cls.predictions.decoder) is PaddedLinear
+        assert type(m1.model.bert.encoder.layer[0].output.LayerNorm) is FusedLayerNorm
+    assert cb.replayed_steps == STEPS - cb.warmup_steps > 0
+    l0, l1 = torch.stack(m0.losses), torch.stack(m1.losses)
+    assert torch.isfinite(l1).all() and len(set(round(float(v), 5) for v in l1)) > 4  # it trains, batches vary
+    torch.testing.assert_close(l1, l0, rtol=3e-2, atol=3e-2)  # bf16; the captured BERT runs SDPA with a mask
