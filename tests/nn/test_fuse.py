@@ -1,4 +1,5 @@
 """fuse_modules swaps torch modules for fused ones in place without changing outputs."""
+import pytest
 import torch
 from torch import nn
 
@@ -63,3 +64,38 @@ def test_top_level_module_is_returned_fused():
     ln = nn.LayerNorm(5)
     f = fuse_modules(ln)
     assert type(f) is FusedLayerNorm and f.weight is ln.weight
+
+
+def test_norms_pool_and_linear_change_class_in_place_keeping_hooks_and_sharing():
+    from mptrain.nn import FusedMaxPool2d, PaddedLinear
+
+    ln, head = nn.LayerNorm(8), nn.Linear(128, 8195)
+    net = nn.Sequential(ln, ln, nn.MaxPool2d(2), nn.MaxPool2d(3, ceil_mode=True), head)  # ln shared by two slots
+    seen = []
+    ln.register_forward_hook(lambda m, a, out: seen.append(type(m).__name__))
+    fuse_modules(net)
+    assert net[0] is ln and net[1] is ln and type(ln) is FusedLayerNorm  # the same object, its class changed
+    assert type(net[2]) is FusedMaxPool2d and net[2].fused == "auto"
+    assert type(net[3]) is nn.MaxPool2d  # ceil_mode: the kernel does not take it
+    assert net[4] is head and type(head) is PaddedLinear
+    ln(torch.randn(2, 8))
+    assert seen == ["FusedLayerNorm"]
+
+
+def test_fuse_and_list_names_the_swaps_kinds_and_skip():
+    from mptrain.nn.fuse import KINDS, MEASURED_FASTER, describe_swaps, fuse_and_list
+
+    assert set(MEASURED_FASTER["eager"]) <= set(KINDS) and set(MEASURED_FASTER["compiled"]) <= set(KINDS)
+    net = Net()
+    keep = net.blocks
+    _, swaps = fuse_and_list(net, ["layer_norm", "lstm"], skip=[keep], prefix="model")
+    assert [(s.name, s.old, s.new) for s in swaps] == [("model.ln", "LayerNorm", "FusedLayerNorm"),
+                                                      ("model.lstm", "LSTM", "FusedLSTM")]
+    assert type(net.rms) is nn.RMSNorm and type(net.cell) is nn.LSTMCell and type(keep[0]) is nn.LayerNorm
+    assert describe_swaps(swaps) == "1 LayerNorm -> FusedLayerNorm (model.ln), 1 LSTM -> FusedLSTM (model.lstm)"
+    _, swaps = fuse_and_list(net)
+    assert describe_swaps(swaps) == ("1 RMSNorm -> FusedRMSNorm (rms), 1 LSTMCell -> FusedLSTMCell (cell), "
+                                     "1 LayerNorm -> FusedLayerNorm (blocks.0)")
+    assert fuse_and_list(net)[1] == []  # nothing left: idempotent
+    with pytest.raises(ValueError, match=r"unknown kinds \['layernorm'\]; valid: layer_norm, rms_norm"):
+        fuse_modules(Net(), kinds=["layernorm"])
