@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from mptrain.callbacks.compile_model import CompileModel
-from mptrain.nn.fuse import MEASURED_FASTER, count_fused, describe_swaps, fuse_and_list
+from mptrain.nn.fuse import MEASURED_FASTER, count_fused, describe_swaps, fuse_and_list, kernels_available
 from mptrain.precision import MptrainPrecision
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -52,11 +52,10 @@ class FuseModules(Callback):
         self._logged: set[int] = set()  # ids of the modules whose line was logged
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self.off_reason = self._why_off(trainer)
+        self.swapped, self.off_reason = [], self._why_off(trainer)
         if self.off_reason is not None:  # silent: "auto" is off wherever mptrain's kernels do not run
             return
         compiled = _compiled_roots(trainer, pl_module)
-        self.swapped = []
         for name, root in compiled:
             self.swapped += fuse_and_list(root, MEASURED_FASTER["compiled"], prefix=name)[1]
         self.swapped += fuse_and_list(pl_module, MEASURED_FASTER["eager"], skip=[m for _, m in compiled])[1]
@@ -82,9 +81,7 @@ class FuseModules(Callback):
         device = trainer.strategy.root_device
         if device.type != "cuda":
             return f"the run trains on {device} (mptrain's kernels are CUDA kernels)"
-        from mptrain import ops
-
-        if ops.get_extension(required=False) is None:  # warns once, with the reason
+        if not kernels_available():  # warns once, with the reason
             return "mptrain's CUDA extension is unavailable"
         return None
 

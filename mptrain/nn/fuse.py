@@ -96,7 +96,11 @@ def fuse_and_list(model: nn.Module, kinds: Iterable[str] = KINDS, skip: Iterable
     (``model``, or its drop-in when ``model`` itself was swapped; the swaps, named with ``prefix``)."""
     table = {cls: make for kind, (cls, make) in _REPLACEMENTS.items() if kind in _check_kinds(kinds)}
     skipped = {id(m) for m in skip}
-    done: dict[int, nn.Module] = {}  # id of a module seen -> what it became (a module shared by two parents)
+    if id(model) in skipped:
+        return model, []
+    # id of a module seen -> (it, what it became): a module shared by two parents is swapped once (and kept
+    # alive here, so that no new module can reuse its id during the walk)
+    done: dict[int, tuple[nn.Module, nn.Module]] = {}
     swaps: list[Swap] = []
 
     def replace(module: nn.Module, name: str) -> nn.Module:
@@ -104,10 +108,10 @@ def fuse_and_list(model: nn.Module, kinds: Iterable[str] = KINDS, skip: Iterable
             make = table.get(type(module))
             old = type(module).__name__
             new = make(module) if make is not None else None
-            done[id(module)] = module if new is None else new
+            done[id(module)] = (module, module if new is None else new)
             if new is not None:
                 swaps.append(Swap(name, old, type(new).__name__))
-        return done[id(module)]
+        return done[id(module)][1]
 
     def visit(parent: nn.Module, path: str) -> None:  # in module order (pre-order, as named_modules)
         for name, child in list(parent.named_children()):
@@ -122,7 +126,7 @@ def fuse_and_list(model: nn.Module, kinds: Iterable[str] = KINDS, skip: Iterable
                 visit(new, qualified)
 
     visit(model, prefix)
-    top = model if id(model) in skipped else replace(model, prefix or "<root>")
+    top = replace(model, prefix or "<root>")
     return top, swaps
 
 
@@ -140,6 +144,13 @@ def describe_swaps(swaps: list[Swap]) -> str:
     for s in swaps:
         groups.setdefault((s.old, s.new), []).append(s.name)
     return ", ".join(f"{len(names)} {old} -> {new} ({_where(names)})" for (old, new), names in groups.items())
+
+
+def kernels_available() -> bool:
+    """Whether mptrain's CUDA extension loads (built on first use; a failed build warns once, with the reason)."""
+    from mptrain import ops
+
+    return ops.get_extension(required=False) is not None
 
 
 def count_fused(model: nn.Module) -> Counter:

@@ -225,7 +225,8 @@ def test_idempotent_with_a_recipe_model_that_fused_itself(caplog):
     assert lines[0] == "mptrain: fused modules: none swapped (the model's own: 4 FusedLayerNorm, 1 PaddedLinear)"
 
 
-def test_under_compile_norms_are_left_to_inductor(caplog):
+@pytest.mark.parametrize("how", ["compile=True", "user"])
+def test_under_compile_norms_are_left_to_inductor(caplog, how):
     class Net(L.LightningModule):
         def __init__(self):
             super().__init__()
@@ -233,8 +234,10 @@ def test_under_compile_norms_are_left_to_inductor(caplog):
             self.head_norm = nn.LayerNorm(HIDDEN)  # outside `model`: runs eagerly
 
     net = Net()
+    if how == "user":
+        net.model.compile(backend="eager")  # Module.compile(): compiled in place, as compile=True does
     with caplog.at_level(logging.INFO):
-        cb = _setup(net, callbacks=[CompileModel()])
+        cb = _setup(net, callbacks=[CompileModel()] if how == "compile=True" else [])
     assert [(s.name, s.new) for s in cb.swapped] == [("model.2", "PaddedLinear"), ("head_norm", "FusedLayerNorm")]
     assert type(net.model[1]) is nn.LayerNorm
     assert "1 LayerNorm/RMSNorm left to torch.compile (model)" in caplog.text
