@@ -87,6 +87,11 @@ def bert_case(size: str, device: str):
     vocab, small_cfg, base_cfg = module.model.config.vocab_size, module.model.config, base.model.config
     b = full["batch"] / spec["batch"]
     width = base_cfg.hidden_size / small_cfg.hidden_size
+    # the fallback's block-wise cross_entropy holds one block of fp32 rows: a block of the full size's rows,
+    # scaled like every vocabulary-sized tensor, is the measured size's block times the batch ratio
+    from mptrain.precision import lean_cross_entropy
+
+    lean_cross_entropy.BLOCK_ELEMENTS = int(lean_cross_entropy.BLOCK_ELEMENTS // b)
     scale = Scale(params=_count(base) / _count(module), act=lambda shape: b if vocab in shape else b * width,
                   layers=base_cfg.num_hidden_layers / small_cfg.num_hidden_layers, layer_marker=".layer.")
     return module, lambda steps: mlm_batches(spec["batch"], steps, device, spec["seq"], vocab), scale

@@ -9,6 +9,7 @@
 * **half saved for backward** (eager): an op that saves its input for backward (layer_norm, a norm layer's
   ops, ...) keeps the half tensor an fp32 upcast was made from, not the upcast, and backward upcasts it again
   (exact): 2 bytes an element where the upcast costs 4, the same values (compiled graphs choose what they save);
+  cross_entropy on large half logits runs by blocks of rows (:mod:`.lean_cross_entropy`);
 * **CPU RNN policy**: torch's oneDNN bf16 LSTM crashes on CPUs without native bf16, so there
   ``torch.lstm`` / ``torch.lstm_cell`` run in fp32 on CPU tensors (GPU tensors untouched);
 * **automatic promotion** (``auto_fp32_fallback``): leaf modules' outputs are checked for inf/NaN on
@@ -25,6 +26,8 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mptrain.precision.lean_cross_entropy import lean_cross_entropy
 
 log = logging.getLogger("mptrain")
 
@@ -308,6 +311,10 @@ def _fp32_call(name: str, func, args, kwargs):
     """``func`` on fp32 copies of its half tensors, the result in the first one's dtype."""
     if name == "batch_norm":
         return _batch_norm_fp32(func, args, kwargs)
+    if name == "cross_entropy":  # large half logits: by blocks of rows, no whole fp32 copy (lean_cross_entropy)
+        loss = lean_cross_entropy(func, args, kwargs)
+        if loss is not None:
+            return loss.to((args[0] if args else kwargs["input"]).dtype)
     seen: list = []
     pairs: list = []
     up_args = _upcast(tuple(args), seen, pairs)
