@@ -252,3 +252,14 @@ def test_arguments_are_checked_before_any_setup():
         quiet_trainer(fuse_modules=True, fused=False)
     with pytest.raises(ValueError, match=r"fuse_modules=True .* has fused=False"):
         _setup(UserResNet(), plugin=MasterPrecision("bf16-master", fused=False))
+
+
+def test_plain_lightning_trainer_takes_the_callback():
+    """lightning.Trainer with mptrain's plugin and callbacks=[FuseModules(True)]: the same swap at setup."""
+    module = UserResNet()
+    module.model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 7 * 7, 10))
+    trainer = L.Trainer(plugins=[MasterPrecision("bf16-master")], callbacks=[FuseModules(True)], accelerator="cpu",
+                        devices=1, max_steps=2, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False)
+    trainer.fit(module, _loader(_image_batches(2)))
+    assert type(module.model[1]) is FusedMaxPool2d and trainer.global_step == 2
