@@ -279,10 +279,8 @@ def optimizer_factory(kind: str):
 def _trainer(spec: CaseSpec, precision: str, model: str, callbacks: list, total: int, quick: bool):
     ours = dict(channels_last=model == "resnet50", cuda_graphs=spec.cuda_graphs,
                 compile=(QUICK_COMPILE if quick else True) if spec.compile else False)
-    trainer = make_trainer(spec.trainer, precision, callbacks[0], total, ours, accelerator="cpu" if quick else "cuda",
-                           devices=1, benchmark=True)
-    trainer.callbacks.extend(callbacks[1:])
-    return trainer
+    return make_trainer(spec.trainer, precision, callbacks, total, ours, accelerator="cpu" if quick else "cuda",
+                        devices=1, benchmark=True)
 
 
 def _build(model: str, spec: CaseSpec, total: int, quick: bool):

@@ -89,13 +89,15 @@ def compile_lightning_module(module: L.LightningModule, **compile_kwargs) -> L.L
     return torch.compile(module, **compile_kwargs)
 
 
-def make_trainer(kind: str, precision: str, callback: L.Callback, max_steps: int, mptrain_kwargs: dict, **kwargs):
+def make_trainer(kind: str, precision: str, callback: "L.Callback | list[L.Callback]", max_steps: int,
+                 mptrain_kwargs: dict, **kwargs):
     """A ``lightning.Trainer`` (``kind="lightning"``) or ``mptrain.Trainer`` that trains ``max_steps``
-    steps under ``callback`` and nothing else (no logger, checkpoints, validation or progress bar);
-    ``mptrain_kwargs`` go to mptrain's alone, ``kwargs`` to both."""
+    steps under ``callback`` (one or a list) and nothing else (no logger, checkpoints, validation or progress
+    bar); ``mptrain_kwargs`` go to mptrain's alone, ``kwargs`` to both."""
+    callbacks = list(callback) if isinstance(callback, (list, tuple)) else [callback]
     common = dict(max_steps=max_steps, max_epochs=1, logger=False, enable_progress_bar=False,
                   enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-                  limit_val_batches=0, callbacks=[callback], precision=precision, **kwargs)
+                  limit_val_batches=0, callbacks=callbacks, precision=precision, **kwargs)
     if kind == "lightning":
         return L.Trainer(**common)
     from mptrain import Trainer

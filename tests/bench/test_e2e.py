@@ -272,3 +272,24 @@ def test_memory_phases_record_each_phase_and_keep_the_case_peak(monkeypatch):
     assert phases.gb == {"start": 2.0, "forward_peak": 7.0, "after_forward": 6.0, "backward_peak": 8.0,
                          "after_backward": 4.0, "optimizer_peak": 7.0, "after_optimizer": 4.0}
     assert phases.peak() == 9 * gb
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mptrain:bf16-master", "lightning:bf16-mixed"])
+def test_memory_phases_see_every_phase_of_a_real_step(monkeypatch, case):
+    """Inside a real fit (either trainer): the forward, backward and optimizer phases each report (fake CUDA
+    counters; the measured step is the second of the quick run's two)."""
+    monkeypatch.setattr(e2e.torch.cuda, "memory_allocated", lambda: 0)
+    monkeypatch.setattr(e2e.torch.cuda, "max_memory_allocated", lambda: 0)
+    monkeypatch.setattr(e2e.torch.cuda, "reset_peak_memory_stats", lambda: None)
+    made = []
+    init = e2e.MemoryPhases.__init__
+
+    def on_cuda(self, step, cuda):
+        init(self, 2, True)
+        made.append(self)
+
+    monkeypatch.setattr(e2e.MemoryPhases, "__init__", on_cuda)
+    assert e2e.run_case("user_bert", case, case.split(":")[1], 1, 1, True).status == "ok"
+    assert set(made[0].gb) == {"start", "forward_peak", "after_forward", "backward_peak", "after_backward",
+                               "optimizer_peak", "after_optimizer"}

@@ -11,7 +11,7 @@
 #   extension (dev/prebuilt_ext.py).  E2E_ARGS adds flags, e.g.
 #   E2E_ARGS="--models bert --repeat 3" for the host-bound BERT eager cases.  user: the plain-Lightning
 #   ResNet-50 and BertForMaskedLM against Lightning (+ torch.compile) in one process, speed and peak memory
-#   (tests/gpu/run.sh build user; 5 compiles a model, about 400 s).  multi needs two GPUs
+#   (tests/gpu/run.sh build user; 5 compiles a model, about 400 s; USER_ARGS adds flags).  multi needs two GPUs
 #   (nvidia-h200-x2): tests/gpu/run.sh info build multi -- DDP scaling of both models, then the FSDP
 #   BERT-large test against DDP (tests marked multi_gpu; the tests stage leaves them out).  fp8 takes a call of its
 #   own (tests/gpu/run.sh fp8): compiled Llama steps, bf16-master vs torchao float8 vs fp8-master, two models.
@@ -68,7 +68,9 @@ stage kernels 130 python3 -m mptrain.bench.kernels --no-host --json "$OUT/kernel
 stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
 # shellcheck disable=SC2086  # E2E_ARGS: extra flags, e.g. E2E_ARGS="--models bert --repeat 3"
 stage e2e 590 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json" ${E2E_ARGS:-}
-stage user 450 python3 -m mptrain.bench.e2e --models user_resnet50,user_bert --warmup 6 --steps 20 --out "$OUT/user.json"
+# shellcheck disable=SC2086  # USER_ARGS: extra flags, e.g. USER_ARGS="--models user_bert" (the last --models wins)
+stage user 450 python3 -m mptrain.bench.e2e --models user_resnet50,user_bert --warmup 6 --steps 20 \
+  --out "$OUT/user.json" ${USER_ARGS:-}
 # shellcheck disable=SC2086  # FP8_ARGS: extra flags, e.g. FP8_ARGS="--models llama1b --rowwise"
 stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --out "$OUT/fp8.json" ${FP8_ARGS:-}
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
