@@ -162,6 +162,7 @@ class Storages(TorchDispatchMode):
         self.bytes = 0
         self.phase, self.module = "setup", ""
         self.on_op: Optional[Callable[[str], None]] = None
+        self.last_op = "?"
         self._tokens = itertools.count(1)
 
     def adopt(self, tensors, op: str = "(before tracking)") -> None:
@@ -242,8 +243,8 @@ def roles_of(trainer, module: torch.nn.Module, saved: dict[int, Any], batch_keys
     for t in getattr(trainer.precision_plugin, "_fp32_init", {}).values():
         mark(t, "fp32 init")
     param_keys = {k for k, r in roles.items() if r in ("param", "master")}
-    for k in saved:
-        if k in storages.live and k not in roles:
+    for k, kind in saved.items():
+        if k in storages.live and storages.live[k].token == kind[-1] and k not in roles:  # not a reused address
             roles[k] = "saved weight copy" if storages.live[k].src in param_keys else "saved activation"
     for k in batch_keys:
         roles.setdefault(k, "batch")
@@ -342,7 +343,9 @@ class Accounting(L.Callback):
         if t.device.type != "meta" and t.untyped_storage().nbytes():
             mod = self._by_name.get(self._stack[-1]) if self._stack else None
             mod_type = type(mod).__name__ if mod is not None else "-"
-            self.saved.setdefault(key_of(t), (mod_type, getattr(self.storages, "last_op", "?"), str(t.dtype)[6:]))
+            birth = self.storages.live.get(key_of(t))
+            self.saved.setdefault(key_of(t), (mod_type, self.storages.last_op, str(t.dtype)[6:],
+                                              birth.token if birth is not None else -1))
         return t
 
     # measurements
@@ -379,7 +382,8 @@ class Accounting(L.Callback):
 
     def _record_saved(self) -> None:
         roles = self._roles()
-        live = {k: v for k, v in self.saved.items() if k in self.storages.live}
+        live = {k: v[:3] for k, v in self.saved.items()
+                if k in self.storages.live and self.storages.live[k].token == v[-1]}
         kinds: dict[tuple, list] = defaultdict(lambda: [0, 0])
         total = beyond = 0
         scaled = 0.0

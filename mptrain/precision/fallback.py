@@ -151,8 +151,23 @@ def _unpack_upcast(outer_unpack, saved):
     return half.float()
 
 
+def _top_hooks_reader() -> Optional[Callable[[], Optional[tuple]]]:
+    """A function returning the saved-tensor hooks in force ((pack, unpack) or None), or None on a torch that
+    cannot show them (before 2.8); some versions take an ``ignore_is_tracing`` flag, others nothing."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    for args in ((False,), ()):
+        try:
+            top(*args)
+        except TypeError:
+            continue
+        return lambda: top(*args)
+    return None
+
+
 _hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_top_hooks = _top_hooks_reader()
 
 
 def push_half_saving(pairs: list) -> bool:
@@ -165,7 +180,7 @@ def push_half_saving(pairs: list) -> bool:
     if not pairs or _top_hooks is None or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
             or not _hooks_enabled():
         return False
-    outer = _top_hooks(False) or (None, None)
+    outer = _top_hooks() or (None, None)
     torch._C._autograd._push_saved_tensors_default_hooks(functools.partial(_pack_upcast, pairs, outer[0]),
                                                         functools.partial(_unpack_upcast, outer[1]))
     return True
