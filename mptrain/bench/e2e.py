@@ -480,7 +480,8 @@ def format_table(results: list[Result]) -> str:
                      f"{r.gc_ms_per_step:.2f} ms/step of collector pauses")
     for r in results:  # memory a case left behind would inflate the next one's peak: say so
         if r.mem_end_gb is not None and r.mem_end_gb > 0.01:
-            lines.append(f"note: {r.model} {r.case}: {r.mem_end_gb:.2f} GB still allocated after the case was collected")
+            lines.append(f"note: {r.model} {r.case}: {r.mem_end_gb:.2f} GB still allocated after the case was "
+                         "collected")
     return "\n".join(lines)
 
 
