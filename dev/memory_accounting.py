@@ -47,6 +47,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from mptrain.precision import lean_cross_entropy
+
+FULL_BLOCK_ELEMENTS = lean_cross_entropy.BLOCK_ELEMENTS
+
 HALF = (torch.float16, torch.bfloat16)
 MODES = ("mptrain:bf16-master", "lightning:bf16-mixed", "lightning:bf16-true")
 #: CUDA autocast's fp32 ops that CPU autocast leaves in the input's dtype (aten names)
@@ -89,9 +93,7 @@ def bert_case(size: str, device: str):
     width = base_cfg.hidden_size / small_cfg.hidden_size
     # the fallback's block-wise cross_entropy holds one block of fp32 rows: a block of the full size's rows,
     # scaled like every vocabulary-sized tensor, is the measured size's block times the batch ratio
-    from mptrain.precision import lean_cross_entropy
-
-    lean_cross_entropy.BLOCK_ELEMENTS = int(lean_cross_entropy.BLOCK_ELEMENTS // b)
+    lean_cross_entropy.BLOCK_ELEMENTS = int(FULL_BLOCK_ELEMENTS // b)
     scale = Scale(params=_count(base) / _count(module), act=lambda shape: b if vocab in shape else b * width,
                   layers=base_cfg.num_hidden_layers / small_cfg.num_hidden_layers, layer_marker=".layer.")
     return module, lambda steps: mlm_batches(spec["batch"], steps, device, spec["seq"], vocab), scale
