@@ -9,7 +9,6 @@ resume with any other sampler warns, naming it).  Other loader classes and itera
 from __future__ import annotations
 
 import copy
-import itertools
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -20,7 +19,7 @@ from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
-from mptrain.callbacks.rng import rng_state, set_rng_state
+from mptrain.callbacks.rng import preserved_rng, rng_state, set_rng_state
 
 _BATCHING = (BatchSampler, StatefulBatchSampler)  # batch what their sampler gives, in its order
 # order fixed by (seed, epoch), so a fast-forward replays it, or kept in the iterator's state
@@ -45,11 +44,12 @@ class _ResumableOrder(Iterator[int]):
 
     def _begin(self, start_state: Optional[torch.Tensor]) -> None:
         generator = self.sampler.generator
-        if generator is None:  # what RandomSampler.__iter__ does without a generator, at the same moment
+        if start_state is not None:  # a restored epoch: its generator state, nothing drawn from the global RNG
+            generator = generator or torch.Generator()
+            generator.set_state(start_state)
+        elif generator is None:  # what RandomSampler.__iter__ does without a generator, at the same moment
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             generator = torch.Generator().manual_seed(seed)
-        if start_state is not None:
-            generator.set_state(start_state)
         self._start_state = generator.get_state()
         view = copy.copy(self.sampler)
         view.generator = generator
@@ -70,7 +70,10 @@ class _ResumableOrder(Iterator[int]):
             self._order, self._start_state, self.yielded = None, None, 0
             return
         self._begin(state["generator"])
-        self._order = itertools.islice(self._order, state["yielded"], None)
+        # drawn now, not lazily: a sampler's own generator must be where the saved epoch left it even if this
+        # iterator is never read (a resume at the epoch's end begins the next epoch from that generator)
+        for _ in range(state["yielded"]):
+            next(self._order)
         self.yielded = state["yielded"]
 
 
@@ -120,6 +123,18 @@ class ResumableDataLoader(StatefulDataLoader):
         if self._epoch is not None:
             _set_sampler_epoch(self, self._epoch())
         return super().__iter__()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._iterator is not None:
+            return super().state_dict()
+        # torchdata builds an iterator to read the state from, drawing its base seed from the global RNG: a save
+        # (after fit, before the first batch) must not change what training draws next
+        with preserved_rng():
+            state = super().state_dict()
+        iterator, self._iterator, self._initial_iter_for_state_dict = self._iterator, None, False
+        if hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        return state
 
 
 def to_resumable(loader: Any, epoch: Optional[Callable[[], int]] = None) -> Any:

@@ -2,18 +2,27 @@
 
 Lightning's checkpoint holds the loops' progress and the loader's position; a bitwise resume also needs the RNGs that
 dropout, augmentation and the next shuffle draw from (torch CPU and CUDA, NumPy, Python), restored at
-``on_train_start``: after Lightning rebuilt the data iterator, before the first resumed step.  A mid-epoch resume
-whose epoch is laid out differently (world size, batches per epoch, accumulation) would replay the wrong batches
-silently: it is refused.
+``on_train_start``: after Lightning rebuilt the data iterator, before the first resumed step.  The saved RNG is the
+training stream's: validation inside ``fit`` draws from a copy (restored when it ends), so a resume that skips a
+validation the original run did (a checkpoint written on an epoch's last batch) sees the same stream, and a
+checkpoint written after ``fit`` holds the RNG as training left it.  A checkpoint written at an epoch's end starts the
+next epoch as the uninterrupted run did, one written after a ``fit`` stopped mid-epoch continues that epoch
+(:mod:`mptrain.callbacks.loop_position`).  A mid-epoch resume whose epoch is
+laid out differently (world size, batches per epoch, accumulation) would replay the wrong batches silently: it is
+refused.
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.pytorch import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+from mptrain.callbacks.loop_position import (begin_next_epoch, ends_an_epoch, reopen_stopped_epoch,
+                                             settle_epoch_end, stopped_mid_epoch)
 from mptrain.callbacks.resumable_loader import order_not_restorable
 from mptrain.callbacks.rng import rng_state, set_rng_state
 from mptrain.checkpoint import CheckpointError
@@ -25,14 +34,37 @@ class ResumeState(Callback):
     def __init__(self) -> None:
         self._loaded: dict[str, Any] | None = None
         self._trainer = None
+        self._next_epoch_loaders: Optional[list] = None  # set when the checkpoint ends an epoch
+        self._training_rng: Optional[dict[str, Any]] = None  # while validation runs inside fit
+        self._fit_end: Optional[dict[str, Any]] = None  # the RNG and loader states fit ended with
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer
+        self._next_epoch_loaders = None
+        if stage == TrainerFn.FITTING:
+            self._fit_end = None
+            _isolate_validation(trainer, self)
 
     def state_dict(self) -> dict[str, Any]:
         if self._trainer is None:
             return {}
-        return {"rng": _gather(rng_state()), "layout": _layout(self._trainer)}
+        rng = self._training_rng or (self._fit_end or {}).get("rng") or rng_state()
+        return {"rng": _gather(rng), "layout": _layout(self._trainer)}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        # after fit, Lightning has let go of the loader's iterator: save the position training ended at
+        loaders = (self._fit_end or {}).get("loaders")
+        if loaders and isinstance(checkpoint.get("loops"), dict):
+            checkpoint["loops"].get("fit_loop", {}).setdefault("state_dict", {})["combined_loader"] = loaders
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+        if trainer.state.fn != TrainerFn.FITTING or not isinstance(fit_loop, dict):
+            return
+        if ends_an_epoch(fit_loop):
+            self._next_epoch_loaders = settle_epoch_end(fit_loop)
+        elif stopped_mid_epoch(fit_loop):
+            reopen_stopped_epoch(fit_loop, trainer.accumulate_grad_batches)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = state_dict
@@ -43,6 +75,16 @@ class ResumeState(Callback):
             _check_layout(layout, _layout(self._trainer), ("world_size", "accumulate_grad_batches"))
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._restore_rng(trainer)
+        if self._next_epoch_loaders is not None:
+            loaders, self._next_epoch_loaders = self._next_epoch_loaders, None
+            begin_next_epoch(trainer, loaders)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        combined = trainer.fit_loop._combined_loader
+        self._fit_end = {"rng": rng_state(), "loaders": combined._state_dicts() if combined is not None else []}
+
+    def _restore_rng(self, trainer) -> None:
         if not self._loaded:
             if trainer.ckpt_path is not None:
                 rank_zero_warn(f"checkpoint {trainer.ckpt_path!r} holds no ResumeState (not written by mptrain's "
@@ -58,6 +100,30 @@ class ResumeState(Callback):
         _check_layout(layout, _layout(trainer))
         _warn_if_order_not_restorable(trainer, layout)
         set_rng_state(saved["rng"][trainer.global_rank % len(saved["rng"])])
+
+
+def _isolate_validation(trainer, owner: ResumeState) -> None:
+    """Validation inside fit runs on a copy of the training RNG: its run, and the skip a resumed run makes of one
+    the checkpoint was written before (both build the val loader's iterator, which draws a seed)."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    for name in ("run", "increment_progress_to_evaluation_end"):
+        method = getattr(val_loop, name)
+        if not getattr(method, "_mptrain_isolated", False):
+            setattr(val_loop, name, _on_rng_copy(method, owner))
+
+
+def _on_rng_copy(method: Any, owner: ResumeState) -> Any:
+    @functools.wraps(method)
+    def isolated(*args: Any, **kwargs: Any) -> Any:
+        owner._training_rng = rng_state()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            set_rng_state(owner._training_rng)
+            owner._training_rng = None
+
+    isolated._mptrain_isolated = True
+    return isolated
 
 
 _LAYOUT_KEYS = ("world_size", "accumulate_grad_batches", "num_training_batches", "batch_in_epoch")

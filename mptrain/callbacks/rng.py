@@ -1,8 +1,9 @@
 """Every random generator a training step draws from, as checkpointable state (tensors and plain values)."""
 from __future__ import annotations
 
+import contextlib
 import random
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -29,6 +30,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_as_tuples(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Whatever the block draws, the RNGs of :func:`rng_state` leave it as they entered."""
+    saved = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(saved)
 
 
 def _as_tuples(value: Any) -> Any:

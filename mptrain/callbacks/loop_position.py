@@ -1,0 +1,114 @@
+"""Where in its epoch a checkpoint was written, in the one form Lightning resumes exactly.
+
+Lightning saves the loops' progress and the train loader's position as they are when the checkpoint is written, and
+the same position reads differently depending on where it was written: inside the last batch's
+``on_train_batch_end`` (``ModelCheckpoint(every_n_train_steps=...)``), in ``on_train_epoch_end`` (the default
+checkpoint) or after ``fit`` returned.  Resumed as saved, Lightning either skips the next epoch's start (its hooks and
+progress counters), or replays the loader's exhausted iterator (0 batches, or the leftovers of a
+``limit_train_batches`` epoch), or builds the next epoch's iterator before the RNG is restored (another shuffle,
+other dropout masks); after a ``fit`` stopped mid-epoch (``max_steps``, ``should_stop``) it counts the epoch as
+finished and drops the rest of it.
+
+:func:`settle_epoch_end` rewrites an epoch-end state into one form, the epoch finished, so Lightning starts the next
+epoch as the uninterrupted run did, and takes the loaders' states out of Lightning's hands; :func:`begin_next_epoch`
+(at ``on_train_start``, after the RNG is restored) rebuilds each loader's saved epoch without drawing from the RNGs,
+so that what lasts across epochs (a sampler's own generator, a stateful dataset, persistent workers) is where that
+epoch left it, and defers the next epoch's iterator to the first batch: it is built at the moment, and from the RNG
+state, the uninterrupted run built it.  :func:`reopen_stopped_epoch` rewrites the state of a ``fit`` stopped
+mid-epoch into the form of a checkpoint written at the same batch, which Lightning resumes mid-epoch.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+from lightning.fabric.utilities.types import _Stateful
+
+from mptrain.callbacks.rng import preserved_rng
+from mptrain.checkpoint import CheckpointError
+
+_EPOCHS = "epoch_progress"
+_BATCHES = "epoch_loop.batch_progress"
+_EPOCH_LOOP = "epoch_loop.state_dict"
+
+
+def ends_an_epoch(fit_loop: dict[str, Any]) -> bool:
+    """Whether a checkpoint's fit-loop state was written after its epoch's last batch (Lightning's own flag)."""
+    batches = fit_loop.get(_BATCHES)
+    return isinstance(batches, dict) and bool(batches.get("is_last_batch")) and isinstance(fit_loop.get(_EPOCHS), dict)
+
+
+def stopped_mid_epoch(fit_loop: dict[str, Any]) -> bool:
+    """Whether a checkpoint's fit-loop state was written after a ``fit`` that stopped inside an epoch."""
+    epochs, batches = fit_loop.get(_EPOCHS), fit_loop.get(_BATCHES)
+    if not (isinstance(epochs, dict) and isinstance(batches, dict)) or batches.get("is_last_batch"):
+        return False
+    epoch, batch = epochs["current"], batches["current"]
+    return epoch["processed"] == epoch["started"] > 0 and batch["completed"] == batch["processed"] > 0
+
+
+def reopen_stopped_epoch(fit_loop: dict[str, Any], accumulate_grad_batches: int) -> None:
+    """Rewrite the state of a ``fit`` stopped mid-epoch (see :func:`stopped_mid_epoch`) into that of a checkpoint
+    written in its last batch's ``on_train_batch_end``, in place: the epoch in progress, the batch not yet closed."""
+    for progress in fit_loop[_EPOCHS].values():
+        progress.update(processed=progress["started"] - 1, completed=progress["started"] - 1)
+    batches = fit_loop[_BATCHES]
+    for progress in (batches["total"], batches["current"]):
+        progress["completed"] = progress["processed"] - 1
+    if batches["current"]["ready"] % accumulate_grad_batches == 0:  # it stepped; Lightning counts it again
+        loop_state = fit_loop.setdefault(_EPOCH_LOOP, {})
+        loop_state["_batches_that_stepped"] = loop_state.get("_batches_that_stepped", 1) - 1
+
+
+def settle_epoch_end(fit_loop: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rewrite an epoch-end fit-loop state (see :func:`ends_an_epoch`) into Lightning's "epoch finished" form, in
+    place, and return the train loaders' saved states (removed from it: Lightning would replay them)."""
+    for progress in fit_loop[_EPOCHS].values():  # "total" and "current": the started epoch is over
+        progress.update(ready=progress["started"], processed=progress["started"], completed=progress["started"])
+    batches = fit_loop[_BATCHES]
+    total = batches["total"]
+    if total["completed"] < total["processed"]:  # written inside the last batch's on_train_batch_end
+        loop_state = fit_loop.setdefault(_EPOCH_LOOP, {})
+        # the last batch of an epoch always steps; Lightning counts it after on_train_batch_end
+        loop_state["_batches_that_stepped"] = loop_state.get("_batches_that_stepped", 0) + 1
+        total["completed"] = total["processed"]
+    batches["current"] = dict.fromkeys(batches["current"], 0)  # the next epoch has seen no batch
+    batches["is_last_batch"] = False
+    return fit_loop.get("state_dict", {}).pop("combined_loader", None) or []
+
+
+def begin_next_epoch(trainer: Any, loader_states: list[dict[str, Any]]) -> None:
+    """Start the epoch after a settled checkpoint's (call at ``on_train_start``, after the RNG is restored)."""
+    fit_loop = trainer.fit_loop
+    combined = fit_loop._combined_loader
+    fetcher = fit_loop._data_fetcher
+    if combined is None or fetcher is None:  # nothing to train (limit_train_batches=0, no training_step)
+        return
+    stateful = [loader for loader in combined.flattened if isinstance(loader, _Stateful)]
+    if len(stateful) != len(loader_states):
+        raise CheckpointError(f"checkpoint {trainer.ckpt_path!r} holds the state of {len(loader_states)} train "
+                              f"loader(s) with state, this run has {len(stateful)}: resume with the same train loaders")
+    with preserved_rng():  # rebuilding the saved epoch draws nothing the uninterrupted run drew
+        for loader, state in zip(stateful, loader_states):
+            loader.load_state_dict(_unfinished(state))
+            iter(loader)
+    fetcher.iterator = _IterOnFirstBatch(combined)
+    # with max_steps Lightning restarts every loop of a resumed run; the settled state is a fresh epoch's start
+    fit_loop.epoch_loop.restarting = False
+
+
+def _unfinished(state: dict[str, Any]) -> dict[str, Any]:
+    """A torchdata loader state marked finished would begin one more epoch while being rebuilt."""
+    return dict(state, _iterator_finished=False) if state.get("_iterator_finished") else state
+
+
+class _IterOnFirstBatch(Iterator[Any]):
+    """Iterates the combined train loader when the first batch is fetched, as Lightning does at an epoch's start."""
+
+    def __init__(self, combined: Any):
+        self.combined = combined
+        self.iterator: Optional[Iterator[Any]] = None
+
+    def __next__(self) -> Any:
+        if self.iterator is None:
+            self.iterator = iter(self.combined)
+        return next(self.iterator)
