@@ -26,6 +26,7 @@ from mptrain.ops.dispatch import check_fused
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import HALF, AutoFallback, Fp32Fallback, run_module_in_fp32
 from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
+from mptrain.precision.mode_change import check_mode_change, saved_mode
 from mptrain.precision.nonfinite import NonFiniteGuard
 
 log = logging.getLogger("mptrain")
@@ -371,11 +372,14 @@ class MptrainPrecision(_LightningPrecision):
             "promoted": self.promoted,
         }
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if type(self).__qualname__ not in checkpoint:  # else load_state_dict checks
+            check_mode_change(saved_mode(checkpoint), self.initial_precision)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("initial_precision")
-        if saved != self.initial_precision:
-            raise ValueError(f"the checkpoint was trained with precision={saved!r}, this run has "
-                             f"{self.initial_precision!r}; resume with the same precision")
+        if "initial_precision" not in state_dict:  # Lightning's own plugin of the same name wrote it
+            return
+        check_mode_change(state_dict["initial_precision"], self.initial_precision)
         self.guard.load_state_dict(state_dict["guard"])
         if state_dict.get("phase") == "fp32" and self.phase != "fp32":
             self.switch_to_fp32(self._module, list(self._optimizers))
