@@ -63,7 +63,9 @@ class MasterPrecision(MptrainPrecision):
                     self._fp32_init[id(p)] = p.data
                     p.data = p.data.to(self.param_dtype)
             for name, b in m.named_buffers(recurse=False):
-                if b.is_floating_point():
+                # Non-persistent buffers are constants derived from the config (RoPE's inv_freq): a bf16 copy
+                # would move a rotary angle near position 2048 by radians, so they keep their dtype.
+                if b.is_floating_point() and name not in m._non_persistent_buffers_set:
                     setattr(m, name, b.to(self.param_dtype))
         # torch tags hooks with attributes (a bound method takes none); partials also pickle with the module.
         cls = type(self)

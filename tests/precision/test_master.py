@@ -185,3 +185,15 @@ def test_a_skipped_step_frees_its_grads_too():
     assert [a["half grads"] + a["master grads"] for a in alive.at_batch_start] == [0, 0, 0]
     w = model.net[0].weight
     assert w.grad is None and plugin.master_for(w).grad is None
+
+
+def test_non_persistent_float_buffers_keep_their_dtype():
+    """A derived constant (RoPE's inv_freq) stays fp32 under a master mode; persistent buffers are cast."""
+    from torch import nn
+    from mptrain.precision import MasterPrecision
+
+    m = nn.Linear(4, 4)
+    m.register_buffer("inv_freq", torch.rand(4), persistent=False)
+    m.register_buffer("stat", torch.rand(4))
+    MasterPrecision("bf16-master").convert_module(m)
+    assert m.inv_freq.dtype == torch.float32 and m.stat.dtype == torch.bfloat16 and m.weight.dtype == torch.bfloat16
