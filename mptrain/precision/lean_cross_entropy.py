@@ -9,8 +9,9 @@ Here autograd saves ``x`` itself; the forward computes each block's fp32 log-sof
 targets' log-probabilities; backward recomputes each block's log-softmax (the same kernel on the same rows:
 bitwise the forward's), runs the kernels autograd would (nll_loss's backward, log_softmax's) on that block and
 writes its gradient into the half gradient: ``x`` and its gradient plus one block's three fp32 tensors,
-whatever N.  Loss and gradient are bitwise ``F.cross_entropy(x.float(), target)``'s: each kernel treats the
-rows alone, and nll_loss reads the same log-probabilities in the same order (its reductions walk the rows).
+whatever N.  The loss is bitwise ``F.cross_entropy(x.float(), target)``'s (each kernel treats the rows alone, and
+nll_loss reads the same log-probabilities in the same order); the gradient is bitwise on the CPU and within
+rounding on CUDA, whose softmax backward on a block rounds differently from the whole-tensor kernel.
 The price is the recomputed log-softmax: about 7 bytes of memory traffic an element more in backward.
 
 Taken for class-index targets of 2-D logits of at least ``MIN_ELEMENTS`` elements, without class weights or
