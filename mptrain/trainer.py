@@ -2,6 +2,7 @@
 precision plugin, a checkpoint IO plugin and callbacks, and a train loader resumable mid-epoch."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -20,10 +21,14 @@ from mptrain.callbacks.fuse_modules import FuseModules
 from mptrain.callbacks.resumable_loader import make_train_loader_resumable
 from mptrain.callbacks.resume_state import ResumeState
 from mptrain.checkpoint import AtomicCheckpointIO
+from mptrain.last_checkpoint import find_last_checkpoint
 from mptrain.precision import normalize_precision, precision_plugin
 from mptrain.precision.sharded import is_sharded_strategy
 from mptrain.trainer_checks import (check_arguments, check_finetune, check_fuse_modules, check_mode_for_strategy,
                                     check_sharded_arguments, check_sharded_plugin, check_user_plugin)
+
+
+_FIT_CKPT_PATH = list(inspect.signature(pl.Trainer.fit).parameters).index("ckpt_path") - 1  # after self
 
 
 class Trainer(pl.Trainer):
@@ -96,6 +101,14 @@ class Trainer(pl.Trainer):
         make_train_loader_resumable(self)
 
     def fit(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``fit``; ``ckpt_path="last"`` resumes the newest "last" checkpoint of this run's root, across
+        the logger's versions, or raises naming where it looked (never a fresh run instead of a resume)."""
+        args = list(args)
+        if len(args) > _FIT_CKPT_PATH:
+            if args[_FIT_CKPT_PATH] == "last":
+                args[_FIT_CKPT_PATH] = find_last_checkpoint(self)
+        elif kwargs.get("ckpt_path") == "last":
+            kwargs["ckpt_path"] = find_last_checkpoint(self)
         if self._mptrain_seed is not None:
             seed_everything(self._mptrain_seed, workers=True)
         return super().fit(*args, **kwargs)

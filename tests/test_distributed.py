@@ -38,22 +38,34 @@ def test_two_ranks_end_with_identical_weights_and_skip_together(ddp_runs, precis
         assert torch.equal(t, b["weights"][name]), f"ranks differ in {name}"
 
 
-@pytest.mark.slow
-def test_two_ranks_resume_bitwise_mid_epoch_and_after_fit(tmp_path):
-    """A mid-epoch checkpoint of the second epoch, and one written after fit returned: each resumed
-    run replays the uninterrupted one (DistributedSampler order of the right epoch, every RNG)."""
+@pytest.fixture(scope="module")
+def ddp_resumes(tmp_path_factory) -> dict:
+    """precision -> (rank 0's dump, rank 1's) of tests/scripts/ddp_resume.py, every precision from one launch."""
+    tmp = tmp_path_factory.mktemp("ddp_resume")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
-    r = subprocess.run([sys.executable, str(SCRIPT.parent / "ddp_resume.py"), str(tmp_path), "bf16-master"], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    r = subprocess.run([sys.executable, str(SCRIPT.parent / "ddp_resume.py"), str(tmp), ",".join(PRECISIONS)], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=tmp)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for rank in (0, 1):
-        d = torch.load(tmp_path / f"resume.rank{rank}.pt", weights_only=True)
-        assert len(d["straight"]) == 24 and len(d["rest"]) == 10 and len(d["continued"]) == 12
-        assert torch.equal(d["rest"], d["straight"][14:]), f"rank {rank}: mid-epoch resume replayed other batches"
-        assert torch.equal(d["continued"], d["straight"][12:]), f"rank {rank}: the continued run saw other batches"
-        for name, t in d["straight_weights"].items():
-            assert torch.equal(t, d["resumed_weights"][name]), f"rank {rank}: {name}"
-            assert torch.equal(t, d["continued_weights"][name]), f"rank {rank}: {name} (continued)"
+    return {p: tuple(torch.load(tmp / f"resume-{p}.rank{rank}.pt", weights_only=True) for rank in (0, 1))
+            for p in PRECISIONS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_two_ranks_resume_bitwise_from_every_kind_of_position(ddp_resumes, precision):
+    """Mid-epoch, the last batch of an epoch, Lightning's end-of-epoch checkpoint, mid-epoch in the second epoch and
+    a checkpoint written after fit: each resumed run replays the uninterrupted one on each rank (DistributedSampler
+    order of the right epoch, every RNG, an accumulation window that does not divide the epoch)."""
+    for rank, d in enumerate(ddp_resumes[precision]):
+        assert d["steps"] == 8 and len(d["straight"]) == 20  # 2 epochs of 10 batches, 4 steps each
+        for position, batches_left in (("step=2", 14), ("step=4", 10), ("epoch=0", 10), ("step=6", 4),
+                                       ("after_fit", 10)):
+            run = d[position]
+            where = f"rank {rank}, resumed from {position}"
+            assert run["steps"] == 8, f"{where}: ended at global_step {run['steps']}"
+            assert torch.equal(run["losses"], d["straight"][20 - batches_left:]), f"{where}: other losses"
+            for name, t in d["straight_weights"].items():
+                assert torch.equal(t, run["weights"][name]), f"{where}: {name}"
 
 
 @pytest.mark.slow

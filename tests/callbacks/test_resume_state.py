@@ -1,10 +1,12 @@
-"""Mid-epoch resume is bitwise: RNG (ResumeState), data position (resumable loader), accumulation."""
+"""Resume is bitwise: RNG (ResumeState), data position (resumable loader), accumulation, mid-epoch and at
+epoch boundaries (the last batch, the epoch's end, after fit)."""
 from __future__ import annotations
 
 import lightning as L
 import pytest
 import torch
 from _models import Classifier, classification_data, mlp
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from mptrain import Trainer
 
@@ -150,3 +152,109 @@ def test_to_resumable_yields_what_the_plain_loader_yields(make):
     converted = to_resumable(make(ds))
     assert isinstance(converted, ResumableDataLoader)
     assert [b[0].tolist() for b in converted] == [b[0].tolist() for b in make(ds)]
+
+
+# -- epoch boundaries: a 2-layer MLP with dropout 0.2, AdamW, 256 samples in batches of 32 (8 an epoch), shuffled --
+
+def _epochs_fit(root, max_epochs, ckpt_path=None, callbacks=(), shuffle=True, dropout=0.2, **kw):
+    torch.manual_seed(0)
+    model = Classifier(mlp(dropout=dropout), lr=1e-2)
+    loader = torch.utils.data.DataLoader(classification_data(n=256), batch_size=32, shuffle=shuffle)
+    args = dict(accelerator="cpu", devices=1, max_epochs=max_epochs, default_root_dir=str(root), logger=False,
+                enable_progress_bar=False, enable_model_summary=False, seed=0, callbacks=list(callbacks))
+    trainer = Trainer(**{**args, **kw})
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    losses = torch.stack(model.losses) if model.losses else torch.empty(0)
+    return trainer, losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _every(root, steps):
+    return ModelCheckpoint(dirpath=root / "ckpt", filename="{step}", every_n_train_steps=steps, save_top_k=-1,
+                           save_last=True)
+
+
+def _assert_continues(straight, resumed, trained):
+    """``resumed`` went on from batch ``trained`` of ``straight`` exactly: step count, losses, weights."""
+    (t1, losses, weights), (t2, rest, resumed_weights) = straight, resumed
+    assert t2.global_step == t1.global_step, f"ended at global_step {t2.global_step}, not {t1.global_step}"
+    assert len(rest) == len(losses) - trained, f"trained {len(rest)} batches, not {len(losses) - trained}"
+    assert torch.equal(rest, losses[trained:]), "other losses than the uninterrupted run"
+    for name, t in weights.items():
+        assert torch.equal(t, resumed_weights[name]), name
+
+
+def test_resume_from_last_batch_of_epoch(tmp_path):
+    """Saved on the epoch's last batch (ModelCheckpoint(every_n_train_steps=8, save_last=True), 8 steps an epoch):
+    the resumed run trains every epoch still due."""
+    straight = _epochs_fit(tmp_path, 3, callbacks=[_every(tmp_path, 8)])
+    resumed = _epochs_fit(tmp_path / "resumed", 3, ckpt_path=str(tmp_path / "ckpt" / "step=8.ckpt"))
+    _assert_continues(straight, resumed, trained=8)
+
+
+@pytest.mark.parametrize("accumulate, step, trained", [(2, 4, 8), (3, 3, 8), (3, 6, 16)])
+def test_resume_from_last_batch_of_epoch_with_accumulation(tmp_path, accumulate, step, trained):
+    """With 3, the window does not divide the 8-batch epoch: its last step closes a window of 2."""
+    straight = _epochs_fit(tmp_path, 3, callbacks=[_every(tmp_path, 1)], accumulate_grad_batches=accumulate)
+    resumed = _epochs_fit(tmp_path / "resumed", 3, ckpt_path=str(tmp_path / "ckpt" / f"step={step}.ckpt"),
+                          accumulate_grad_batches=accumulate)
+    _assert_continues(straight, resumed, trained)
+
+
+@pytest.mark.parametrize("step", [5, 10])
+def test_resume_from_last_batch_of_epoch_limit_train_batches(tmp_path, step):
+    """limit_train_batches=5 of 8 shuffled batches: the next epoch is a new shuffle, not batches 6-8 of the last."""
+    straight = _epochs_fit(tmp_path, 3, callbacks=[_every(tmp_path, 5)], limit_train_batches=5)
+    resumed = _epochs_fit(tmp_path / "resumed", 3, ckpt_path=str(tmp_path / "ckpt" / f"step={step}.ckpt"),
+                          limit_train_batches=5)
+    _assert_continues(straight, resumed, trained=step)
+
+
+@pytest.mark.parametrize("shuffle, dropout", [(False, 0.2), (True, 0.0)])
+def test_resume_from_lightning_default_epoch_checkpoint(tmp_path, shuffle, dropout):
+    """The checkpoint most users have: Lightning's default one, written at the end of each epoch."""
+    straight = _epochs_fit(tmp_path / "straight", 3, shuffle=shuffle, dropout=dropout)
+    _epochs_fit(tmp_path, 2, shuffle=shuffle, dropout=dropout)
+    (ckpt,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    assert ckpt.name == "epoch=1-step=16.ckpt"
+    resumed = _epochs_fit(tmp_path / "resumed", 3, ckpt_path=str(ckpt), shuffle=shuffle, dropout=dropout)
+    _assert_continues(straight, resumed, trained=16)
+
+
+@pytest.mark.parametrize("written", ["last.ckpt", "after fit"])
+def test_resume_finished_fit_larger_max_epochs(tmp_path, written):
+    """A finished 2-epoch fit continued to 3 epochs trains the third as the 3-epoch run did."""
+    straight = _epochs_fit(tmp_path / "straight", 3)
+    first, _, _ = _epochs_fit(tmp_path, 2, callbacks=[_every(tmp_path, 8)])
+    if written == "after fit":
+        first.save_checkpoint(tmp_path / "ckpt" / "after_fit.ckpt")
+    ckpt = tmp_path / "ckpt" / ("last.ckpt" if written == "last.ckpt" else "after_fit.ckpt")
+    resumed = _epochs_fit(tmp_path / "resumed", 3, ckpt_path=str(ckpt))
+    _assert_continues(straight, resumed, trained=16)
+
+
+def test_resume_after_fit_stopped_mid_epoch_by_max_steps(tmp_path):
+    """A fit that max_steps stopped inside an epoch, saved after it returned, continues that epoch."""
+    straight = _epochs_fit(tmp_path / "straight", 2)
+    first, _, _ = _epochs_fit(tmp_path, 2, max_steps=5)
+    first.save_checkpoint(tmp_path / "after_fit.ckpt")
+    resumed = _epochs_fit(tmp_path / "resumed", 2, ckpt_path=str(tmp_path / "after_fit.ckpt"))
+    _assert_continues(straight, resumed, trained=5)
+
+
+def test_validation_inside_fit_does_not_move_the_training_rng(tmp_path):
+    """A checkpoint written just before a mid-epoch validation: the resumed run skips that validation, and still
+    repeats the uninterrupted run (validation draws from a copy of the RNG)."""
+    val = torch.utils.data.DataLoader(classification_data(n=64, seed=1), batch_size=32, shuffle=True)
+
+    def fit(root, ckpt_path=None, callbacks=()):
+        torch.manual_seed(0)
+        model = Classifier(mlp(dropout=0.2), lr=1e-2)
+        trainer = Trainer(accelerator="cpu", max_epochs=1, default_root_dir=str(root), logger=False, seed=0,
+                          enable_progress_bar=False, enable_model_summary=False, val_check_interval=3,
+                          limit_val_batches=2, callbacks=list(callbacks))
+        trainer.fit(model, torch.utils.data.DataLoader(classification_data(n=256), batch_size=32, shuffle=True), val,
+                    ckpt_path=ckpt_path)
+        return trainer, torch.stack(model.losses), {k: v.clone() for k, v in model.state_dict().items()}
+
+    straight = fit(tmp_path, callbacks=[_every(tmp_path, 3)])
+    _assert_continues(straight, fit(tmp_path / "resumed", str(tmp_path / "ckpt" / "step=3.ckpt")), trained=3)

@@ -9,7 +9,6 @@ from _models import Classifier, classification_data, mlp
 from lightning.pytorch.callbacks import Callback
 
 from mptrain import PRECISIONS, Trainer
-from mptrain.precision.mode_change import HALF_STATE_MODES, check_mode_change
 
 CPU_MODES = [p for p in PRECISIONS if p != "fp8-master"]  # fp8-master is refused on the CPU at setup
 
@@ -17,6 +16,8 @@ CPU_MODES = [p for p in PRECISIONS if p != "fp8-master"]  # fp8-master is refuse
 @pytest.mark.parametrize("saved", CPU_MODES)
 @pytest.mark.parametrize("now", CPU_MODES)
 def test_the_rule_for_every_pair_of_modes(saved, now):
+    from mptrain.precision.mode_change import HALF_STATE_MODES, check_mode_change
+
     if saved == now:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
