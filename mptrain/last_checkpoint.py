@@ -39,7 +39,8 @@ def find_last_checkpoint(trainer: Any) -> str:
                 pattern = os.path.join(_logger_root(trainer), "*", "checkpoints")
                 searched.append(pattern)
                 found |= _last_files(callback, pattern)
-    times = {path: fs.modified(path) for path in found if (fs := get_filesystem(path)).isfile(path)}
+    # a file, or a folder (a sharded checkpoint)
+    times = {path: fs.modified(path) for path in found if (fs := get_filesystem(path)).exists(path)}
     if not times:
         raise CheckpointError(f"fit(ckpt_path='last') found no last checkpoint (last*.ckpt); looked in "
                               f"{', '.join(map(repr, dict.fromkeys(searched)))}. Pass the checkpoint's path, or "
