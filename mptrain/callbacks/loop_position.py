@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.loops.loop import _Loop
 
 from mptrain.callbacks.rng import preserved_rng
 from mptrain.checkpoint import CheckpointError
@@ -91,9 +92,13 @@ def begin_next_epoch(trainer: Any, loader_states: list[dict[str, Any]]) -> None:
         for loader, state in zip(stateful, loader_states):
             loader.load_state_dict(_unfinished(state))
             iter(loader)
-    fetcher.iterator = _IterOnFirstBatch(combined)
-    # with max_steps Lightning restarts every loop of a resumed run; the settled state is a fresh epoch's start
-    fit_loop.epoch_loop.restarting = False
+    if fetcher.length is None:  # no length: Lightning reads a batch ahead from the moment it builds the iterator
+        iter(fetcher)
+    else:
+        fetcher.iterator = _IterOnFirstBatch(combined)
+    # with max_steps Lightning restarts every loop of a resumed run (FitLoop's setter insists); the settled state
+    # is a fresh epoch's start, whose end steps the plateau schedulers as the uninterrupted run's did
+    _Loop.restarting.fset(fit_loop, False)
 
 
 def _unfinished(state: dict[str, Any]) -> dict[str, Any]:

@@ -4,12 +4,11 @@ Lightning's checkpoint holds the loops' progress and the loader's position; a bi
 dropout, augmentation and the next shuffle draw from (torch CPU and CUDA, NumPy, Python), restored at
 ``on_train_start``: after Lightning rebuilt the data iterator, before the first resumed step.  The saved RNG is the
 training stream's: validation inside ``fit`` draws from a copy (restored when it ends), so a resume that skips a
-validation the original run did (a checkpoint written on an epoch's last batch) sees the same stream, and a
-checkpoint written after ``fit`` holds the RNG as training left it.  A checkpoint written at an epoch's end starts the
-next epoch as the uninterrupted run did, one written after a ``fit`` stopped mid-epoch continues that epoch
-(:mod:`mptrain.callbacks.loop_position`).  A mid-epoch resume whose epoch is
-laid out differently (world size, batches per epoch, accumulation) would replay the wrong batches silently: it is
-refused.
+validation the original run did (a checkpoint written just before it) sees the same stream, and a checkpoint written
+after ``fit`` holds the RNG and loader position training ended with.  A checkpoint written at an epoch's end starts
+the next epoch as the uninterrupted run did, and one written after a ``fit`` stopped mid-epoch continues that epoch
+(:mod:`mptrain.callbacks.loop_position`).  A mid-epoch resume whose epoch is laid out differently (world size,
+batches per epoch, accumulation) would replay the wrong batches silently: it is refused.
 """
 from __future__ import annotations
 
