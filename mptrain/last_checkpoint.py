@@ -42,7 +42,8 @@ def find_last_checkpoint(trainer: Any) -> str:
     # a file, or a folder (a sharded checkpoint)
     times = {path: fs.modified(path) for path in found if (fs := get_filesystem(path)).exists(path)}
     if not times:
-        raise CheckpointError(f"fit(ckpt_path='last') found no last checkpoint (last*.ckpt); looked in "
+        raise CheckpointError(f"fit(ckpt_path='last') found no last checkpoint (last*.ckpt, written by "
+                              f"ModelCheckpoint(save_last=True) or Trainer(checkpoint_every_n_steps=N)); looked in "
                               f"{', '.join(map(repr, dict.fromkeys(searched)))}. Pass the checkpoint's path, or "
                               f"ckpt_path=None to start a new run")
     return max(times, key=times.get)
