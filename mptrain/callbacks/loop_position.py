@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.loops.loop import _Loop
+from lightning.pytorch.utilities import rank_zero_warn
 
 from mptrain.callbacks.rng import preserved_rng
 from mptrain.checkpoint import CheckpointError
@@ -77,21 +78,19 @@ def settle_epoch_end(fit_loop: dict[str, Any]) -> list[dict[str, Any]]:
     return fit_loop.get("state_dict", {}).pop("combined_loader", None) or []
 
 
-def begin_next_epoch(trainer: Any, loader_states: list[dict[str, Any]]) -> None:
-    """Start the epoch after a settled checkpoint's (call at ``on_train_start``, after the RNG is restored)."""
+def begin_next_epoch(trainer: Any, loader_states: list[dict[str, Any]], same_layout: bool = True) -> None:
+    """Start the epoch after a settled checkpoint's (call at ``on_train_start``, after the RNG is restored).
+
+    ``same_layout``: the run has the checkpoint's epoch layout (world size, batches per epoch); with another, the
+    saved epoch is not rebuilt (its state may not even fit the new sampler) and the next epoch starts afresh."""
     fit_loop = trainer.fit_loop
     combined = fit_loop._combined_loader
     fetcher = fit_loop._data_fetcher
     if combined is None or fetcher is None:  # nothing to train (limit_train_batches=0, no training_step)
         return
-    stateful = [loader for loader in combined.flattened if isinstance(loader, _Stateful)]
-    if len(stateful) != len(loader_states):
-        raise CheckpointError(f"checkpoint {trainer.ckpt_path!r} holds the state of {len(loader_states)} train "
-                              f"loader(s) with state, this run has {len(stateful)}: resume with the same train loaders")
-    with preserved_rng():  # rebuilding the saved epoch draws nothing the uninterrupted run drew
-        for loader, state in zip(stateful, loader_states):
-            loader.load_state_dict(_unfinished(state))
-            iter(loader)
+    if same_layout:
+        _rebuild_saved_epoch(trainer, [loader for loader in combined.flattened if isinstance(loader, _Stateful)],
+                             loader_states)
     if fetcher.length is None:  # no length: Lightning reads a batch ahead from the moment it builds the iterator
         iter(fetcher)
     else:
@@ -99,6 +98,25 @@ def begin_next_epoch(trainer: Any, loader_states: list[dict[str, Any]]) -> None:
     # with max_steps Lightning restarts every loop of a resumed run (FitLoop's setter insists); the settled state
     # is a fresh epoch's start, whose end steps the plateau schedulers as the uninterrupted run's did
     _Loop.restarting.fset(fit_loop, False)
+
+
+def _rebuild_saved_epoch(trainer: Any, loaders: list[Any], states: list[dict[str, Any]]) -> None:
+    """Each loader rebuilt at the saved epoch's end, drawing nothing the uninterrupted run drew; a state that does
+    not fit its loader (another sampler or dataset) is dropped with a warning."""
+    if len(loaders) != len(states):
+        raise CheckpointError(f"checkpoint {trainer.ckpt_path!r} holds the state of {len(states)} train loader(s) "
+                              f"with state, this run has {len(loaders)}: resume with the same train loaders")
+    with preserved_rng():
+        for loader, state in zip(loaders, states):
+            try:
+                loader.load_state_dict(_unfinished(state))
+                iter(loader)
+            except Exception as e:  # noqa: BLE001 - torchdata's checks are bare asserts and key lookups
+                if hasattr(loader, "next_iter_state"):
+                    loader.next_iter_state = None  # else the next iterator retries the state
+                rank_zero_warn(f"the train loader state in checkpoint {trainer.ckpt_path!r} does not fit this run's "
+                               f"{type(loader).__name__} ({type(e).__name__}: {e}); the next epoch starts from a new "
+                               f"iterator, so its order may differ from the uninterrupted run's")
 
 
 def _unfinished(state: dict[str, Any]) -> dict[str, Any]:

@@ -74,10 +74,14 @@ class ResumeState(Callback):
             _check_layout(layout, _layout(self._trainer), ("world_size", "accumulate_grad_batches"))
 
     def on_train_start(self, trainer, pl_module) -> None:
+        saved = (self._loaded or {}).get("layout")
         self._restore_rng(trainer)
         if self._next_epoch_loaders is not None:
             loaders, self._next_epoch_loaders = self._next_epoch_loaders, None
-            begin_next_epoch(trainer, loaders)
+            now = _layout(trainer)
+            same = not isinstance(saved, dict) or all(saved.get(k) == now[k]
+                                                      for k in ("world_size", "num_training_batches"))
+            begin_next_epoch(trainer, loaders, same_layout=same)
 
     def on_train_end(self, trainer, pl_module) -> None:
         combined = trainer.fit_loop._combined_loader

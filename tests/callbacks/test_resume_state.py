@@ -258,3 +258,26 @@ def test_validation_inside_fit_does_not_move_the_training_rng(tmp_path):
 
     straight = fit(tmp_path, callbacks=[_every(tmp_path, 3)])
     _assert_continues(straight, fit(tmp_path / "resumed", str(tmp_path / "ckpt" / "step=3.ckpt")), trained=3)
+
+
+@pytest.mark.parametrize("change", [dict(shuffle=False), dict(batch_size=16)])
+def test_a_train_loader_changed_at_an_epoch_boundary_starts_the_next_epoch_afresh(tmp_path, change):
+    """Any layout may follow an epoch's end: another sampler (its saved state does not fit: a warning says the order
+    may differ) or another batch size (another epoch layout: nothing to rebuild)."""
+    def fit(root, max_epochs, ckpt_path=None, shuffle=True, batch_size=32):
+        torch.manual_seed(0)
+        loader = torch.utils.data.DataLoader(classification_data(n=256), batch_size=batch_size, shuffle=shuffle)
+        trainer = Trainer(accelerator="cpu", max_epochs=max_epochs, default_root_dir=str(root), logger=False, seed=0,
+                          enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Classifier(mlp(dropout=0.2)), loader, ckpt_path=ckpt_path)
+        return trainer
+
+    fit(tmp_path, 1)
+    (ckpt,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    if "shuffle" in change:
+        with pytest.warns(UserWarning, match="train loader state in checkpoint .* does not fit this run's "
+                                             "ResumableDataLoader.*order may differ"):
+            trainer = fit(tmp_path / "resumed", 2, str(ckpt), **change)
+    else:
+        trainer = fit(tmp_path / "resumed", 2, str(ckpt), **change)
+    assert trainer.global_step == 8 + 256 // change.get("batch_size", 32)
