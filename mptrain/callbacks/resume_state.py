@@ -57,7 +57,7 @@ class ResumeState(Callback):
             checkpoint["loops"].get("fit_loop", {}).setdefault("state_dict", {})["combined_loader"] = loaders
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+        fit_loop = (checkpoint.get("loops") or {}).get("fit_loop")
         if trainer.state.fn != TrainerFn.FITTING or not isinstance(fit_loop, dict):
             return
         if ends_an_epoch(fit_loop):
