@@ -75,7 +75,7 @@ def _same_list(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> bool
     return dst is src
 
 
-def _dense(t: torch.Tensor) -> bool:
+def is_dense(t: torch.Tensor) -> bool:
     """Whether the kernels can walk ``t`` flat: ATen's ``is_non_overlapping_and_dense`` (contiguous,
     channels_last, a transpose, ...; not a slice with gaps, not an expanded view), which csrc checks."""
     if t.is_contiguous():
@@ -97,10 +97,10 @@ def _split_walkable(src: list, dst: list, in_place: bool) -> tuple[list, list, l
     # contiguous tensors of one shape have the same strides; of different shapes they are the caller's mistake,
     # which the kernel's own check names.
     if dst and not in_place:
-        ok = [(a.is_contiguous() and b.is_contiguous()) or (a.stride() == b.stride() and _dense(a) and _dense(b))
+        ok = [(a.is_contiguous() and b.is_contiguous()) or (a.stride() == b.stride() and is_dense(a) and is_dense(b))
               for a, b in zip(src, dst)]
     else:
-        ok = [t.is_contiguous() or _dense(t) for t in src]
+        ok = [t.is_contiguous() or is_dense(t) for t in src]
     if all(ok):
         return src, dst, [], []
     walk_s = [t for t, keep in zip(src, ok) if keep]
@@ -196,7 +196,7 @@ def _l2norm(tensors, per_tensor, fused):
     if not _use_op("multi_tensor_l2norm", tensors, fused):
         return reference.multi_tensor_l2norm(tensors, per_tensor)
     # A read-only pass: a tensor the kernel cannot walk flat (a slice) is read through a dense copy.
-    return OPS["multi_tensor_l2norm"]([t if t.is_contiguous() or _dense(t) else t.contiguous() for t in tensors],
+    return OPS["multi_tensor_l2norm"]([t if t.is_contiguous() or is_dense(t) else t.contiguous() for t in tensors],
                                       per_tensor)
 
 

@@ -8,18 +8,7 @@ from __future__ import annotations
 
 import torch
 
-
-def is_dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers its storage span without gaps or overlap in some dimension
-    order (contiguous, channels_last, a transpose, ...): what the kernels can walk flat."""
-    if t.is_contiguous() or t.numel() == 0:
-        return True
-    expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+from mptrain.ops.multi_tensor import is_dense  # the kernels' own layout rule
 
 
 def state_in_layout(value: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
