@@ -285,3 +285,16 @@ def test_root_reference_anywhere_and_default_logger_dirs_follow_the_root_and_are
     assert config.trainer.logger[3].init_args.save_dir == "."
     with pytest.raises(ConfigError, match=r"trainer.default_root_dir='\$\{trainer.default_root_dir\}/x'"):
         place_run_under_root(Namespace(trainer=Namespace(default_root_dir="${trainer.default_root_dir}/x")))
+
+
+def test_nothing_imports_the_cli_and_the_doctor_imports_no_benchmark():
+    """cli/ is the top: no module outside it imports it; numerics/ holds the numerics tools only; `mptrain doctor`
+    runs on a broken machine, so it imports none of the benchmarks."""
+    from test_imports import import_graph
+
+    graph = import_graph()
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if not m.startswith("mptrain.cli")
+                    for t in targets if t.startswith("mptrain.cli"))
+    assert not upward, upward
+    assert "mptrain.cli.doctor" in graph and "mptrain.cli.numerics" in graph
+    assert not [t for t in graph["mptrain.cli.doctor"] if t.startswith("mptrain.bench")]

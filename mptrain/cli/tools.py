@@ -19,9 +19,8 @@ BENCHES = ("gemm", "kernels", "e2e", "ddp")  # each is mptrain.bench.<name>
 def tool_parser(name: str):
     """The jsonargparse parser of a tool (for ``mptrain --help`` and for parsing)."""
     if name in ("doctor", "numerics"):
-        from mptrain.numerics import cli
-
-        return getattr(cli, f"{name}_parser")()
+        module = importlib.import_module(f"mptrain.cli.{name}")
+        return getattr(module, f"{name}_parser")()
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(prog="mptrain bench", exit_on_error=False,
@@ -36,9 +35,8 @@ def run_tool(name: str, argv: list[str]) -> int:
     try:
         if name == "bench":
             return _bench(argv)
-        from mptrain.numerics import cli
-
-        return getattr(cli, f"{name}_main")(argv)
+        module = importlib.import_module(f"mptrain.cli.{name}")
+        return getattr(module, f"{name}_main")(argv)
     except ArgumentError as e:  # jsonargparse's, with exit_on_error=False
         raise ConfigError(explain_parse_error(str(e), parser_keys(tool_parser(name)))) from None
 

@@ -128,7 +128,7 @@ def test_gemm_bench_small():
 
 
 def test_doctor_on_the_gpu():
-    from mptrain.numerics.hardware import doctor_report, format_doctor
+    from mptrain.cli.doctor import doctor_report, format_doctor
 
     report = doctor_report(build_extension=False)
     g = report["gpus"][0]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mptrain.cli import main
-from mptrain.numerics.cli import batch_to_input, doctor_main, numerics_main
-from mptrain.numerics.hardware import TENSOR_CORE_MIN_CC, doctor_report, format_doctor, recommend
+from mptrain.cli.doctor import TENSOR_CORE_MIN_CC, doctor_main, doctor_report, format_doctor, recommend
+from mptrain.cli.numerics import batch_to_input, numerics_main
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 

@@ -2,25 +2,28 @@
 
 GPUs and their tensor-core paths (from the capability and a tiny probe), toolchain versions,
 whether mptrain's CUDA extension builds and loads, and a recommendation.  Everything degrades
-to "not available (why)" instead of raising: the doctor must run on a broken machine.
+to "not available (why)" instead of raising: the doctor must run on a broken machine.  It imports
+no benchmark: its probes are one tiny product per path, made here.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import platform
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from jsonargparse import ArgumentParser
 
-from mptrain.bench.gemm import MIN_CC, gemm_fn, make_operands
 from mptrain.ops.build import extension_status, find_cuda_home, get_extension
 from mptrain.precision.fallback import cpu_lacks_native_bf16
 
-#: minimum compute capability of each tensor-core path (NVIDIA): the GEMM benchmark's table
-TENSOR_CORE_MIN_CC = {dtype: cc for dtype, cc in MIN_CC.items() if dtype != "fp32"}
+#: minimum compute capability of each tensor-core path (NVIDIA)
+TENSOR_CORE_MIN_CC = {"tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "int8": (7, 5), "fp8": (8, 9)}
 
 
 def _run(cmd: list[str], timeout: float = 10.0) -> Optional[str]:
@@ -51,12 +54,34 @@ def tool_versions() -> dict:
     return v
 
 
+def _probe_product(path: str, n: int, device: torch.device) -> torch.Tensor:
+    """One ``n`` x ``n`` product on the tensor-core ``path``: random operands (int8 and fp8 with the
+    second operand column-major, the layout cuBLASLt's kernels take)."""
+    if path == "int8":
+        a, b = (torch.randint(-128, 128, (n, n), dtype=torch.int8, device=device) for _ in range(2))
+        return torch._int_mm(a, b.t())
+    if path == "fp8":
+        a, b = (torch.randn(n, n, device=device).to(torch.float8_e4m3fn) for _ in range(2))
+        one = torch.ones((), device=device)
+        return torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    dtype = {"tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[path]
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    if path != "tf32":
+        return a @ b
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        return a @ b
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
 def _probes(dev: int) -> dict:
-    """Run each tensor-core product once on tiny operands (those of `mptrain bench gemm`)."""
+    """Run each tensor-core product once on tiny operands."""
     device, probes = torch.device("cuda", dev), {}
     for path in TENSOR_CORE_MIN_CC:
         try:
-            gemm_fn(path)(*make_operands(path, 32, device))
+            _probe_product(path, 32, device)
             torch.cuda.synchronize()
             probes[path] = {"ok": True, "detail": "ok"}
         except Exception as e:  # noqa: BLE001 - any failure means "this path does not work here"
@@ -161,3 +186,23 @@ def format_doctor(r: dict) -> str:
         lines.append(f"  status: {e['status']}")
     lines.append(f"recommendation: {r['recommendation']}")
     return "\n".join(lines)
+
+
+def doctor_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="mptrain doctor", exit_on_error=False,
+                            description="GPU, tensor-core paths, toolchain versions, extension status, advice.")
+    parser.add_argument("--json", type=Optional[str], default=None, help="also write the report as JSON to this path")
+    parser.add_argument("--build", type=Optional[bool], default=None,
+                        help="build/load the CUDA extension: null = only when a GPU is visible, true = always, false = never")
+    parser.add_argument("--probe", type=bool, default=True, help="run the tiny tensor-core probes on each GPU")
+    return parser
+
+
+def doctor_main(argv: Optional[list[str]] = None) -> int:
+    cfg = doctor_parser().parse_args(argv)
+    report = doctor_report(build_extension=cfg.build, probe=cfg.probe)
+    print(format_doctor(report))
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {cfg.json}")
+    return 0

@@ -1,7 +1,7 @@
-"""``mptrain doctor`` and ``mptrain numerics``: jsonargparse parsers in the flag style of
-``mptrain fit`` (snake_case, ``--config``, dotted overrides); docs/cli.md lists the flags.
-``mptrain numerics`` reads a recipe as ``mptrain fit`` does and compares its model layer by
-layer on one batch."""
+"""``mptrain numerics``: a jsonargparse parser in the flag style of ``mptrain fit`` (snake_case,
+``--config``, dotted overrides; docs/cli.md lists the flags).  It reads a recipe as ``mptrain fit``
+does and compares its model layer by layer on one batch (:func:`mptrain.numerics.compare_layerwise`),
+or with ``--fp8`` reports what fp8-master's casts do (:func:`mptrain.numerics.fp8_report`)."""
 from __future__ import annotations
 
 import json
@@ -17,30 +17,9 @@ from mptrain.cli.class_paths import check_class_paths
 from mptrain.cli.errors import CONSTRUCTION_ERRORS, ConfigError, bad_value, innermost_error, one_line
 from mptrain.cli.vocab import fill_vocab_size
 from mptrain.numerics.evaluate import LABEL_KEYS
-from mptrain.numerics.hardware import doctor_report, format_doctor
 from mptrain.numerics.layerwise import compare_layerwise
 from mptrain.precision import PRECISIONS, normalize_precision
 from mptrain.trainer import Trainer
-
-
-def doctor_parser():
-    parser = ArgumentParser(prog="mptrain doctor", exit_on_error=False,
-                            description="GPU, tensor-core paths, toolchain versions, extension status, advice.")
-    parser.add_argument("--json", type=Optional[str], default=None, help="also write the report as JSON to this path")
-    parser.add_argument("--build", type=Optional[bool], default=None,
-                        help="build/load the CUDA extension: null = only when a GPU is visible, true = always, false = never")
-    parser.add_argument("--probe", type=bool, default=True, help="run the tiny tensor-core probes on each GPU")
-    return parser
-
-
-def doctor_main(argv: Optional[list[str]] = None) -> int:
-    cfg = doctor_parser().parse_args(argv)
-    report = doctor_report(build_extension=cfg.build, probe=cfg.probe)
-    print(format_doctor(report))
-    if cfg.json:
-        Path(cfg.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {cfg.json}")
-    return 0
 
 
 def numerics_parser():
