@@ -23,9 +23,8 @@ from torch import nn
 
 from mptrain.callbacks.compile_model import CompileModel
 from mptrain.nn.fuse import MEASURED_FASTER, count_fused, describe_swaps, fuse_and_list, kernels_available
-from mptrain.precision import MptrainPrecision
+from mptrain.precision import HALF_DTYPES, MptrainPrecision
 
-_HALF = (torch.float16, torch.bfloat16)
 #: Lightning's own precision strings that compute in 16 bits
 _LIGHTNING_HALF = ("16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
@@ -100,7 +99,7 @@ class FuseModules(Callback):
 
 def _is_half(plugin) -> bool:
     if isinstance(plugin, MptrainPrecision):
-        return plugin.compute_dtype in _HALF
+        return plugin.compute_dtype in HALF_DTYPES
     return str(getattr(plugin, "precision", "")) in _LIGHTNING_HALF
 
 

@@ -14,16 +14,16 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from mptrain.callbacks._plugin import require_mptrain_plugin
+from mptrain.precision import HALF_DTYPES
 
 FP16_TINY = 2.0**-24  # the smallest positive fp16 subnormal
-_HALF = (torch.float16, torch.bfloat16)
 _OUT_KEYS = ("out_nonfinite", "out_near_max")
 _GRAD_KEYS = ("grad_nonfinite", "grad_near_max", "grad_underflow")
 
 
 def _near_max(dtype: torch.dtype, ratio: float) -> float:
     """``ratio`` x the largest finite value of a half dtype; fp16's for fp32 (where it would overflow)."""
-    return ratio * torch.finfo(dtype if dtype in _HALF else torch.float16).max
+    return ratio * torch.finfo(dtype if dtype in HALF_DTYPES else torch.float16).max
 
 
 class OverflowMonitor(Callback):

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mptrain.nn.retype import retype
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+from mptrain.ops.dtypes import HALF_DTYPES
 
 
 class PaddedLinear(nn.Linear):

@@ -9,12 +9,11 @@ from typing import Callable, Optional, Union
 import torch
 
 from mptrain.ops.dispatch import check_fused
+from mptrain.ops.dtypes import HALF_DTYPES
 
 from .layout import dense_work_lists
 from .scaling import found_inf_per_device, scaling_inputs, unscale_grads_
 from .torch_format import normalize_steps, restore_state_tensors
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class FusedOptimizer(torch.optim.Optimizer):

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision.lean_cross_entropy import lean_cross_entropy
 
 log = logging.getLogger("mptrain")
@@ -35,8 +36,6 @@ log = logging.getLogger("mptrain")
 DEFAULT_FP32_OPS: tuple[str, ...] = ("softmax", "log_softmax", "layer_norm", "group_norm", "batch_norm", "rms_norm",
                                      "cross_entropy", "nll_loss", "binary_cross_entropy_with_logits", "mse_loss",
                                      "kl_div", "logsumexp")
-
-HALF = (torch.float16, torch.bfloat16)
 
 
 def _callables_for(name: str) -> list[Callable]:
@@ -93,7 +92,7 @@ def _say_cpu_rnn_policy() -> None:
 # torch's pytree costs about three times as much per call.
 def _has_cpu_half(obj) -> bool:
     if isinstance(obj, torch.Tensor):
-        return obj.dtype in HALF and obj.device.type == "cpu"
+        return obj.dtype in HALF_DTYPES and obj.device.type == "cpu"
     return isinstance(obj, (list, tuple)) and any(_has_cpu_half(o) for o in obj)
 
 
@@ -110,7 +109,7 @@ def _cpu_rnn_in_16_bits(args) -> bool:
 def _upcast(obj, dtype_seen: list, pairs: Optional[list] = None):
     """``obj`` with its half tensors in fp32; their dtypes appended to ``dtype_seen`` in order, and each
     (fp32 upcast, half source) to ``pairs`` if given."""
-    if isinstance(obj, torch.Tensor) and obj.dtype in HALF:
+    if isinstance(obj, torch.Tensor) and obj.dtype in HALF_DTYPES:
         dtype_seen.append(obj.dtype)
         up = obj.float()
         if pairs is not None:
@@ -216,7 +215,7 @@ def _batch_norm_fp32(func, args, kwargs):
     keep_half_input = isinstance(x, torch.Tensor) and x.is_cuda
     for k in names:
         v = bound.get(k)
-        upcast = isinstance(v, torch.Tensor) and v.dtype in HALF and not (k == "input" and keep_half_input)
+        upcast = isinstance(v, torch.Tensor) and v.dtype in HALF_DTYPES and not (k == "input" and keep_half_input)
         call[k] = v.float() if upcast else v
     pairs = [(call["input"], x)] if call["input"] is not x and isinstance(x, torch.Tensor) else []
     pushed = push_half_saving(pairs)
@@ -229,7 +228,7 @@ def _batch_norm_fp32(func, args, kwargs):
         if isinstance(bound.get(k), torch.Tensor) and bound[k] is not call[k]:
             with torch.no_grad():
                 bound[k].copy_(call[k])
-    return out.to(x.dtype) if x.dtype in HALF else out
+    return out.to(x.dtype) if x.dtype in HALF_DTYPES else out
 
 
 def _in_fp32(name: str, func, args, kwargs):
@@ -409,7 +408,7 @@ def run_module_in_fp32(module: nn.Module) -> list:
             mod._mpt_saving = None
             pop_half_saving(pairs)
         dt = getattr(mod, "_mpt_in_dtype", None)
-        return _downcast(out, dt) if dt in HALF else out
+        return _downcast(out, dt) if dt in HALF_DTYPES else out
 
     return [
         module.register_forward_pre_hook(pre, with_kwargs=True),
@@ -441,7 +440,7 @@ class AutoFallback:
             if getattr(mod, "_mpt_promoted", False):
                 return
             t = out[0] if isinstance(out, (tuple, list)) and out else out
-            if isinstance(t, torch.Tensor) and t.dtype in HALF:
+            if isinstance(t, torch.Tensor) and t.dtype in HALF_DTYPES:
                 self._calls += 1
                 bad = (~torch.isfinite(t.detach())).any()
                 seq = torch.where(bad, self._calls, self._NONE).to(torch.int32).reshape(1)

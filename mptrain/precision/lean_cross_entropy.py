@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mptrain.ops.dtypes import HALF_DTYPES
+
 #: logits smaller than this run the plain path (their memory is small; the blocks cost launches)
 MIN_ELEMENTS = 1 << 24
 #: about this many fp32 elements of log-softmax exist at a time (256 MB)
@@ -44,7 +46,7 @@ def lean_cross_entropy(func, args: tuple, kwargs: dict) -> Optional[torch.Tensor
             "label_smoothing": 0.0, **dict(zip(names, args)), **kwargs}
     x, target = call.get("input"), call.get("target")
     if not (isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.dim() == 2
-            and x.dtype in (torch.float16, torch.bfloat16) and x.numel() >= MIN_ELEMENTS
+            and x.dtype in HALF_DTYPES and x.numel() >= MIN_ELEMENTS
             and target.dim() == 1 and not target.is_floating_point() and target.shape[0] == x.shape[0]
             and call["weight"] is None and call["size_average"] is None and call["reduce"] is None
             and call["label_smoothing"] == 0.0 and call["reduction"] in _REDUCTIONS

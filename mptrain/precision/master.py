@@ -17,10 +17,11 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from mptrain import ops
+from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module, run_module_in_fp32
 from mptrain.precision.fused_step import take_over_step
-from mptrain.precision.plugin import HALF, MptrainPrecision, _unwrap_optimizer
+from mptrain.precision.plugin import MptrainPrecision, _unwrap_optimizer
 
 
 class MasterPrecision(MptrainPrecision):
@@ -58,7 +59,7 @@ class MasterPrecision(MptrainPrecision):
                 self._hooks += run_module_in_fp32(m)
                 continue
             for p in m.parameters(recurse=False):
-                if p.is_floating_point() and p.dtype not in HALF:
+                if p.is_floating_point() and p.dtype not in HALF_DTYPES:
                     # The masters start from the full fp32 weights (apex O2 lost the init's low bits).
                     self._fp32_init[id(p)] = p.data
                     p.data = p.data.to(self.param_dtype)
@@ -86,12 +87,12 @@ class MasterPrecision(MptrainPrecision):
             return
         for name, p in module.named_parameters():
             key = prefix + name
-            if key in state and p.dtype in HALF:
+            if key in state and p.dtype in HALF_DTYPES:
                 m = self.master_for(p)
                 init = self._fp32_init.get(id(p))
                 state[key] = m.detach() if m is not None else (init if init is not None else p.detach().float())
         for name, b in module.named_buffers():
-            if prefix + name in state and b.dtype in HALF:
+            if prefix + name in state and b.dtype in HALF_DTYPES:
                 state[prefix + name] = b.detach().float()
 
     def _load_state_dict_hook(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
@@ -99,7 +100,7 @@ class MasterPrecision(MptrainPrecision):
         with torch.no_grad():
             for name, p in module.named_parameters():
                 v = state.get(prefix + name)
-                if not isinstance(v, torch.Tensor) or not v.is_floating_point() or p.dtype not in HALF:
+                if not isinstance(v, torch.Tensor) or not v.is_floating_point() or p.dtype not in HALF_DTYPES:
                     continue
                 m = self.master_for(p)
                 if m is not None:
@@ -134,7 +135,7 @@ class MasterPrecision(MptrainPrecision):
                         optimizer.master_param(p).copy_(self._init_for(p))
                         self._fused_of[id(p)] = optimizer
             return
-        halfs = [p for g in optimizer.param_groups for p in g["params"] if p.dtype in HALF]
+        halfs = [p for g in optimizer.param_groups for p in g["params"] if p.dtype in HALF_DTYPES]
         masters = [nn.Parameter(self._init_for(p), requires_grad=p.requires_grad) for p in halfs]
         master_of = {id(p): m for p, m in zip(halfs, masters)}
         self._master_of.update(master_of)

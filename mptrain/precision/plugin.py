@@ -23,8 +23,9 @@ from torch import nn
 
 from mptrain import ops
 from mptrain.ops.dispatch import check_fused
+from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
-from mptrain.precision.fallback import HALF, AutoFallback, Fp32Fallback, run_module_in_fp32
+from mptrain.precision.fallback import AutoFallback, Fp32Fallback, run_module_in_fp32
 from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
 from mptrain.precision.mode_change import check_mode_change, saved_mode
 from mptrain.precision.nonfinite import NonFiniteGuard
@@ -63,7 +64,7 @@ class MptrainPrecision(_LightningPrecision):
         self.fused = check_fused(type(self).__name__, fused)
         self.loss_scaler = self._build_scaler(loss_scaler)
         fallback = Fp32Fallback(fp32_fallback)  # checks the list in every mode
-        self.fallback: Optional[Fp32Fallback] = fallback if dtype in HALF else None
+        self.fallback: Optional[Fp32Fallback] = fallback if dtype in HALF_DTYPES else None
         if max_consecutive_skips is None:
             max_consecutive_skips = self.loss_scaler.max_consecutive_skips if self.loss_scaler else 100
         self.guard = NonFiniteGuard(max_consecutive_skips)
@@ -116,7 +117,7 @@ class MptrainPrecision(_LightningPrecision):
         return p.device if p is not None else torch.device("cpu")
 
     def convert_input(self, data: Any) -> Any:
-        if self.param_dtype not in HALF:
+        if self.param_dtype not in HALF_DTYPES:
             return data
         return apply_to_collection(data, torch.Tensor, _convert_fp_tensor, self.param_dtype)
 
@@ -305,7 +306,7 @@ class MptrainPrecision(_LightningPrecision):
     def enable_auto_fallback(self, module: nn.Module) -> None:
         """Watch leaf modules' outputs for inf/NaN; an offender is promoted to fp32 (see ``_poll_auto_fallback``)."""
         self._module = self._module or module
-        if self.compute_dtype in HALF and self.phase == "low" and self.auto is None:
+        if self.compute_dtype in HALF_DTYPES and self.phase == "low" and self.auto is None:
             self.auto = AutoFallback(module)
             self._promote_saved()
 
@@ -451,4 +452,4 @@ def float_state_(state: dict) -> None:
             state[k] = v.float()
 
 
-__all__ = ["MptrainPrecision", "HALF"]
+__all__ = ["MptrainPrecision"]

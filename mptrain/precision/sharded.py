@@ -22,10 +22,11 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision as FSDPMixedPrecision
 from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
 
+from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module
 from mptrain.precision.loss_scaler import NonFiniteError
-from mptrain.precision.plugin import HALF, MptrainPrecision
+from mptrain.precision.plugin import MptrainPrecision
 
 #: Callbacks whose work FSDP cannot do: they change parameter dtypes after wrapping.
 _REFUSED_CALLBACKS = {
@@ -79,7 +80,7 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Before wrapping: parameters stay fp32 (FSDP shards them); the norm classes are noted."""
         self._module = module
-        if self.norms_fp32 and self.compute_dtype in HALF:
+        if self.norms_fp32 and self.compute_dtype in HALF_DTYPES:
             self._norm_classes = tuple(sorted({type(m) for m in module.modules() if is_norm_module(m)},
                                               key=lambda t: t.__qualname__))
         return module
@@ -87,7 +88,7 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
     @property
     def mixed_precision_config(self) -> Optional[FSDPMixedPrecision]:
         """What FSDP casts: half all-gathered params and buffers, fp32 reduction; None in ``32-true``."""
-        if self.compute_dtype not in HALF:
+        if self.compute_dtype not in HALF_DTYPES:
             return None
         return FSDPMixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
                                   buffer_dtype=self.compute_dtype, _module_classes_to_ignore=self._norm_classes)

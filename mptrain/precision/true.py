@@ -9,7 +9,8 @@ import torch
 from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from torch import nn
 
-from mptrain.precision.plugin import HALF, MptrainPrecision, float_state_
+from mptrain.ops.dtypes import HALF_DTYPES
+from mptrain.precision.plugin import MptrainPrecision, float_state_
 
 
 class TruePrecision(MptrainPrecision):
@@ -27,7 +28,7 @@ class TruePrecision(MptrainPrecision):
     def forward_context(self) -> contextlib.AbstractContextManager:
         """As Lightning's HalfPrecision: tensors created in the forward default to the half dtype."""
         stack = super().forward_context()
-        if self.param_dtype in HALF:
+        if self.param_dtype in HALF_DTYPES:
             stack.enter_context(_DtypeContextManager(self.param_dtype))
         return stack
 
