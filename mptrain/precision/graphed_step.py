@@ -1,5 +1,6 @@
 """The optimizer side of ``cuda_graphs=True`` (the order is in :mod:`mptrain.callbacks.cuda_graphs`): the
-plugin's ``_prepare``, and its optimizer step with the loss-scaler update, replayed from two CUDA graphs.
+precision plugin's step phases (:class:`~mptrain.precision.plugin.MptrainPrecision`), with ``unscale_and_check``
+and ``apply_step`` (the optimizer step with the loss-scaler update) replayed from two CUDA graphs.
 
 Inputs that change between steps live in buffers that stay put: the loss's non-finite flag, each
 group's ``lr`` (a device scalar, so LR schedulers keep working), the grads (``.grad`` is pointed back
@@ -15,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from mptrain.precision.graph_capture import CudaGraphError, capture
+from mptrain.precision.plugin import StepCheck, lightning_skips_step
 
 log = logging.getLogger("mptrain")
 
@@ -23,7 +25,8 @@ _FIX = "The optimizer must honour found_inf on the device (mptrain.optim's fused
 
 
 class GraphedStep:
-    """Replays ``plugin``'s optimizer step from CUDA graphs after ``warmup_steps`` eager steps.
+    """Replays ``plugin``'s optimizer step from CUDA graphs after ``warmup_steps`` eager steps: installed as the
+    plugin's ``step_runner``, it drives the plugin's step phases in the plugin's order.
 
     ``around_closure(capture)`` returns the context the closure runs in (the graphed forward's).
     """
@@ -36,18 +39,20 @@ class GraphedStep:
         self.stepped = 0  # eager optimizer steps taken: the optimizer state exists before its step is captured
         self.replays = 0  # steps run from the graphs (the capturing step included)
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        self.prepare: Optional[torch.cuda.CUDAGraph] = None
-        self.update: Optional[torch.cuda.CUDAGraph] = None
+        self.prepare: Optional[torch.cuda.CUDAGraph] = None  # the plugin's unscale_and_check
+        self.update: Optional[torch.cuda.CUDAGraph] = None  # the plugin's apply_step
+        self.check: Optional[StepCheck] = None  # what the captured unscale_and_check decides, refilled by `prepare`
 
     @property
     def captured(self) -> bool:
         return self.update is not None
 
     def install(self) -> None:
-        self.plugin.optimizer_step = self.optimizer_step  # Lightning's strategy calls plugin.optimizer_step
+        self.plugin.step_runner = self  # the plugin's optimizer_step (what Lightning's strategy calls) hands over
 
     def uninstall(self) -> None:
-        self.plugin.__dict__.pop("optimizer_step", None)
+        if self.plugin.step_runner is self:
+            self.plugin.step_runner = None
 
     def optimizer_step(self, optimizer: Any, model: Any = None, closure: Optional[Callable[[], Any]] = None,
                        **kwargs: Any) -> Any:
@@ -57,7 +62,7 @@ class GraphedStep:
                 f"with {'no closure (Fabric?)' if closure is None else f'arguments {sorted(kwargs)}'}. Call "
                 "optimizer.step() without arguments from LightningModule.optimizer_step, or use cuda_graphs=False")
         plugin = self.plugin
-        optimizer = plugin._ensure_ready(optimizer)  # unwrapped, as in the plugin's own optimizer_step
+        optimizer = plugin.prepare_optimizer(optimizer)
         if self.optimizer is None:
             self.optimizer = optimizer
         elif optimizer is not self.optimizer:
@@ -67,45 +72,47 @@ class GraphedStep:
         with self.around_closure(capture_now or self.captured):
             result = closure()
         self.steps += 1
-        if result is None and getattr(model, "automatic_optimization", False):  # training_step returned None
-            plugin._after_closure(model, optimizer)
-            plugin._end_step(optimizer)
+        if lightning_skips_step(result, model):
+            plugin.before_step(model, optimizer)
+            plugin.end_step(optimizer)
         elif self.captured:
             self._replay(optimizer, model)
         elif capture_now:
             self._capture(optimizer, model)
         else:
-            plugin._prepare(optimizer)
-            plugin._after_closure(model, optimizer)
-            plugin._step(optimizer)
+            found = plugin.unscale_and_check(optimizer)
+            plugin.before_step(model, optimizer)
+            plugin.apply_step(optimizer, found)
+            plugin.finish_step(optimizer, found)
             self.stepped += 1
         return result
 
     def _capture(self, optimizer: torch.optim.Optimizer, model: Any) -> None:
-        plugin, key = self.plugin, id(optimizer)
+        plugin = self.plugin
         device = next(p.device for g in optimizer.param_groups for p in g["params"])
         self.loss_bad = torch.zeros(1, dtype=torch.float32, device=device)
-        self._load_loss_bad()
+        plugin.keep_loss_flag_in(self.loss_bad)
         self.lrs = [torch.zeros((), dtype=torch.float32, device=device) for _ in optimizer.param_groups]
         self._load_lrs(optimizer)
         pool = torch.cuda.graph_pool_handle()
         self.prepare = torch.cuda.CUDAGraph()
-        plugin._pending.pop(key, None)
+        if plugin.step_check(optimizer) is not None:
+            raise CudaGraphError("cuda_graphs=True: the gradients were unscaled and checked before the optimizer step "
+                                 "(clip_gradients or unscale_gradients called from training_step?); that check is "
+                                 "part of the captured step. Leave clipping to gradient_clip_val, or use "
+                                 "cuda_graphs=False")
         had_grad = {id(p) for p in _params(optimizer) if p.grad is not None}  # made by the backward
         with capture(self.prepare, pool, "the unscale and inf/NaN check of the optimizer step", _FIX):
-            self.found = plugin._prepare(optimizer)
-        self.norm = getattr(plugin, "_fused_norm", {}).get(key)  # the fused *-master path's grad norm
+            found = plugin.unscale_and_check(optimizer)
         # param id -> (its grad the graphs read, made by `prepare` (the masters' on the generic path))
         self.grads = {id(p): (p.grad, id(p) not in had_grad) for p in _params(optimizer) if p.grad is not None}
         self.prepare.replay()
-        plugin._after_closure(model, optimizer)
-        self.clip = getattr(plugin, "_fused_clip", {}).get(key)  # the captured step pops it
+        plugin.before_step(model, optimizer)
+        self.check = plugin.step_check(optimizer)  # after clipping: its max_norm is captured with the step
         update = torch.cuda.CUDAGraph()
         with _lr_tensors(optimizer, self.lrs), \
                 capture(update, pool, "the optimizer step and the loss-scale update", _FIX):
-            plugin._optimizer_step(optimizer, self.found)
-            if plugin.loss_scaler is not None:
-                plugin.loss_scaler.update(self.found)
+            plugin.apply_step(optimizer, found)
         self.update = update
         self.hyper = _hyperparameters(optimizer)
         self.update.replay()
@@ -115,17 +122,15 @@ class GraphedStep:
                  self.steps - 1)
 
     def _replay(self, optimizer: torch.optim.Optimizer, model: Any) -> None:
-        plugin, key = self.plugin, id(optimizer)
-        self._load_loss_bad()
+        plugin = self.plugin
+        plugin.keep_loss_flag_in(self.loss_bad)
         self._point_grads(optimizer)
         self.prepare.replay()
-        plugin._pending[key] = self.found
-        if self.norm is not None:
-            plugin._fused_norm[key] = self.norm
-        plugin._after_closure(model, optimizer)
-        clip = getattr(plugin, "_fused_clip", {}).pop(key, None)
-        if clip != self.clip:
-            raise CudaGraphError(f"cuda_graphs=True: gradient clipping changed from {self.clip!r} to {clip!r} after "
+        plugin.set_step_check(optimizer, self.check)
+        plugin.before_step(model, optimizer)
+        clip, captured = plugin.step_check(optimizer).max_norm, self.check.max_norm
+        if clip != captured:
+            raise CudaGraphError(f"cuda_graphs=True: gradient clipping changed from {captured!r} to {clip!r} after "
                                  "the optimizer step was captured (it is part of the graph); clip with one "
                                  "gradient_clip_val for the whole run, or use cuda_graphs=False")
         _check_hyperparameters(self.hyper, optimizer)
@@ -151,21 +156,7 @@ class GraphedStep:
             p.grad = g  # after zero_grad(set_to_none=True): `prepare` fills it again
 
     def _finish(self, optimizer: torch.optim.Optimizer) -> None:
-        """The plugin's ``_step`` after its device part: guard counters and check, end of step."""
-        plugin = self.plugin
-        plugin.guard.update(self.found)
-        plugin.guard.check(lambda skips: plugin._nonfinite_message(skips, optimizer), synced=False)
-        plugin._end_step(optimizer)
-        plugin._poll_auto_fallback(False)
-
-    def _load_loss_bad(self) -> None:
-        """The window's non-finite-loss flag (set by the plugin's eager backward) into the captured buffer."""
-        bad = self.plugin._loss_bad
-        if bad is None:
-            self.loss_bad.zero_()
-        elif bad is not self.loss_bad:
-            self.loss_bad.copy_(bad.reshape(1))
-        self.plugin._loss_bad = self.loss_bad
+        self.plugin.finish_step(optimizer, self.check.found_inf)
 
     def _load_lrs(self, optimizer: torch.optim.Optimizer) -> None:
         for lr, group in zip(self.lrs, optimizer.param_groups):

@@ -21,7 +21,7 @@ from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module, run_module_in_fp32
 from mptrain.precision.fused_step import take_over_step
-from mptrain.precision.plugin import MptrainPrecision, _unwrap_optimizer
+from mptrain.precision.plugin import MptrainPrecision, StepCheck, _unwrap_optimizer
 
 
 class MasterPrecision(MptrainPrecision):
@@ -155,9 +155,9 @@ class MasterPrecision(MptrainPrecision):
             ops.multi_tensor_copy_([m.grad for _, m in with_grad], [p.grad for p, _ in with_grad], fused=self.fused)
         return super().main_grads(optimizer)
 
-    def _prepare(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    def unscale_and_check(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         if self.phase != "low" or not G.is_mptrain_fused(optimizer):
-            return super()._prepare(optimizer)
+            return super().unscale_and_check(optimizer)
         found = self._pending.get(id(optimizer))
         if found is not None:
             return found
@@ -173,6 +173,17 @@ class MasterPrecision(MptrainPrecision):
         self._pending[id(optimizer)] = found
         self._fused_norm[id(optimizer)] = norm
         return found
+
+    def step_check(self, optimizer: torch.optim.Optimizer) -> Optional[StepCheck]:
+        check = super().step_check(optimizer)
+        key = id(optimizer)
+        return check._replace(grad_norm=self._fused_norm.get(key), max_norm=self._fused_clip.get(key)) if check \
+            else None
+
+    def set_step_check(self, optimizer: torch.optim.Optimizer, check: StepCheck) -> None:
+        super().set_step_check(optimizer, check)
+        if check.grad_norm is not None:
+            self._fused_norm[id(optimizer)] = check.grad_norm
 
     def _unscaled_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         m = self._master_of.get(id(p))
@@ -193,7 +204,7 @@ class MasterPrecision(MptrainPrecision):
         optimizer = _unwrap_optimizer(optimizer)
         if self.phase != "low" or not G.is_mptrain_fused(optimizer) or not clip_val or clip_val <= 0:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm or GradClipAlgorithmType.NORM)
-        found = self._prepare(optimizer)
+        found = self.unscale_and_check(optimizer)
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             G.clip_scaled_by_value_(super().main_grads(optimizer), clip_val, self._scale(found.device, optimizer))
         else:
@@ -203,7 +214,7 @@ class MasterPrecision(MptrainPrecision):
         optimizer = _unwrap_optimizer(optimizer)
         if self.phase == "low" and G.is_mptrain_fused(optimizer) and id(optimizer) not in self._fused_unscaled:
             # Fabric clips the params' grads itself: unscale them in place this once.
-            found = self._prepare(optimizer)
+            found = self.unscale_and_check(optimizer)
             grads = super().main_grads(optimizer)
             if grads and self.loss_scaler is not None:
                 G.unscale_and_check_(grads, self.loss_scaler.inv_scale().to(found.device),
@@ -222,7 +233,7 @@ class MasterPrecision(MptrainPrecision):
             scale = scale / torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
         G.step_with_found_inf(optimizer, found_inf, grad_scale=scale, **kwargs)
 
-    def _end_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def end_step(self, optimizer: torch.optim.Optimizer) -> None:
         pair = self._pairs.get(id(optimizer))
         if pair is not None and pair[0]:
             with torch.no_grad():
@@ -232,8 +243,9 @@ class MasterPrecision(MptrainPrecision):
             for p, m in zip(*pair):
                 p.grad = m.grad = None
         self._fused_norm.pop(id(optimizer), None)
+        self._fused_clip.pop(id(optimizer), None)  # a step that ended without stepping leaves none behind
         self._fused_unscaled.discard(id(optimizer))
-        super()._end_step(optimizer)
+        super().end_step(optimizer)
 
     def _to_fp32(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if G.is_mptrain_fused(optimizer):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
@@ -33,8 +33,37 @@ from mptrain.precision.nonfinite import NonFiniteGuard
 log = logging.getLogger("mptrain")
 
 
+class StepCheck(NamedTuple):
+    """What :meth:`MptrainPrecision.unscale_and_check` decided for one optimizer's step: device tensors that the
+    later phases read (a step runner that replays the check from a CUDA graph hands the refilled ones back)."""
+
+    found_inf: torch.Tensor  # 1-element float32, nonzero: skip this step
+    grad_norm: Optional[torch.Tensor] = None  # fused ``*-master`` path: norm of the unscaled grads
+    max_norm: Optional[float] = None  # fused ``*-master`` path: clipping that ``before_step`` folded into the step
+
+
 class MptrainPrecision(_LightningPrecision):
     """Base of :class:`MasterPrecision`, :class:`MixedPrecision` and :class:`TruePrecision`.
+
+    Step phases: ``optimizer_step`` is composed of these public methods, called in this order once per
+    optimizer step (as torch's GradScaler exposes ``unscale_``, ``step`` and ``update``).  A step runner set as
+    ``step_runner`` (``cuda_graphs=True``'s :class:`~mptrain.precision.graphed_step.GraphedStep`) takes
+    ``optimizer_step`` over and drives the same phases, replaying the device ones from CUDA graphs.
+
+    1. ``prepare_optimizer(optimizer)``: the torch optimizer inside Lightning's or Fabric's wrapper, prepared on
+       first use (``*-master`` swaps in the fp32 masters).
+    2. ``unscale_and_check(optimizer) -> found_inf``: grads copied up (``*-master``), unscaled and checked for
+       inf/NaN together with the window's loss flag, the flag agreed across ranks; once per step (later calls,
+       e.g. from clipping, return the same flag).  ``step_check`` / ``set_step_check`` read and hand back
+       what it decided (:class:`StepCheck`); ``keep_loss_flag_in(buffer)`` moves the loss flag it reads into a
+       buffer that stays put.
+    3. ``before_step(model, optimizer)``: Lightning's ``on_before_optimizer_step`` hooks, then gradient clipping.
+    4. ``apply_step(optimizer, found_inf)``: the optimizer step, skipped where ``found_inf`` is set, and the
+       loss-scale update: device work only with an optimizer that honours ``found_inf`` on the device.
+    5. ``finish_step(optimizer, found_inf)``: the skip counters and :class:`NonFiniteError` check, ``end_step``
+       and the automatic fp32 fallback's poll.
+    ``end_step(optimizer)``: the window ends (``*-master`` copies the masters down, the flags reset); also
+    alone, when ``training_step`` returned None and Lightning steps nothing.
 
     Args:
         precision: the mode string (the subclass lists the valid ones).
@@ -77,6 +106,7 @@ class MptrainPrecision(_LightningPrecision):
         self._loss_bad: Optional[torch.Tensor] = None  # a non-finite loss in the current window
         self._hooks: list = []
         self._promoted_names: list[str] = []
+        self.step_runner: Any = None  # takes optimizer_step over when set (see the class docstring)
 
     def _build_scaler(self, spec: Any) -> Optional[DynamicLossScaler]:
         if spec is False or spec == "off":
@@ -157,7 +187,7 @@ class MptrainPrecision(_LightningPrecision):
         self.check_device(self._device())
         self._forget_optimizers()  # each fit/validate connects its own optimizers; earlier ones are let go
         for opt in optimizers:
-            self._ensure_ready(opt)
+            self.prepare_optimizer(opt)
         self._release_fp32_init()
         return model, optimizers, lr_schedulers
 
@@ -173,15 +203,16 @@ class MptrainPrecision(_LightningPrecision):
     def _forget_optimizers(self) -> None:
         self._optimizers = []
 
-    def _ensure_ready(self, optimizer: Any) -> torch.optim.Optimizer:
-        """The torch optimizer inside ``optimizer``'s wrapper, prepared on first use."""
+    def prepare_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+        """The torch optimizer inside ``optimizer``'s wrapper, prepared on first use (step phase 1)."""
         optimizer = _unwrap_optimizer(optimizer)
         if any(o is optimizer for o in self._optimizers):
             return optimizer
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError(f"{self!r} does not support torch.optim.LBFGS: it re-evaluates the closure inside "
-                             "step(), where the loss scale and the non-finite skip cannot apply. Use another "
-                             "optimizer or Lightning's own precision='32-true'")
+        if isinstance(optimizer, torch.optim.LBFGS) and self.has_master_weights:
+            raise ValueError(f"{self!r} does not support torch.optim.LBFGS: it evaluates the closure again after "
+                             "updating the fp32 masters, while the model computes with the half copy written back "
+                             "only after the step. Use another optimizer, or a mode without master weights "
+                             "('32-true', 'bf16-mixed', ...)")
         if not self._lightning and not self._optimizers:  # Fabric: the device is known at the first optimizer
             self.check_device(self._device())
         self._setup_optimizer(optimizer)
@@ -193,17 +224,20 @@ class MptrainPrecision(_LightningPrecision):
 
     def optimizer_step(self, optimizer: Any, model: Any = None, closure: Optional[Callable[[], Any]] = None,
                        **kwargs: Any) -> Any:
-        """lightning.Trainer passes the closure (training_step + backward); Fabric calls after backward."""
-        optimizer = self._ensure_ready(optimizer)
+        """lightning.Trainer passes the closure (training_step + backward); Fabric calls after backward.
+        The step phases in order (class docstring), or the ``step_runner``'s step."""
+        if self.step_runner is not None:
+            return self.step_runner.optimizer_step(optimizer, model, closure, **kwargs)
+        optimizer = self.prepare_optimizer(optimizer)
         if closure is None:  # Fabric
             return self._step(optimizer, **kwargs)
         closure_result = closure()
-        if closure_result is None and getattr(model, "automatic_optimization", False):
-            self._after_closure(model, optimizer)  # training_step returned None: Lightning steps nothing
-            self._end_step(optimizer)
+        if lightning_skips_step(closure_result, model):
+            self.before_step(model, optimizer)
+            self.end_step(optimizer)
             return closure_result
-        self._prepare(optimizer)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
+        self.unscale_and_check(optimizer)
+        self.before_step(model, optimizer)
         self._step(optimizer, **kwargs)
         return closure_result
 
@@ -217,7 +251,8 @@ class MptrainPrecision(_LightningPrecision):
             return torch.zeros(1, dtype=torch.float32, device=device)
         return self._loss_bad.to(device, copy=True)
 
-    def _prepare(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    # -- step phases (class docstring) ----------------------------------------------------
+    def unscale_and_check(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Grads up, unscaled and checked, once per step: the found_inf flag (device tensor)."""
         found = self._pending.get(id(optimizer))
         if found is not None:
@@ -231,25 +266,57 @@ class MptrainPrecision(_LightningPrecision):
         self._pending[id(optimizer)] = found
         return found
 
-    def _step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
-        found = self._prepare(optimizer)
-        synced = not G.accepts_device_found_inf(optimizer)
-        self._optimizer_step(optimizer, found, **kwargs)
+    def step_check(self, optimizer: torch.optim.Optimizer) -> Optional[StepCheck]:
+        """What ``unscale_and_check`` decided for this step of ``optimizer`` (None before it ran)."""
+        found = self._pending.get(id(optimizer))
+        return StepCheck(found) if found is not None else None
+
+    def set_step_check(self, optimizer: torch.optim.Optimizer, check: StepCheck) -> None:
+        """This step of ``optimizer`` was checked, with ``check``'s result (its tensors refilled by a replayed
+        check): ``unscale_and_check`` returns it.  ``max_norm`` is not set: ``before_step`` decides it."""
+        self._pending[id(optimizer)] = check.found_inf
+
+    def keep_loss_flag_in(self, buffer: torch.Tensor) -> None:
+        """The window's non-finite-loss flag (set by ``backward``) is copied into ``buffer`` (zero for a finite
+        loss), which becomes the flag ``unscale_and_check`` reads: a captured check reads a tensor that stays put."""
+        if self._loss_bad is None:
+            buffer.zero_()
+        elif self._loss_bad is not buffer:
+            buffer.copy_(self._loss_bad.reshape(1))
+        self._loss_bad = buffer
+
+    def before_step(self, model: Any, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning's ``on_before_optimizer_step`` hooks (callbacks, then the module), then gradient clipping."""
+        self._after_closure(model, optimizer)
+
+    def apply_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, **kwargs: Any) -> None:
+        """The optimizer step, skipped where ``found_inf`` is set, then the loss-scale update."""
+        self._optimizer_step(optimizer, found_inf, **kwargs)
         if self.loss_scaler is not None:
-            self.loss_scaler.update(found)
-        self.guard.update(found)
-        # before _end_step: the message names the first parameter whose grad is still non-finite
+            self.loss_scaler.update(found_inf)
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        """After the (possibly skipped) step: skip counters and the non-finite check, ``end_step``, the automatic
+        fallback's poll (reads the host only where the step already did, or every ``check_every`` steps)."""
+        synced = not G.accepts_device_found_inf(optimizer)  # the step read found_inf on the host
+        self.guard.update(found_inf)
+        # before end_step: the message names the first parameter whose grad is still non-finite
         self.guard.check(lambda skips: self._nonfinite_message(skips, optimizer), synced=synced)
-        self._end_step(optimizer)
+        self.end_step(optimizer)
         self._poll_auto_fallback(synced)
+
+    def end_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The window ends: ``*-master`` copies the masters down; the window's flags reset."""
+        self._pending.pop(id(optimizer), None)
+        self._loss_bad = None
+
+    def _step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        found = self.unscale_and_check(optimizer)
+        self.apply_step(optimizer, found, **kwargs)
+        self.finish_step(optimizer, found)
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, **kwargs: Any) -> None:
         G.step_with_found_inf(optimizer, found_inf, **kwargs)
-
-    def _end_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """After the (possibly skipped) step: ``*-master`` copies down; the window's flags reset."""
-        self._pending.pop(id(optimizer), None)
-        self._loss_bad = None
 
     def unscaled_grads(self) -> dict[str, torch.Tensor]:
         """Unscaled grads by parameter name (the masters'), from ``on_before_optimizer_step`` to the step's end."""
@@ -267,8 +334,8 @@ class MptrainPrecision(_LightningPrecision):
         """lightning.Trainer's ``gradient_clip_val``: clips the unscaled (master) grads."""
         if clip_val is None or clip_val <= 0:
             return
-        optimizer = self._ensure_ready(optimizer)
-        self._prepare(optimizer)
+        optimizer = self.prepare_optimizer(optimizer)
+        self.unscale_and_check(optimizer)
         by_value = gradient_clip_algorithm == GradClipAlgorithmType.VALUE
         clip = torch.nn.utils.clip_grad_value_ if by_value else torch.nn.utils.clip_grad_norm_
         clip(self.main_params(optimizer), clip_val)  # both skip params without a grad
@@ -276,8 +343,8 @@ class MptrainPrecision(_LightningPrecision):
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Fabric's clip_gradients: main grads unscaled; a step to be skipped gets finite (zeroed) grads
         so that torch's ``error_if_nonfinite`` does not pre-empt the skip."""
-        optimizer = self._ensure_ready(optimizer)
-        self._prepare(optimizer)
+        optimizer = self.prepare_optimizer(optimizer)
+        self.unscale_and_check(optimizer)
         for p in self.main_params(optimizer):
             if p.grad is not None:  # inf/NaN -> 0 in a step that is skipped anyway
                 torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
@@ -344,7 +411,7 @@ class MptrainPrecision(_LightningPrecision):
             return
         self._module = self._module or model
         for opt in optimizers:
-            self._to_fp32(model, self._ensure_ready(opt))
+            self._to_fp32(model, self.prepare_optimizer(opt))
         model.float()
         for h in self._hooks:
             h.remove()
@@ -439,6 +506,11 @@ def _check_fp8_device(name: str, device: torch.device) -> None:
                            f"'bf16-master' on this GPU")
 
 
+def lightning_skips_step(closure_result: Any, model: Any) -> bool:
+    """Lightning's rule: under automatic optimization, a ``training_step`` that returned None steps nothing."""
+    return closure_result is None and getattr(model, "automatic_optimization", False)
+
+
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside Fabric's or Lightning's wrapper."""
     inner = getattr(optimizer, "_optimizer", None)  # Fabric's and Lightning's wrappers both keep it here
@@ -452,4 +524,4 @@ def float_state_(state: dict) -> None:
             state[k] = v.float()
 
 
-__all__ = ["MptrainPrecision"]
+__all__ = ["MptrainPrecision", "StepCheck"]

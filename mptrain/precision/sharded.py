@@ -152,7 +152,7 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         """Clip the unscaled fp32 grad shards; the norm is the full model's (FSDP reduces it across ranks)."""
         if self._root is None or gradient_clip_algorithm == GradClipAlgorithmType.VALUE or not clip_val or clip_val < 0:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-        self._prepare(self._ensure_ready(optimizer))
+        self.unscale_and_check(self.prepare_optimizer(optimizer))
         self._root.clip_grad_norm_(clip_val)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
