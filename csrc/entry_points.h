@@ -30,7 +30,33 @@ void multi_tensor_lamb(const std::vector<at::Tensor>& grads, const std::vector<a
                        const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2, double eps,
                        double weight_decay, bool bias_correction, bool maximize,
                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+// Stochastic rounding (bf16-sr): bf16 params and grads, fp32 state, no masters; the new weight is rounded
+// stochastically from Philox keyed by (seed, step) with counter (tensor_offset + list index, element)
+// (stochastic_round.cuh).
+void multi_tensor_adam_sr(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<at::Tensor>& steps, double lr, const std::optional<at::Tensor>& lr_tensor,
+                          double beta1, double beta2, double eps, double weight_decay, bool decoupled, bool maximize,
+                          const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                          int64_t seed, int64_t tensor_offset);
+void multi_tensor_sgd_sr(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                         const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& steps,
+                         double lr, const std::optional<at::Tensor>& lr_tensor, double momentum, double dampening,
+                         double weight_decay, bool nesterov, bool maximize, const std::optional<at::Tensor>& grad_scale,
+                         const std::optional<at::Tensor>& found_inf, int64_t seed, int64_t tensor_offset);
+void multi_tensor_lamb_sr(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<at::Tensor>& steps, double lr, const std::optional<at::Tensor>& lr_tensor,
+                          double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+                          bool maximize, const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf, int64_t seed, int64_t tensor_offset);
 // [end section: multi_tensor]
+
+// ---- stochastic rounding (stochastic_round.cu) ----
+// [section: stochastic_round]
+// float32 -> bfloat16 rounded stochastically, element i with the bits of (seed, step, tensor, i in memory order).
+at::Tensor stochastic_round(const at::Tensor& x, int64_t seed, int64_t step, int64_t tensor);
+// [end section: stochastic_round]
 
 // ---- normalization (layer_norm.cu) ----
 // [section: layer_norm]

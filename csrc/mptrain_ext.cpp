@@ -17,7 +17,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("multi_tensor_adam", &multi_tensor_adam, "Adam/AdamW step over lists (masters [] = no master weights)");
   m.def("multi_tensor_sgd", &multi_tensor_sgd, "SGD step over lists (momentum_buffers [] when momentum == 0)");
   m.def("multi_tensor_lamb", &multi_tensor_lamb, "LAMB step over lists (masters [] = no master weights)");
+  m.def("multi_tensor_adam_sr", &multi_tensor_adam_sr,
+        "Adam/AdamW step, bf16 params written with stochastic rounding (..., seed, tensor_offset)");
+  m.def("multi_tensor_sgd_sr", &multi_tensor_sgd_sr,
+        "SGD step, bf16 params written with stochastic rounding (..., seed, tensor_offset)");
+  m.def("multi_tensor_lamb_sr", &multi_tensor_lamb_sr,
+        "LAMB step, bf16 params written with stochastic rounding (..., seed, tensor_offset)");
   // [end defs: multi_tensor]
+  // [defs: stochastic_round]
+  m.def("stochastic_round", &stochastic_round, "float32 -> bfloat16, stochastic rounding: (x, seed, step, tensor)");
+  // [end defs: stochastic_round]
   // [defs: layer_norm]
   m.def("layer_norm_forward", &layer_norm_forward,
         "LayerNorm (rms=False) / RMSNorm (rms=True) forward over the last `hidden` elements: "

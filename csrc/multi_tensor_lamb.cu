@@ -15,7 +15,11 @@
 //   m += (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
 //   u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w   with bc = 1 - beta^t (1 without bias_correction)
 //   r = ||w|| / ||u|| when both are non-zero, else 1;  w -= lr * r * u
+//
+// Stochastic rounding (bf16-sr: bf16 params, fp32 moments, no master): the same passes and
+// math; stage 2 writes the bf16 param with stochastic rounding (stochastic_round.cuh).
 #include "multi_tensor_apply.cuh"
+#include "stochastic_round.cuh"
 
 namespace mpt_mt {
 
@@ -75,14 +79,17 @@ struct LambStage1Op {
   }
 };
 
-// lists: 0 weight (W), 1 update (float), 2 half param (P, MASTER only)
-template <typename W, typename P, bool MASTER>
+// lists: 0 weight (W), 1 update (float), 2 half param (P, MASTER only) or step (float, one value; SR only)
+// SR: W is the bf16 param, written with stochastic rounding (keyed by `sr` and the step).
+template <typename W, typename P, bool MASTER, bool SR = false>
 struct LambStage2Op {
+  static_assert(!SR || (!MASTER && std::is_same<W, at::BFloat16>::value), "stochastic rounding writes bf16 params");
   static constexpr int kILP = 2;
-  static constexpr int kDepth = MASTER ? 3 : 2;
+  static constexpr int kDepth = MASTER || SR ? 3 : 2;
   LambArgs a;
   const float* w_norm;  // per tensor of the whole list
   const float* u_norm;
+  mpt_sr::SrArgs sr;  // SR only
 
   __device__ bool skip() const { return a.found_inf != nullptr && *a.found_inf != 0.f; }
 
@@ -90,6 +97,7 @@ struct LambStage2Op {
     W* w = static_cast<W*>(meta.addr[0][t]) + off;
     const float* u = static_cast<const float*>(meta.addr[1][t]) + off;
     P* p = MASTER ? static_cast<P*>(meta.addr[kDepth - 1][t]) + off : nullptr;
+    const float count = SR ? *static_cast<const float*>(meta.addr[2][t]) : 0.f;
     const float wn = w_norm[meta.tensor_base + t], un = u_norm[meta.tensor_base + t];
     const float ratio = (wn > 0.f && un > 0.f) ? wn / un : 1.f;
     const float step = read_or(a.lr_ptr, a.lr) * ratio;
@@ -102,7 +110,11 @@ struct LambStage2Op {
     for (int k = 0; k < kILP; ++k)
 #pragma unroll
       for (int j = 0; j < kVec; ++j) rw[k][j] -= step * ru[k][j];
-    store_frag(w, rw, n, vec);
+    if constexpr (SR)
+      mpt_sr::store_frag_sr<false>(w, rw, n, vec, off, sr.seed, static_cast<uint32_t>(count) + 1u,
+                                   sr.tensor_offset + static_cast<uint32_t>(meta.tensor_base + t));
+    else
+      store_frag(w, rw, n, vec);
     if (MASTER) store_frag(p, rw, n, vec);
   }
 };
@@ -125,6 +137,42 @@ void lamb_impl(const std::vector<at::Tensor>& grads, const std::vector<at::Tenso
   else
     multi_tensor_apply<2>({weights, updates}, 0,
                           LambStage2Op<W, P, false>{a, w_norm.data_ptr<float>(), u_norm.data_ptr<float>()}, name);
+}
+
+// bf16 params and grads, fp32 moments, no master: stage 2 writes the weight with stochastic rounding.
+void lamb_sr_impl(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                  const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                  const std::vector<at::Tensor>& steps, const LambArgs& a, const mpt_sr::SrArgs& sr,
+                  const char* name) {
+  using BF = at::BFloat16;
+  std::vector<at::Tensor> updates;
+  updates.reserve(params.size());
+  for (const auto& w : params) updates.push_back(at::empty_like(w, w.options().dtype(at::kFloat)));
+  multi_tensor_apply<6>({grads, params, exp_avgs, exp_avg_sqs, steps, updates}, 1u << 4,
+                        LambStage1Op<BF, BF, float>{a}, name);
+  const at::Tensor w_norm = multi_tensor_l2norm(params, true)[1];
+  const at::Tensor u_norm = multi_tensor_l2norm(updates, true)[1];
+  multi_tensor_apply<3>({params, updates, steps}, 1u << 2,
+                        LambStage2Op<BF, BF, false, true>{a, w_norm.data_ptr<float>(), u_norm.data_ptr<float>(), sr},
+                        name);
+}
+
+void multi_tensor_lamb_sr(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<at::Tensor>& steps, double lr, const std::optional<at::Tensor>& lr_tensor,
+                          double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+                          bool maximize, const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf, int64_t seed, int64_t tensor_offset) {
+  static const char* name = "multi_tensor_lamb_sr";
+  if (params.empty()) return;
+  LambArgs a;
+  fill_moment_args(a, name, params[0].device(), lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, grad_scale,
+                   found_inf);
+  a.bias_correction = bias_correction;
+  check_sr_lists(grads, params, exp_avgs, exp_avg_sqs, steps, tensor_offset, name);
+  lamb_sr_impl(grads, params, exp_avgs, exp_avg_sqs, steps, a,
+               mpt_sr::SrArgs{static_cast<uint64_t>(seed), static_cast<uint32_t>(tensor_offset)}, name);
+  step_increment(steps, a.found_inf, name);
 }
 
 void multi_tensor_lamb(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
@@ -162,4 +210,14 @@ void multi_tensor_lamb(const std::vector<at::Tensor>& grads, const std::vector<a
                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   mpt_mt::multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, lr_tensor, beta1, beta2, eps,
                             weight_decay, bias_correction, maximize, grad_scale, found_inf);
+}
+
+void multi_tensor_lamb_sr(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<at::Tensor>& steps, double lr, const std::optional<at::Tensor>& lr_tensor,
+                          double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+                          bool maximize, const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf, int64_t seed, int64_t tensor_offset) {
+  mpt_mt::multi_tensor_lamb_sr(grads, params, exp_avgs, exp_avg_sqs, steps, lr, lr_tensor, beta1, beta2, eps,
+                               weight_decay, bias_correction, maximize, grad_scale, found_inf, seed, tensor_offset);
 }

@@ -16,7 +16,12 @@
 //   g = grad / grad_scale, negated if maximize;  g += wd * w
 //   buf = g on the first step, else momentum * buf + (1 - dampening) * g
 //   g = g + momentum * buf if nesterov else buf;  w -= lr * g
+//
+// Stochastic rounding (bf16-sr: bf16 params, fp32 momentum, no master): the same pass and
+// math, the new fp32 weight written to the bf16 param with stochastic rounding
+// (stochastic_round.cuh).
 #include "multi_tensor_apply.cuh"
+#include "stochastic_round.cuh"
 
 namespace mpt_mt {
 
@@ -32,11 +37,14 @@ struct SgdArgs {
 // lists: 0 grad (G), 1 param (P), 2 momentum buffer (S; a stand-in list when
 //        momentum == 0, never touched then), 3 step (float, one value),
 //        4 fp32 master weight (MASTER only)
-template <typename G, typename P, typename S, bool MASTER>
+// SR: P is bf16 and the new weight is rounded stochastically (keyed by `sr` and the step).
+template <typename G, typename P, typename S, bool MASTER, bool SR = false>
 struct SgdOp {
+  static_assert(!SR || (!MASTER && std::is_same<P, at::BFloat16>::value), "stochastic rounding writes bf16 params");
   static constexpr int kILP = 2;
   static constexpr int kDepth = MASTER ? 5 : 4;
   SgdArgs a;
+  mpt_sr::SrArgs sr;  // SR only
 
   __device__ bool skip() const { return a.found_inf != nullptr && *a.found_inf != 0.f; }
 
@@ -48,8 +56,8 @@ struct SgdOp {
     const bool vec = vec_aligned<G>(g) && vec_aligned<P>(p) && (!a.has_momentum || vec_aligned<S>(buf)) &&
                      (!MASTER || vec_aligned<float>(master));
     // Nearly every chunk is whole and aligned: give it branch-free code.
-    if (vec && n == op_chunk<SgdOp>()) update<true>(meta, t, g, p, buf, master, n, true);
-    else update<false>(meta, t, g, p, buf, master, n, vec);
+    if (vec && n == op_chunk<SgdOp>()) update<true>(meta, t, g, p, buf, master, n, true, off);
+    else update<false>(meta, t, g, p, buf, master, n, vec, off);
   }
 
   // Every product and sum is rounded on its own (__fmul_rn / __fadd_rn are never
@@ -60,8 +68,9 @@ struct SgdOp {
   // to percents of a small buffer value (the nesterov/maximize test caught this).
   template <bool FULL>
   __device__ __forceinline__ void update(const TensorListMeta<kDepth>& meta, int t, const G* g, P* p, S* buf,
-                                         float* master, int n, bool vec) const {
-    const bool first = *static_cast<const float*>(meta.addr[3][t]) == 0.f;
+                                         float* master, int n, bool vec, int64_t off) const {
+    const float count = *static_cast<const float*>(meta.addr[3][t]);
+    const bool first = count == 0.f;
     float rg[kILP][kVec], rw[kILP][kVec], rb[kILP][kVec] = {};  // rb stays 0 on a first step
     load_frag<FULL>(rg, g, n, vec);
     if (MASTER) load_frag<FULL>(rw, master, n, vec);
@@ -86,7 +95,11 @@ struct SgdOp {
       }
     }
     if (MASTER) store_frag<FULL>(master, rw, n, vec);
-    store_frag<FULL>(p, rw, n, vec);
+    if constexpr (SR)
+      mpt_sr::store_frag_sr<FULL>(p, rw, n, vec, off, sr.seed, static_cast<uint32_t>(count) + 1u,
+                                  sr.tensor_offset + static_cast<uint32_t>(meta.tensor_base + t));
+    else
+      store_frag<FULL>(p, rw, n, vec);
     if (a.has_momentum) store_frag<FULL>(buf, rb, n, vec);
   }
 };
@@ -142,6 +155,49 @@ void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at
   step_increment(steps, a.found_inf, name);
 }
 
+SgdArgs sgd_args(const at::Device& device, double lr, const std::optional<at::Tensor>& lr_tensor, double momentum,
+                 double dampening, double weight_decay, bool nesterov, bool maximize,
+                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                 const char* name) {
+  SgdArgs a;
+  a.lr = static_cast<float>(lr);
+  a.lr_ptr = scalar_ptr(lr_tensor, device, name, "lr");
+  a.momentum = static_cast<float>(momentum);
+  a.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  a.weight_decay = static_cast<float>(weight_decay);
+  a.has_momentum = momentum != 0.0;
+  a.nesterov = nesterov;
+  a.maximize = maximize;
+  a.grad_scale = scalar_ptr(grad_scale, device, name, "grad_scale");
+  a.found_inf = scalar_ptr(found_inf, device, name, "found_inf");
+  return a;
+}
+
+// bf16 params and grads, fp32 momentum buffers, no master: the weight is written with stochastic rounding.
+void multi_tensor_sgd_sr(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                         const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& steps,
+                         double lr, const std::optional<at::Tensor>& lr_tensor, double momentum, double dampening,
+                         double weight_decay, bool nesterov, bool maximize, const std::optional<at::Tensor>& grad_scale,
+                         const std::optional<at::Tensor>& found_inf, int64_t seed, int64_t tensor_offset) {
+  static const char* name = "multi_tensor_sgd_sr";
+  if (params.empty()) return;
+  const SgdArgs a = sgd_args(params[0].device(), lr, lr_tensor, momentum, dampening, weight_decay, nesterov, maximize,
+                             grad_scale, found_inf, name);
+  if (!a.has_momentum)
+    MPT_CHECK(momentum_buffers.empty(), name, ": momentum is 0, pass an empty momentum_buffers list");
+  check_sr_lists(grads, params, momentum_buffers, {}, steps, tensor_offset, name);
+  const mpt_sr::SrArgs sr{static_cast<uint64_t>(seed), static_cast<uint32_t>(tensor_offset)};
+  // Without momentum the buffer list is the params again; the op never touches it.
+  const std::vector<at::Tensor>& bufs = a.has_momentum ? momentum_buffers : params;
+  if (a.has_momentum)
+    multi_tensor_apply<4>({grads, params, bufs, steps}, 1u << 3,
+                          SgdOp<at::BFloat16, at::BFloat16, float, false, true>{a, sr}, name);
+  else  // the stand-in list is bf16: an instantiation whose buffer type matches it (never read)
+    multi_tensor_apply<4>({grads, params, bufs, steps}, 1u << 3,
+                          SgdOp<at::BFloat16, at::BFloat16, at::BFloat16, false, true>{a, sr}, name);
+  step_increment(steps, a.found_inf, name);
+}
+
 }  // namespace mpt_mt
 
 void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
@@ -151,4 +207,13 @@ void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at
                       const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   mpt_mt::multi_tensor_sgd(grads, params, momentum_buffers, steps, masters, lr, lr_tensor, momentum, dampening,
                            weight_decay, nesterov, maximize, grad_scale, found_inf);
+}
+
+void multi_tensor_sgd_sr(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                         const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& steps,
+                         double lr, const std::optional<at::Tensor>& lr_tensor, double momentum, double dampening,
+                         double weight_decay, bool nesterov, bool maximize, const std::optional<at::Tensor>& grad_scale,
+                         const std::optional<at::Tensor>& found_inf, int64_t seed, int64_t tensor_offset) {
+  mpt_mt::multi_tensor_sgd_sr(grads, params, momentum_buffers, steps, lr, lr_tensor, momentum, dampening, weight_decay,
+                              nesterov, maximize, grad_scale, found_inf, seed, tensor_offset);
 }

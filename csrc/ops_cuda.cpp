@@ -161,6 +161,31 @@ void lamb_cuda(at::TensorList grads, at::TensorList params, at::TensorList exp_a
                     beta1, beta2, eps, weight_decay, bias_correction, maximize, grad_scale, found_inf);
 }
 
+void adam_sr_cuda(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList steps, double lr, const OptTensor& lr_tensor, double beta1, double beta2, double eps,
+                  double weight_decay, bool decoupled, bool maximize, const OptTensor& grad_scale,
+                  const OptTensor& found_inf, int64_t seed, int64_t tensor_offset) {
+  multi_tensor_adam_sr(vec(grads), vec(params), vec(exp_avgs), vec(exp_avg_sqs), vec(steps), lr, lr_tensor, beta1,
+                       beta2, eps, weight_decay, decoupled, maximize, grad_scale, found_inf, seed, tensor_offset);
+}
+
+void sgd_sr_cuda(at::TensorList grads, at::TensorList params, at::TensorList momentum_buffers, at::TensorList steps,
+                 double lr, const OptTensor& lr_tensor, double momentum, double dampening, double weight_decay,
+                 bool nesterov, bool maximize, const OptTensor& grad_scale, const OptTensor& found_inf, int64_t seed,
+                 int64_t tensor_offset) {
+  multi_tensor_sgd_sr(vec(grads), vec(params), vec(momentum_buffers), vec(steps), lr, lr_tensor, momentum, dampening,
+                      weight_decay, nesterov, maximize, grad_scale, found_inf, seed, tensor_offset);
+}
+
+void lamb_sr_cuda(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList steps, double lr, const OptTensor& lr_tensor, double beta1, double beta2, double eps,
+                  double weight_decay, bool bias_correction, bool maximize, const OptTensor& grad_scale,
+                  const OptTensor& found_inf, int64_t seed, int64_t tensor_offset) {
+  multi_tensor_lamb_sr(vec(grads), vec(params), vec(exp_avgs), vec(exp_avg_sqs), vec(steps), lr, lr_tensor, beta1,
+                       beta2, eps, weight_decay, bias_correction, maximize, grad_scale, found_inf, seed,
+                       tensor_offset);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mptrain, CUDA, m) {
@@ -181,4 +206,8 @@ TORCH_LIBRARY_IMPL(mptrain, CUDA, m) {
   m.impl("multi_tensor_adam_", &adam_cuda);
   m.impl("multi_tensor_sgd_", &sgd_cuda);
   m.impl("multi_tensor_lamb_", &lamb_cuda);
+  m.impl("multi_tensor_adam_sr_", &adam_sr_cuda);
+  m.impl("multi_tensor_sgd_sr_", &sgd_sr_cuda);
+  m.impl("multi_tensor_lamb_sr_", &lamb_sr_cuda);
+  m.impl("stochastic_round", &stochastic_round);
 }

@@ -9,7 +9,7 @@ from .layer_norm import layer_norm, rms_norm  # noqa: F401  (these names shadow 
 from .lstm import lstm_cell, lstm_layer  # noqa: F401
 from .multi_tensor import (multi_tensor_adam, multi_tensor_check_finite_, multi_tensor_copy_,  # noqa: F401
                            multi_tensor_l2norm, multi_tensor_lamb, multi_tensor_scale_, multi_tensor_sgd,
-                           multi_tensor_unscale_)
+                           multi_tensor_unscale_, stochastic_round)
 from .pool import max_pool2d  # noqa: F401
 from .softmax import scaled_masked_softmax  # noqa: F401
 

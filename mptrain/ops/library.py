@@ -54,6 +54,18 @@ _SCHEMA_TEXTS = (
     "multi_tensor_lamb_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
     "Tensor(d!)[] steps, Tensor(e!)[] masters, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, "
     "float weight_decay, bool bias_correction, bool maximize, Tensor? grad_scale, Tensor? found_inf) -> ()",
+    # Stochastic rounding (bf16-sr): bf16 params written from Philox bits keyed by (seed, step), counter
+    # (tensor_offset + list index, element); fp32 state, no masters (csrc/stochastic_round.cuh).
+    "multi_tensor_adam_sr_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+    "Tensor(d!)[] steps, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, "
+    "bool decoupled, bool maximize, Tensor? grad_scale, Tensor? found_inf, int seed, int tensor_offset) -> ()",
+    "multi_tensor_sgd_sr_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] momentum_buffers, Tensor(c!)[] steps, "
+    "float lr, Tensor? lr_tensor, float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, "
+    "Tensor? grad_scale, Tensor? found_inf, int seed, int tensor_offset) -> ()",
+    "multi_tensor_lamb_sr_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+    "Tensor(d!)[] steps, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, float weight_decay, "
+    "bool bias_correction, bool maximize, Tensor? grad_scale, Tensor? found_inf, int seed, int tensor_offset) -> ()",
+    "stochastic_round(Tensor x, int seed, int step, int tensor) -> Tensor",
 )
 SCHEMAS = {text[:text.index("(")]: text for text in _SCHEMA_TEXTS}  # op name -> schema
 for _schema in _SCHEMA_TEXTS:
@@ -327,12 +339,38 @@ def _step_cpu(reference_step, lr_at):
 
 for _name, _step, _lr_at in (("multi_tensor_adam_", R.multi_tensor_adam, 6),
                              ("multi_tensor_sgd_", R.multi_tensor_sgd, 5),
-                             ("multi_tensor_lamb_", R.multi_tensor_lamb, 6)):
+                             ("multi_tensor_lamb_", R.multi_tensor_lamb, 6),
+                             ("multi_tensor_adam_sr_", R.multi_tensor_adam_sr, 5),
+                             ("multi_tensor_sgd_sr_", R.multi_tensor_sgd_sr, 4),
+                             ("multi_tensor_lamb_sr_", R.multi_tensor_lamb_sr, 5)):
     _impl(_name)(_step_cpu(_step, _lr_at))
 
 
+def _check_round_args(x, step, tensor):
+    if x.dtype != torch.float32:
+        raise TypeError(f"mptrain::stochastic_round: expected float32 input, got {x.dtype}")
+    if not (0 <= step < 2 ** 32 and 0 <= tensor < 2 ** 32):
+        raise ValueError(f"mptrain::stochastic_round: step and tensor must lie in [0, 2^32), got step={step}, "
+                         f"tensor={tensor}")
+
+
+@_impl("stochastic_round")
+def _stochastic_round_cpu(x, seed, step, tensor):
+    _check_round_args(x, step, tensor)
+    return R.stochastic_round(x if R.is_dense(x) else x.contiguous(), seed, step, tensor)
+
+
+@_fake("stochastic_round")
+def _stochastic_round_fake(x, seed, step, tensor):
+    _check_round_args(x, step, tensor)
+    if R.is_dense(x):  # the kernel keeps a dense layout (the elements' memory order)
+        return torch.empty_strided(x.shape, x.stride(), dtype=torch.bfloat16, device=x.device)
+    return _new(x, *x.shape, dtype=torch.bfloat16)
+
+
 for _name in ("multi_tensor_scale_", "multi_tensor_unscale_", "multi_tensor_check_finite_", "multi_tensor_adam_",
-              "multi_tensor_sgd_", "multi_tensor_lamb_"):
+              "multi_tensor_sgd_", "multi_tensor_lamb_", "multi_tensor_adam_sr_", "multi_tensor_sgd_sr_",
+              "multi_tensor_lamb_sr_"):
     torch.library.register_fake(f"{NAMESPACE}::{_name}", lambda *_args: None, lib=_lib)  # no outputs
 
 

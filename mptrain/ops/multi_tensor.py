@@ -208,9 +208,11 @@ def _lr_for_kernel(lr: Scalar, device: torch.device):
     return float(lr), None
 
 
-def _step(op: str, reference_step, grads, params, buffers, steps, masters, lr, hyper, grad_scale, found_inf, fused):
+def _step(op: str, reference_step, grads, params, buffers, steps, masters, lr, hyper, grad_scale, found_inf, fused,
+          sr=None):
     """One optimizer step: ``torch.ops.mptrain.<op>_`` or ``reference_step``, both taking (grads, params,
-    *buffers, steps, masters, lr, *hyper, grad_scale, found_inf); the op takes lr as (float, tensor)."""
+    *buffers, steps, masters, lr, *hyper, grad_scale, found_inf); the op takes lr as (float, tensor).
+    ``sr`` = (seed, tensor_offset): the stochastic-rounding op ``<op>_sr_`` (no masters; bf16 params)."""
     if not params:
         return
     device = params[0].device
@@ -221,6 +223,9 @@ def _step(op: str, reference_step, grads, params, buffers, steps, masters, lr, h
     if len(steps) != len(params):
         raise ValueError(f"{op}: {len(steps)} step counts for {len(params)} params")
     masters = list(masters or [])
+    if sr is not None:
+        _step_sr(op, reference_step, grads, params, buffers, steps, masters, lr, hyper, gs, found_inf, fused, sr)
+        return
     if not _use_op(op, list(params) + list(grads), fused):
         reference_step(grads, params, *buffers, steps, masters, lr, *hyper, gs, found_inf)
     else:
@@ -228,35 +233,79 @@ def _step(op: str, reference_step, grads, params, buffers, steps, masters, lr, h
                       *_lr_for_kernel(lr, device), *hyper, gs, found_inf)
 
 
+def _step_sr(op, reference_step, grads, params, buffers, steps, masters, lr, hyper, gs, found_inf, fused, sr):
+    seed, offset = int(sr[0]), int(sr[1])
+    if masters:
+        raise ValueError(f"{op}: stochastic rounding replaces the masters; pass none")
+    bad = next((p.dtype for p in params if p.dtype != torch.bfloat16), None)
+    if bad is not None:
+        raise TypeError(f"{op}: stochastic rounding writes bfloat16 params, got {bad}; step other dtypes without sr")
+    if not 0 <= offset <= 2 ** 32 - len(params):
+        raise ValueError(f"{op}: sr tensor_offset={offset} must be >= 0 and keep every tensor id below 2^32")
+    if not _use_op(op, list(params) + list(grads), fused):
+        reference_step(grads, params, *buffers, steps, [], lr, *hyper, gs, found_inf, sr=(seed, offset))
+    else:
+        OPS[op + "_sr_"](list(grads), list(params), *[list(b) for b in buffers], list(steps),
+                         *_lr_for_kernel(lr, params[0].device), *hyper, gs, found_inf, _int64(seed), offset)
+
+
+def _int64(seed: int) -> int:
+    """A 64-bit seed as the signed int64 the op schema carries (the kernels read the same 64 bits)."""
+    seed &= 0xFFFFFFFFFFFFFFFF
+    return seed - 2 ** 64 if seed >= 2 ** 63 else seed
+
+
+_SR_DOC = """
+    ``sr=(seed, tensor_offset)``: bf16 params without masters, fp32 state; the new weight is written with
+    stochastic rounding from Philox keyed by (seed, step being taken), counter (tensor_offset + list index,
+    element): :func:`stochastic_round` bit for bit (csrc/stochastic_round.cuh)."""
+
+
 def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None, *, lr: Scalar, beta1: float,
                       beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
                       grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
-                      fused="auto") -> None:
+                      fused="auto", sr: Optional[tuple[int, int]] = None) -> None:
     """One Adam (``decoupled=False``) or AdamW step over lists of one dtype, in place. ``steps`` are
     float32 1-element counts (advanced here); ``masters`` (fp32, for fp16/bf16 params) carry the weights,
     the params get their rounded copy. Grads are divided by ``grad_scale``; a non-zero ``found_inf``
     leaves every tensor unchanged (the same holds for the SGD and LAMB steps)."""
     _step("multi_tensor_adam", reference.multi_tensor_adam, grads, params, (exp_avgs, exp_avg_sqs), steps, masters,
-          lr, (beta1, beta2, eps, weight_decay, decoupled, maximize), grad_scale, found_inf, fused)
+          lr, (beta1, beta2, eps, weight_decay, decoupled, maximize), grad_scale, found_inf, fused, sr)
 
 
 def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters=None, *, lr: Scalar, momentum: float,
                      dampening: float, weight_decay: float, nesterov: bool, maximize: bool = False,
                      grad_scale: Optional[Scalar] = None, found_inf: Optional[torch.Tensor] = None,
-                     fused="auto") -> None:
+                     fused="auto", sr: Optional[tuple[int, int]] = None) -> None:
     """One SGD step over lists of one dtype, in place (``momentum_buffers`` empty when
     momentum is 0). A step count of 0 marks new buffers: they start as the grad."""
     bufs = list(momentum_buffers) if momentum != 0 else []
     if params and momentum != 0 and len(bufs) != len(params):
         raise ValueError(f"multi_tensor_sgd: momentum={momentum} needs one buffer per param, got {len(bufs)}")
     _step("multi_tensor_sgd", reference.multi_tensor_sgd, grads, params, (bufs,), steps, masters, lr,
-          (momentum, dampening, weight_decay, nesterov, maximize), grad_scale, found_inf, fused)
+          (momentum, dampening, weight_decay, nesterov, maximize), grad_scale, found_inf, fused, sr)
 
 
 def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters=None, *, lr: Scalar, beta1: float,
                       beta2: float, eps: float, weight_decay: float, bias_correction: bool = True,
                       maximize: bool = False, grad_scale: Optional[Scalar] = None,
-                      found_inf: Optional[torch.Tensor] = None, fused="auto") -> None:
+                      found_inf: Optional[torch.Tensor] = None, fused="auto",
+                      sr: Optional[tuple[int, int]] = None) -> None:
     """One LAMB step over lists of one dtype, in place (see csrc/multi_tensor_lamb.cu for the rule)."""
     _step("multi_tensor_lamb", reference.multi_tensor_lamb, grads, params, (exp_avgs, exp_avg_sqs), steps, masters,
-          lr, (beta1, beta2, eps, weight_decay, bias_correction, maximize), grad_scale, found_inf, fused)
+          lr, (beta1, beta2, eps, weight_decay, bias_correction, maximize), grad_scale, found_inf, fused, sr)
+
+
+for _fn in (multi_tensor_adam, multi_tensor_sgd, multi_tensor_lamb):
+    _fn.__doc__ += _SR_DOC
+
+
+def stochastic_round(x: torch.Tensor, seed: int, step: int, tensor: int = 0, *, fused="auto") -> torch.Tensor:
+    """float32 ``x`` rounded to bfloat16 stochastically, as the bf16-sr optimizer steps round the new weight of
+    tensor ``tensor`` at step ``step`` (unbiased; reproducible from ``(seed, step, tensor)``; inf and NaN kept).
+    The result keeps ``x``'s dense layout."""
+    if not _use_op("stochastic_round", x, fused):
+        if not is_dense(x):
+            x = x.contiguous()
+        return reference.stochastic_round(x, seed, step, tensor)
+    return OPS["stochastic_round"](x, _int64(seed), int(step), int(tensor))

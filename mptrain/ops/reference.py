@@ -32,12 +32,95 @@ def _mt_keep(found_inf):
     return None if found_inf is None else found_inf.reshape(()) != 0
 
 
-def _mt_commit(keep, p, w_t, w, *buffers):
+def _mt_commit(keep, p, w_t, w, *buffers, sr=None):
     """Write the (dst, new) ``buffers``, the new weights ``w`` into ``w_t`` and, when ``w_t`` is a
-    master, into the param ``p``, each in its dtype; where ``keep``, everything stays as it was."""
+    master, into the param ``p``, each in its dtype; where ``keep``, everything stays as it was.
+    ``sr`` = (seed, step, tensor): the param is written with :func:`stochastic_round` instead."""
     for dst, new in [*buffers, (w_t, w)] + ([(p, w)] if w_t is not p else []):
-        new = new.to(dst.dtype)
+        new = stochastic_round(new.float(), *sr) if sr is not None and dst is p else new.to(dst.dtype)
         dst.copy_(new if keep is None else torch.where(keep.to(dst.device), dst, new))
+
+
+# Stochastic rounding (csrc/stochastic_round.cuh, bit for bit): Philox-4x32-10 keyed by (seed low 32 bits,
+# step), counter (q low, q high, tensor, seed high 32 bits) for elements 4q .. 4q+3 in memory order; element e
+# adds the low 16 bits of word e % 4 to its fp32 bit pattern and keeps the upper 16 bits. uint32 arithmetic
+# is done in int64 with 16-bit halves for the products (no overflow anywhere).
+
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_U32 = 0xFFFFFFFF
+
+
+def _mulhilo(a: int, b):
+    """(hi, lo) 32-bit halves of the 64-bit product of the constant ``a`` and int64 tensor ``b`` < 2^32."""
+    a_lo, a_hi = a & 0xFFFF, a >> 16
+    b_lo, b_hi = b & 0xFFFF, b >> 16
+    mid = a_lo * b_hi + a_hi * b_lo  # < 2^33
+    low = a_lo * b_lo + ((mid & 0xFFFF) << 16)  # < 2^33
+    return a_hi * b_hi + (mid >> 16) + (low >> 32), low & _U32
+
+
+def philox4x32_10(counter, key):
+    """Philox-4x32-10 on int64 tensors (or ints) holding uint32 values: ``counter`` 4 of them, ``key`` 2 (a key
+    word may be a 0-dim tensor, e.g. a step count on the device). Returns the 4 output words (int64)."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
+    k0, k1 = key
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(_PHILOX_M[0], c0)
+        hi1, lo1 = _mulhilo(_PHILOX_M[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_W[0]) & _U32, (k1 + _PHILOX_W[1]) & _U32
+    return c0, c1, c2, c3
+
+
+def is_dense(t) -> bool:
+    """Whether ``t``'s elements fill its memory without gaps or overlap (ATen's is_non_overlapping_and_dense)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _memory_order_index(t):
+    """For each element of ``t`` its position in memory order (what the kernels walk): a dense layout is a
+    permutation of 0..numel-1."""
+    idx = torch.arange(t.numel(), dtype=torch.int64, device=t.device)
+    if t.is_contiguous():
+        return idx.view(t.shape)
+    if not is_dense(t):
+        raise ValueError(f"stochastic_round: a tensor with strides {t.stride()} has no memory order; pass a dense one")
+    return idx.as_strided(t.shape, t.stride())
+
+
+def stochastic_round_bits(t, seed: int, step, tensor: int):
+    """The 16-bit random value (int64) each element of ``t`` adds in :func:`stochastic_round`. ``step`` may be an
+    int or a 0-dim integer tensor (a step count on the device: no host read)."""
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    n = t.numel()
+    q = torch.arange((n + 3) // 4, dtype=torch.int64, device=t.device)
+    k1 = step.to(device=t.device, dtype=torch.int64).reshape(()) & _U32 if torch.is_tensor(step) else int(step) & _U32
+    words = philox4x32_10((q & _U32, q >> 32, torch.full_like(q, int(tensor) & _U32), torch.full_like(q, seed >> 32)),
+                          (seed & _U32, k1))
+    flat = torch.stack(words, dim=1).reshape(-1)[:n] & 0xFFFF
+    return flat[_memory_order_index(t)]
+
+
+def stochastic_round(x, seed: int, step, tensor: int):
+    """float32 ``x`` -> bfloat16 rounded stochastically (unbiased: rounds away from zero with probability equal to
+    the distance to the truncated value in ulps); inf stays inf, NaN stays NaN (quiet bit set). Same layout as
+    ``x``. The bits are those of ``mptrain::stochastic_round`` and the bf16-sr optimizer kernels."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round: expected float32 input, got {x.dtype}")
+    u = x.view(torch.int32).to(torch.int64) & _U32
+    special = (u & 0x7F800000) == 0x7F800000
+    nan_bits = (u >> 16) | torch.where((u & 0x007FFFFF) != 0, 0x0040, 0)
+    out = torch.where(special, nan_bits, (u + stochastic_round_bits(x, seed, step, tensor)) >> 16)
+    out = torch.where(out >= 0x8000, out - 0x10000, out)  # uint16 bits as int16
+    return out.to(torch.int16).view(torch.bfloat16)
 
 
 def _mt_inv_scale(grad_scale):
@@ -85,9 +168,15 @@ def multi_tensor_l2norm(tensors, per_tensor=False):
     return total, (sq.sqrt().float() if per_tensor else None)
 
 
+def _sr_key(sr, steps, i):
+    """(seed, step being taken, tensor id) of tensor ``i`` for ``sr`` = (seed, tensor_offset), or None."""
+    return None if sr is None else (sr[0], steps[i].reshape(()).to(torch.int64) + 1, sr[1] + i)
+
+
 def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps, weight_decay,
-                      decoupled, maximize=False, grad_scale=None, found_inf=None):
-    """torch.optim.Adam/AdamW's update on every tensor; ``masters`` (fp32) replace the params in the math."""
+                      decoupled, maximize=False, grad_scale=None, found_inf=None, sr=None):
+    """torch.optim.Adam/AdamW's update on every tensor; ``masters`` (fp32) replace the params in the math.
+    ``sr`` = (seed, tensor_offset): bf16 params written with stochastic rounding (no masters)."""
     keep, inv = _mt_keep(found_inf), _mt_inv_scale(grad_scale)
     for i, p in enumerate(params):
         w_t = masters[i] if masters else p
@@ -105,13 +194,14 @@ def multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, 
         m = m + (1 - beta1) * (g - m)
         v = beta2 * _upcast(exp_avg_sqs[i]) + (1 - beta2) * g * g
         w = w - step_size * m / (v.sqrt() / bc2_sqrt + eps)
-        _mt_commit(keep, p, w_t, w, (exp_avgs[i], m), (exp_avg_sqs[i], v))
+        _mt_commit(keep, p, w_t, w, (exp_avgs[i], m), (exp_avg_sqs[i], v), sr=_sr_key(sr, steps, i))
     _mt_steps_advance(steps, keep)
 
 
 def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters, lr, momentum, dampening, weight_decay,
-                     nesterov, maximize=False, grad_scale=None, found_inf=None):
-    """torch.optim.SGD's update; a step count of 0 marks a new momentum buffer (buf = grad)."""
+                     nesterov, maximize=False, grad_scale=None, found_inf=None, sr=None):
+    """torch.optim.SGD's update; a step count of 0 marks a new momentum buffer (buf = grad).
+    ``sr`` as in :func:`multi_tensor_adam`."""
     keep, inv = _mt_keep(found_inf), _mt_inv_scale(grad_scale)
     for i, p in enumerate(params):
         w_t = masters[i] if masters else p
@@ -124,13 +214,15 @@ def multi_tensor_sgd(grads, params, momentum_buffers, steps, masters, lr, moment
             buf = torch.where(first, g, momentum * _upcast(momentum_buffers[i]) + (1 - dampening) * g)
             g = g + momentum * buf if nesterov else buf
         w = w - _mt_lr(lr, p) * g
-        _mt_commit(keep, p, w_t, w, *([(momentum_buffers[i], buf)] if momentum != 0 else []))
+        _mt_commit(keep, p, w_t, w, *([(momentum_buffers[i], buf)] if momentum != 0 else []),
+                   sr=_sr_key(sr, steps, i))
     _mt_steps_advance(steps, keep)
 
 
 def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, beta1, beta2, eps, weight_decay,
-                      bias_correction=True, maximize=False, grad_scale=None, found_inf=None):
-    """LAMB: Adam-style update u plus weight decay, scaled per tensor by ||w|| / ||u||."""
+                      bias_correction=True, maximize=False, grad_scale=None, found_inf=None, sr=None):
+    """LAMB: Adam-style update u plus weight decay, scaled per tensor by ||w|| / ||u||.
+    ``sr`` as in :func:`multi_tensor_adam`."""
     keep, inv = _mt_keep(found_inf), _mt_inv_scale(grad_scale)
     for i, p in enumerate(params):
         w_t = masters[i] if masters else p
@@ -146,8 +238,27 @@ def multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, masters, lr, 
         un = u.double().pow(2).sum().sqrt().float()
         ratio = torch.where((wn > 0) & (un > 0), wn / un, torch.ones_like(wn))
         w = w - (_mt_lr(lr, p) * ratio) * u
-        _mt_commit(keep, p, w_t, w, (exp_avgs[i], m), (exp_avg_sqs[i], v))
+        _mt_commit(keep, p, w_t, w, (exp_avgs[i], m), (exp_avg_sqs[i], v), sr=_sr_key(sr, steps, i))
     _mt_steps_advance(steps, keep)
+
+
+# The stochastic-rounding ops' argument order (no masters; seed and tensor_offset last).
+def multi_tensor_adam_sr(grads, params, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled,
+                         maximize, grad_scale, found_inf, seed, tensor_offset):
+    multi_tensor_adam(grads, params, exp_avgs, exp_avg_sqs, steps, [], lr, beta1, beta2, eps, weight_decay, decoupled,
+                      maximize, grad_scale, found_inf, sr=(seed, tensor_offset))
+
+
+def multi_tensor_sgd_sr(grads, params, momentum_buffers, steps, lr, momentum, dampening, weight_decay, nesterov,
+                        maximize, grad_scale, found_inf, seed, tensor_offset):
+    multi_tensor_sgd(grads, params, momentum_buffers, steps, [], lr, momentum, dampening, weight_decay, nesterov,
+                     maximize, grad_scale, found_inf, sr=(seed, tensor_offset))
+
+
+def multi_tensor_lamb_sr(grads, params, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
+                         bias_correction, maximize, grad_scale, found_inf, seed, tensor_offset):
+    multi_tensor_lamb(grads, params, exp_avgs, exp_avg_sqs, steps, [], lr, beta1, beta2, eps, weight_decay,
+                      bias_correction, maximize, grad_scale, found_inf, sr=(seed, tensor_offset))
 
 
 # LayerNorm / RMSNorm as csrc/layer_norm.cu computes them: weight/bias in the input's dtype or fp32.
