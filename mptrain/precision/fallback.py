@@ -29,6 +29,7 @@ from torch import nn
 
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision.lean_cross_entropy import lean_cross_entropy
+from mptrain.precision.list_grammar import ListGrammar
 
 log = logging.getLogger("mptrain")
 
@@ -43,27 +44,15 @@ def _callables_for(name: str) -> list[Callable]:
     return [fn for fn in (getattr(owner, name, None) for owner in (F, torch, torch.Tensor)) if callable(fn)]
 
 
+FP32_FALLBACK = ListGrammar("fp32_fallback", DEFAULT_FP32_OPS, "op names", "['softmax', 'layer_norm']",
+                            known=lambda name: bool(_callables_for(name)), noun="op",
+                            vocabulary=f"names are torch functional names such as {list(DEFAULT_FP32_OPS)}")
+
+
 def resolve_op_list(spec: "str | Iterable[str] | None") -> tuple[str, ...]:
-    """``"default"``, a list of names (``"+name"`` / ``"-name"`` edit the default) or ``[]``: a checked tuple."""
-    if spec is None or spec == "default":
-        return DEFAULT_FP32_OPS
-    if isinstance(spec, str):
-        raise ValueError(f"fp32_fallback={spec!r}: expected 'default', a list of op names or []; "
-                         f"e.g. fp32_fallback=['softmax', 'layer_norm']")
-    names = list(spec)
-    if any(isinstance(n, str) and n[:1] in "+-" for n in names):
-        base = list(DEFAULT_FP32_OPS)
-        for n in names:
-            if n.startswith("-"):
-                base = [b for b in base if b != n[1:]]
-            else:
-                base.append(n.removeprefix("+"))  # a repeat is dropped below
-        names = base
-    for n in names:
-        if not isinstance(n, str) or not _callables_for(n):
-            raise ValueError(f"fp32_fallback: unknown op {n!r}; names are torch functional names such as "
-                             f"{list(DEFAULT_FP32_OPS)}")
-    return tuple(dict.fromkeys(names))
+    """``"default"``, a list of names (``"+name"`` / ``"-name"`` edit the default) or ``[]``: a checked tuple
+    (:mod:`.list_grammar`)."""
+    return FP32_FALLBACK.resolve(spec)
 
 
 #: ops that run in fp32 on CPU tensors when the CPU has no native bf16 (see cpu_lacks_native_bf16).

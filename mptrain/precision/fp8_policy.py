@@ -1,8 +1,8 @@
 """Which linear layers of a model run their GEMMs in fp8 under ``fp8-master``, and why the others stay in bf16.
 
-The policy is a list like ``fp32_fallback``'s: ``"default"``, a list of entries (``"+entry"`` / ``"-entry"``
-edit the default list), or ``[]`` (every eligible layer in fp8).  An entry is either an fnmatch pattern
-over the layer's qualified name (``"lm_head"``, ``"*.head"``, ``"model.layers.0.*"``) or a rule:
+The policy is a list in ``fp32_fallback``'s grammar (:mod:`.list_grammar`): ``"default"``, a list of entries
+(``"+entry"`` / ``"-entry"`` edit the default list), or ``[]`` (every eligible layer in fp8).  An entry is either an
+fnmatch pattern over the layer's qualified name (``"lm_head"``, ``"*.head"``, ``"model.layers.0.*"``) or a rule:
 
 - ``<first>``: the first ``nn.Linear`` in module order when it is not inside a repeated block (a
   ``ModuleList`` or ``Sequential`` of several like blocks): the network's input projection, whose input
@@ -25,6 +25,8 @@ from typing import Union
 
 from torch import nn
 
+from mptrain.precision.list_grammar import ListGrammar
+
 SMALL_WEIGHTS = 2 ** 21
 RULES = ("<first>", "<small>")
 #: output heads by their usual names (transformers, torchvision, torchtitan), plus the two rules
@@ -32,34 +34,16 @@ DEFAULT_KEEP: tuple[str, ...] = ("<first>", "<small>", "lm_head", "*.lm_head", "
                                  "classifier", "*.classifier", "decoder", "*.decoder", "output", "*.output")
 
 
+KEEP_BF16 = ListGrammar("keep_bf16", DEFAULT_KEEP, "layer-name patterns or rules",
+                        "['+model.layers.0.*'] or keep_bf16=['-<small>']",
+                        known=lambda entry: not entry.startswith("<") or entry in RULES, noun="rule",
+                        vocabulary=f"rules are {', '.join(RULES)}; any other entry is an fnmatch pattern")
+
+
 def resolve_keep_list(spec: Union[str, Iterable[str], None]) -> tuple[str, ...]:
-    """``"default"``, a list (``"+x"`` / ``"-x"`` edit the default) or ``[]``: a checked tuple of entries."""
-    if spec is None or spec == "default":
-        return DEFAULT_KEEP
-    if isinstance(spec, str):
-        raise ValueError(f"keep_bf16={spec!r}: expected 'default', a list of layer-name patterns or rules, or []; "
-                         f"e.g. keep_bf16=['+model.layers.0.*'] or keep_bf16=['-<small>']")
-    entries = list(spec)
-    if any(not isinstance(e, str) or not e for e in entries):
-        raise ValueError(f"keep_bf16={entries!r}: every entry must be a non-empty string")
-    if any(e[0] in "+-" for e in entries):
-        if not all(e[0] in "+-" for e in entries):
-            raise ValueError(f"keep_bf16={entries!r} mixes edits ('+x', '-x') and plain entries: write either "
-                             f"edits of the default list {list(DEFAULT_KEEP)} or the whole list")
-        base = list(DEFAULT_KEEP)
-        for e in entries:
-            if e[0] == "-":
-                if e[1:] not in base:
-                    raise ValueError(f"keep_bf16: {e!r} removes {e[1:]!r}, which is not in the default list "
-                                     f"{list(DEFAULT_KEEP)}")
-                base.remove(e[1:])
-            else:
-                base.append(e[1:])
-        entries = base
-    for e in entries:
-        if e.startswith("<") and e not in RULES:
-            raise ValueError(f"keep_bf16: unknown rule {e!r}; rules are {', '.join(RULES)}")
-    return tuple(dict.fromkeys(entries))
+    """``"default"``, a list (``"+x"`` / ``"-x"`` edit the default) or ``[]``: a checked tuple of entries
+    (:mod:`.list_grammar`)."""
+    return KEEP_BF16.resolve(spec)
 
 
 def plan_fp8_layers(module: nn.Module, keep: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
