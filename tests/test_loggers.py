@@ -129,29 +129,41 @@ def test_a_login_or_an_explicit_mode_is_left_alone(tmp_path, monkeypatch):
     assert "WANDB_MODE" not in os.environ
 
 
-@pytest.mark.slow  # a subprocess: a whole `mptrain fit` start-up
-def test_wandb_run_never_shows_the_api_key_and_writes_under_the_root_dir(tmp_path):
-    """``mptrain fit`` with a WandbLogger given no save_dir: its files and the checkpoints land under
-    --trainer.default_root_dir, and the key is in no output and no file."""
+@pytest.mark.slow  # two subprocesses: whole `mptrain fit` runs
+def test_wandb_runs_each_have_their_folder_under_the_root_dir_and_never_show_the_api_key(tmp_path):
+    """Two ``mptrain fit`` runs with a WandbLogger given no save_dir: each run's folder (the JSON summary's log_dir,
+    the last line of stdout) holds its own config.yaml and checkpoints; wandb's run files and debug logs land under
+    --trainer.default_root_dir, none in the home directory; the key is in no output and no file."""
     pytest.importorskip("wandb")
     env = dict(os.environ, WANDB_API_KEY=FAKE_KEY, WANDB_MODE="offline", WANDB_SILENT="false",
-               WANDB_DISABLE_CODE="true", PYTHONPATH=str(ROOT), HOME=str(tmp_path))
-    env.pop("WANDB_DIR", None)
+               WANDB_DISABLE_CODE="true", PYTHONPATH=str(ROOT), HOME=str(tmp_path / "home"))
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR", "XDG_CACHE_HOME"):
+        env.pop(name, None)
     logger = "{class_path: lightning.pytorch.loggers.WandbLogger, init_args: {project: mptrain-test, offline: true}}"
     root = tmp_path / "root"
-    r = subprocess.run([sys.executable, "-m", "mptrain", "fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
-                        "--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
-                        "--trainer.checkpoint_every_n_steps=1", f"--trainer.logger={logger}",
-                        f"--trainer.default_root_dir={root}"],
-                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    runs = list((root / "wandb").glob("offline-run-*/*.wandb"))
-    assert len(runs) == 1, sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    folders, outputs = [], ""
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-m", "mptrain", "fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
+                            "--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
+                            f"--trainer.logger={logger}", f"--trainer.default_root_dir={root}"],
+                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        summary = json.loads(r.stdout.strip().splitlines()[-1])  # the summary is the last line, after wandb's own
+        folder = Path(summary["log_dir"])
+        assert folder.parent == root / "mptrain-test"  # <save_dir>/<project>/<run id>
+        assert (folder / "config.yaml").is_file() and (folder / "checkpoints" / "last.ckpt").is_file()
+        folders.append(folder)
+        outputs += r.stdout + r.stderr
+    assert folders[0] != folders[1]
+    assert not (root / "config.yaml").exists()  # no config shared by the runs
+    runs = sorted((root / "wandb").glob("offline-run-*/*.wandb"))
+    assert {p.stem.removeprefix("run-") for p in runs} == {f.name for f in folders}  # W&B's run id names the folder
     rows, _ = logged(wandb_records(runs[0]))
     assert [r["trainer/global_step"] for r in rows if "train/loss" in r] == [0, 1]
-    run_id = runs[0].stem.removeprefix("run-")
-    assert list((root / "mptrain-test" / run_id / "checkpoints").glob("*.ckpt"))
+    assert list((root / "wandb").rglob("core-debug-*.log"))  # wandb's service logs under the root too
+    home = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "home").rglob("*") if "wandb" in str(p))
+    assert not home, home
     assert not (tmp_path / "wandb").exists() and not (tmp_path / "runs").exists()
-    assert FAKE_KEY not in r.stdout and FAKE_KEY not in r.stderr
+    assert FAKE_KEY not in outputs
     leaks = [p for p in tmp_path.rglob("*") if p.is_file() and FAKE_KEY.encode() in p.read_bytes()]
     assert not leaks, leaks

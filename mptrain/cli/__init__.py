@@ -1,14 +1,15 @@
 """The ``mptrain`` command (also ``python -m mptrain``): LightningCLI's ``fit|validate|test|predict``
 with mptrain's Trainer, and the tools ``doctor|numerics|bench`` in the same flag style.  A config
-mistake prints one line naming the key, the value and what is valid, and exits 2 before anything
-is created."""
+mistake or a refusal (a device the precision mode needs, a damaged checkpoint, an optional extra not
+installed) prints one line naming the thing, the value and the fix, exits 2 and leaves nothing
+behind; ``MPTRAIN_TRACEBACK=1`` shows the traceback instead."""
 from __future__ import annotations
 
 import os
 import sys
 from typing import Optional, Sequence
 
-from mptrain.cli.errors import ConfigError, one_line
+from mptrain.cli.errors import ConfigError, one_line, refusal, show_traceback
 from mptrain.cli.tools import TOOLS, run_tool
 
 __all__ = ["TOOLS", "ConfigError", "main"]
@@ -23,9 +24,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status = _run(argv)
         finished = True
         return status
-    except ConfigError as e:
+    except Exception as e:
+        # a tool's refusal (a damaged checkpoint, a missing extra) is reported as a config mistake is
+        message = one_line(e) if isinstance(e, ConfigError) else refusal(e, loop_started=True)
+        if message is None or show_traceback():
+            raise
         cmd = f"mptrain {argv[0]}" if argv and not argv[0].startswith("-") else "mptrain"
-        print(f"{cmd}: error: {one_line(e)}", file=sys.stderr)
+        print(f"{cmd}: error: {message}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help, --print_config
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)

@@ -1,11 +1,15 @@
-"""Config mistakes as one line: ``ConfigError`` and the rewording of jsonargparse's and
-Lightning's multi-line messages into "key, value, what is valid"."""
+"""Config mistakes and refusals as one line: ``ConfigError``, the rewording of jsonargparse's and
+Lightning's multi-line messages into "key, value, what is valid", and :func:`refusal`, which says
+which errors raised while a run is set up are refusals (reported the same way) rather than failures
+(reported with their traceback)."""
 from __future__ import annotations
 
 import difflib
 import importlib
 import inspect
+import os
 import re
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -17,6 +21,75 @@ CONSTRUCTION_ERRORS = (ValueError, TypeError, MisconfigurationException)
 class ConfigError(ValueError):
     """A recipe or override that cannot work: reported as one line, exit status 2, before
     anything (log dir, checkpoint dir) is created."""
+
+
+#: the optional extras (pyproject.toml): module a user may lack -> (extra, what it brings)
+EXTRAS = {
+    "torchao": ("fp8", "torchao's float8 linears for precision='fp8-master' and `mptrain numerics --fp8`"),
+    "wandb": ("wandb", "Weights & Biases logging through Lightning's WandbLogger"),
+    "torchvision": ("vision", "torchvision's ResNets and image folders (recipes/resnet50.yaml)"),
+    "transformers": ("nlp", "transformers' BERT and Llama (recipes/bert_*.yaml, recipes/llama_1b.yaml)"),
+    "tokenizers": ("nlp", "the WordPiece tokenizer of the text recipes"),
+}
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # mptrain/
+
+
+def missing_extra(error: ImportError) -> Optional[str]:
+    """One line for an optional dependency that is not installed, naming the extra that brings it; None
+    for any other ImportError (a broken install is a failure, with its traceback)."""
+    text = str(error)
+    if "pip install" in text:  # mptrain's own ImportErrors name what to install
+        return one_line(text)
+    name = (getattr(error, "name", None) or "").split(".")[0]
+    for module, (extra, brings) in EXTRAS.items():
+        if name == module or re.search(rf"\b{module}\b", text):
+            return (f"{module} is not installed ({one_line(text)}): pip install 'mptrain[{extra}]' "
+                    f"(the [{extra}] extra: {brings})")
+    return None
+
+
+def raised_by_mptrain(error: BaseException) -> bool:
+    """The ``raise`` that threw ``error`` is a line of mptrain's own code (a deliberate refusal, such as a
+    precision mode the device lacks), not of torch or Lightning."""
+    tb = error.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return False
+    try:
+        return Path(last.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
+    except (OSError, ValueError):
+        return False
+
+
+def refusal(error: BaseException, loop_started: bool) -> Optional[str]:
+    """The one line to print when ``error`` is a refusal, else None (a failure: its traceback is shown).
+
+    Refusals: a damaged or unsafe checkpoint (``mptrain.CheckpointError``, whenever it comes); an optional
+    extra that is not installed; and, before any loop ran (setup: the precision plugin's device checks, the
+    Trainer's argument checks, the model's and data's ``setup``, restoring ``--ckpt_path``), a ``ValueError``,
+    ``TypeError`` or Lightning ``MisconfigurationException``, or a ``RuntimeError`` that mptrain raised itself.
+    Once a loop runs, an error is a failure of the run and keeps its traceback."""
+    from mptrain.checkpoint import CheckpointError
+
+    if isinstance(error, CheckpointError):
+        return one_line(error)
+    if isinstance(error, ImportError):
+        return missing_extra(error)
+    if loop_started:
+        return None
+    if isinstance(error, CONSTRUCTION_ERRORS):
+        return one_line(innermost_error(str(error)))
+    if isinstance(error, RuntimeError) and raised_by_mptrain(error):
+        return one_line(error)
+    return None
+
+
+def show_traceback() -> bool:
+    """``MPTRAIN_TRACEBACK=1``: a refusal or config mistake is raised with its traceback instead of one line."""
+    return os.environ.get("MPTRAIN_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def resolve(class_path: str, where: str) -> Any:

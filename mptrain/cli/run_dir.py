@@ -14,10 +14,13 @@ A logger given an explicit path keeps it.  Any other ``${...}`` is refused: noth
 from __future__ import annotations
 
 import inspect
+import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from jsonargparse import Namespace
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.cli import SaveConfigCallback
 
 from mptrain.cli.errors import ConfigError, resolve
 
@@ -96,3 +99,114 @@ def _get(node: Any, key: str, default: Any = None) -> Any:
     if isinstance(node, (dict, Namespace)):
         return node[key] if key in node else default
     return default  # not a mapping (a bool logger, None)
+
+
+def run_folder(trainer: Any) -> str:
+    """This run's own folder: where Lightning puts its checkpoints (``ModelCheckpoint`` without ``dirpath``), its
+    ``config.yaml`` and, for CSV and TensorBoard loggers, its metrics.  With a logger it is Lightning's
+    ``<save_dir>/<name>/<version>`` of the first logger (``version_N``; W&B's run id), else
+    ``default_root_dir``.  Every rank gets rank zero's answer."""
+    folder = None
+    if trainer.is_global_zero:
+        if not trainer.loggers:
+            folder = str(trainer.default_root_dir)
+        else:
+            logger = trainer.loggers[0]
+            save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+            version = logger.version
+            version = version if isinstance(version, str) else f"version_{version}"
+            folder = os.path.join(str(save_dir), str(logger.name), version)
+    return trainer.strategy.broadcast(folder)
+
+
+class RunConfigCallback(SaveConfigCallback):
+    """LightningCLI's ``SaveConfigCallback`` writing ``config.yaml`` into the run's own folder (:func:`run_folder`),
+    also for loggers whose ``log_dir`` is shared by every run (W&B's is its ``save_dir``)."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.already_saved:
+            return
+        if self.save_to_log_dir:
+            folder = run_folder(trainer)
+            if trainer.is_global_zero:
+                fs = get_filesystem(folder)
+                fs.makedirs(folder, exist_ok=True)
+                self.parser.save(self.config, os.path.join(folder, self.config_filename), skip_none=False,
+                                 overwrite=self.overwrite, multifile=self.multifile)
+        if trainer.is_global_zero:
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
+
+
+def run_roots(trainer: Any) -> list[str]:
+    """Every folder a run writes under: the root, each logger's directory, an explicit checkpoint ``dirpath``,
+    W&B's directory."""
+    roots = [trainer.default_root_dir, os.environ.get("WANDB_DIR")]
+    for logger in trainer.loggers:
+        roots += [getattr(logger, "root_dir", None), logger.save_dir]
+    roots += [getattr(cb, "dirpath", None) for cb in trainer.callbacks]
+    return [str(r) for r in roots if isinstance(r, (str, os.PathLike))]
+
+
+class RunFiles:
+    """The files and folders that exist under a run's roots, so that a refused run can take back what it created
+    (the saved config, a logger's version folder, W&B's offline run); what existed before is never touched.  Roots
+    holding more than ``limit`` entries are not scanned (then nothing is removed)."""
+
+    def __init__(self, roots: list[str], limit: int = 50_000) -> None:
+        self.roots, self.limit = sorted({os.path.abspath(r) for r in roots}), limit
+        self.before = self._scan()
+
+    def _scan(self) -> Optional[set[str]]:
+        """Every existing path under the roots, the roots and their ancestors."""
+        seen: set[str] = set()
+        for root in self.roots:
+            path = root
+            while True:
+                if os.path.exists(path):
+                    seen.add(path)
+                parent = os.path.dirname(path)
+                if parent == path:
+                    break
+                path = parent
+            for dirpath, dirnames, filenames in os.walk(root):
+                seen.update(os.path.join(dirpath, n) for n in dirnames + filenames)
+                if len(seen) > self.limit:
+                    return None
+        return seen
+
+    def remove_new(self) -> list[str]:
+        """Remove what was created under the roots since this object was made (a folder only when it is empty
+        then); returns the removed paths."""
+        after = self._scan() if self.before is not None else None
+        if after is None:
+            return []
+        removed = []
+        for path in sorted(after - self.before, key=lambda p: (p.count(os.sep), p), reverse=True):  # deepest first
+            try:
+                if os.path.islink(path) or os.path.isfile(path):
+                    os.unlink(path)
+                elif os.path.isdir(path):
+                    os.rmdir(path)
+                else:
+                    continue
+                removed.append(path)
+            except OSError:
+                pass
+        return removed
+
+
+def keep_wandb_files_in_the_run(trainer: Any) -> None:
+    """W&B's files under the run's root, not the home directory: its run folders go to the WandbLogger's
+    ``save_dir`` (the root unless the config names another), and, unless set already, ``WANDB_DIR`` and
+    ``WANDB_CACHE_DIR`` (where wandb's service writes its debug logs, and its artifact cache) point under it
+    too.  Called before the W&B run starts."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    wandb = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+    if not wandb:
+        return
+    save_dir = os.path.abspath(str(wandb[0].save_dir if wandb[0].save_dir is not None else trainer.default_root_dir))
+    os.environ.setdefault("WANDB_DIR", save_dir)
+    os.environ.setdefault("WANDB_CACHE_DIR", os.path.join(save_dir, "wandb", "cache"))
