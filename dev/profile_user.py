@@ -33,37 +33,62 @@ CLASSES = {
 
 
 class Prof(L.Callback):
-    def __init__(self, warmup, steps):
-        self.warmup, self.steps, self.n, self.prof, self.wall_ms = warmup, steps, 0, None, 0.0
+    """Steps warmup..warmup+timed timed without the profiler (the step as a user runs it), then ``steps`` profiled."""
+
+    def __init__(self, warmup, steps, timed):
+        self.warmup, self.steps, self.timed, self.n, self.prof, self.wall_ms = warmup, steps, timed, 0, None, 0.0
 
     def on_train_batch_end(self, *a):
         self.n += 1
+        start = self.warmup + self.timed
         if self.n == self.warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.t_plain = time.perf_counter()
+        elif self.n == start:
+            torch.cuda.synchronize()
+            self.plain_ms = (time.perf_counter() - self.t_plain) * 1e3 / self.timed
+            self.peak_gb = torch.cuda.max_memory_allocated() / 2**30
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True)
             self.prof.__enter__()
             self.t0 = time.perf_counter()
-        elif self.n == self.warmup + self.steps:
+        elif self.n == start + self.steps:
             torch.cuda.synchronize()
             self.wall_ms = (time.perf_counter() - self.t0) * 1e3 / self.steps
             self.prof.__exit__(None, None, None)
-            self.peak_gb = torch.cuda.max_memory_allocated() / 2**30
+
+
+def patch(name):
+    """Lab variants of the product, applied for one case (undone after it)."""
+    import mptrain.precision.fallback as fb
+    if name == "ce":  # the fallback's cross_entropy traced as logsumexp - picked (compiled_cross_entropy)
+        from mptrain.precision.compiled_cross_entropy import compiled_cross_entropy
+        old = fb.lean_cross_entropy
+
+        def both(func, args, kwargs):
+            out = compiled_cross_entropy(func, args, kwargs)
+            return old(func, args, kwargs) if out is None else out
+        fb.lean_cross_entropy = both
+        return lambda: setattr(fb, "lean_cross_entropy", old)
+    raise ValueError(f"unknown patch {name!r}")
 
 
 def parse_case(text):
     name, *opts = text.split("|")
-    extra = {}
+    extra, patches = {}, []
     for o in opts:
+        if o.startswith("@"):
+            patches.append(o[1:])
+            continue
         k, _, v = o.partition("=")
         extra[k] = ast.literal_eval(v)
-    return name, extra
+    return name, extra, patches
 
 
 def kernel_times(ka, steps):
     out = {}
     for e in ka:
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.key.startswith(("Optimizer.", "ProfilerStep")):
             continue
         t = getattr(e, "self_device_time_total", 0.0)
         out[e.key] = out.get(e.key, 0.0) + t / steps / 1e3
@@ -79,18 +104,31 @@ def classify(kt):
     return out
 
 
-def run(model, text, warmup, steps, rows):
-    name, extra = parse_case(text)
+def gemm_shapes(prof, steps, rows=12):
+    """The matmul calls by input shapes, with their GPU time per step: which layer a GEMM kernel belongs to."""
+    out = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::linear"):
+            t = getattr(e, "device_time_total", 0.0) / steps / 1e3
+            out.append((t, e.key, e.count // steps, e.input_shapes))
+    for t, key, n, shapes in sorted(out, key=lambda r: -r[0])[:rows]:
+        print(f"  {t:8.3f} ms  {key} x{n} {shapes}")
+
+
+def run(model, text, warmup, steps, rows, timed=10):
+    name, extra, patches = parse_case(text)
+    undo = [patch(p) for p in patches]
     spec = e2e.USER_CASES[name]
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     gc.collect()
     torch.cuda.empty_cache()
-    module, batches, _ = e2e._build(model, spec, warmup + steps + 1, False)
-    prof = Prof(warmup, steps)
+    total = warmup + timed + steps + 1
+    module, batches, _ = e2e._build(model, spec, total, False)
+    prof = Prof(warmup, steps, timed)
     ours = dict(channels_last=model == "user_resnet50", cuda_graphs=spec.cuda_graphs, compile=bool(spec.compile))
     ours.update(extra)
-    trainer = make_trainer(spec.trainer, spec.precision, [prof], warmup + steps + 1, ours, accelerator="cuda",
+    trainer = make_trainer(spec.trainer, spec.precision, [prof], total, ours, accelerator="cuda",
                            devices=1, benchmark=True)
     trainer.fit(module, train_dataloaders=batches)
     c = torch._dynamo.utils.counters
@@ -98,7 +136,7 @@ def run(model, text, warmup, steps, rows):
     graphs = c["stats"].get("unique_graphs", 0)
     kt = kernel_times(prof.prof.key_averages(), steps)
     cls = classify(kt)
-    print(f"\n######## {model} {text}: wall {prof.wall_ms:.2f} ms/step (profiled), GPU busy {sum(kt.values()):.2f}, "
+    print(f"\n######## {model} {text}: {prof.plain_ms:.2f} ms/step unprofiled; {prof.wall_ms:.2f} profiled, GPU busy {sum(kt.values()):.2f}, "
           + ", ".join(f"{k} {v:.2f}" for k, v in cls.items())
           + f"; peak {prof.peak_gb:.2f} GB; dynamo graphs {graphs}, graph breaks {breaks}, kernels/step "
           f"{sum(1 for _ in kt)}", flush=True)
@@ -107,6 +145,9 @@ def run(model, text, warmup, steps, rows):
             print(f"  graph break x{n}: {reason[:200]}")
     for k, t in sorted(kt.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"  {t:8.3f} ms  {k[:110]}")
+    gemm_shapes(prof.prof, steps)
+    for u in undo:
+        u()
     module = trainer = batches = None
     return kt, prof.wall_ms
 

@@ -1,0 +1,53 @@
+"""The fp32 fallback's cross_entropy on half logits while ``torch.compile`` traces: ``logsumexp - picked logit``.
+
+``F.cross_entropy(x.float(), target)`` traced whole materializes the fp32 log-softmax for backward, and inductor
+fused its backward with the upcast into one pointwise kernel that took 11.8 ms of a 54 ms compiled BERT-base
+step on an H100 (16384 x 30522 logits; the same loss on the half logits took 1.2 ms).  Written as
+``logsumexp(x.float()) - x.float()[target]``, the graph holds one reduction over the half logits in forward and
+one pointwise pass in backward (``softmax - one-hot``, computed in fp32 and written in the logits' dtype),
+and saves only the half logits and one fp32 value a row: fp32 compute throughout, the same loss up to the
+rounding of the reduction order.
+
+Taken for class-index targets of 2-D half logits, without class weights or label smoothing; anything else
+traces the plain ``F.cross_entropy`` on fp32 copies.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mptrain.ops.dtypes import HALF_DTYPES
+
+_F_CROSS_ENTROPY = F.cross_entropy  # before any wrapping
+_NAMES = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+
+
+def compiled_cross_entropy(func, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The fp32 loss of a ``F.cross_entropy`` call on half logits as traced code, or None where the plain path
+    must run (eager mode, another spelling, a case this form does not cover)."""
+    if func is not _F_CROSS_ENTROPY or not torch.compiler.is_compiling():
+        return None
+    if len(args) > len(_NAMES) or any(k not in _NAMES for k in kwargs):
+        return None
+    call = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+            "label_smoothing": 0.0, **dict(zip(_NAMES, args)), **kwargs}
+    x, target = call.get("input"), call.get("target")
+    if not (isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.dim() == 2
+            and x.dtype in HALF_DTYPES and target.dim() == 1 and not target.is_floating_point()
+            and call["weight"] is None and call["size_average"] is None and call["reduce"] is None
+            and call["label_smoothing"] == 0.0 and call["reduction"] in ("none", "mean", "sum")
+            and isinstance(call["ignore_index"], int)):
+        return None
+    ignored = target == call["ignore_index"]
+    safe = torch.where(ignored, torch.zeros_like(target), target)
+    xf = x.float()
+    rows = torch.logsumexp(xf, 1) - xf.gather(1, safe[:, None]).squeeze(1)
+    rows = torch.where(ignored, torch.zeros_like(rows), rows)
+    if call["reduction"] == "none":
+        return rows
+    total = rows.sum()
+    if call["reduction"] == "sum":
+        return total
+    return total / (~ignored).sum()  # nll_loss's mean: over the rows not ignored (all ignored: nan, as torch)
