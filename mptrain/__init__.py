@@ -7,10 +7,10 @@ from mptrain.callbacks import (AutoFp32Fallback, ChannelsLast, CompileModel, Cud
                                OverflowMonitor, ResumeState)
 from mptrain.checkpoint import AtomicCheckpointIO, CheckpointError
 from mptrain.precision import (PRECISIONS, DynamicLossScaler, Fp8Precision, MasterPrecision, MixedPrecision, NonFiniteError,
-                               ShardedPrecision, TruePrecision)
+                               ShardedPrecision, StochasticRoundingPrecision, TruePrecision)
 from mptrain.trainer import Trainer
 
 __all__ = ["PRECISIONS", "AtomicCheckpointIO", "AutoFp32Fallback", "ChannelsLast", "CheckpointError", "CompileModel",
            "CudaGraphs", "DynamicLossScaler", "Fp32Finetune", "Fp8Precision", "FuseModules", "MasterPrecision",
-           "MixedPrecision", "NonFiniteError", "OverflowMonitor", "ResumeState", "ShardedPrecision", "Trainer",
-           "TruePrecision", "__version__"]
+           "MixedPrecision", "NonFiniteError", "OverflowMonitor", "ResumeState", "ShardedPrecision",
+           "StochasticRoundingPrecision", "Trainer", "TruePrecision", "__version__"]

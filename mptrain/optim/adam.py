@@ -45,12 +45,13 @@ class FusedAdam(FusedOptimizer):
     def _buffers(self, group):
         return ("exp_avg", "exp_avg_sq")
 
-    def _update(self, group, params, grads, state, masters, grad_scale, found_inf):
+    def _update(self, group, params, grads, state, masters, grad_scale, found_inf, sr=None):
         beta1, beta2 = group["betas"]
         multi_tensor_adam(grads, params, state["exp_avg"], state["exp_avg_sq"], state["step"], masters,
                           lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                           weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                          maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf, fused=self.fused)
+                          maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf, fused=self.fused,
+                          sr=sr)
 
 
 class FusedAdamW(FusedAdam):

@@ -25,12 +25,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     _mptrain_fused = True
     # Instance attributes torch's __getstate__ leaves out (deepcopy and pickle need them), with the value
     # an object pickled without them gets.
-    _instance_attrs = {"master_weights": False, "fused": "auto"}
+    _instance_attrs = {"master_weights": False, "fused": "auto", "stochastic_rounding": None}
     # Group keys that older torch formats lack, with the value torch fills in.
     _format_defaults: dict = {"capturable": False}
 
     def __init__(self, params, defaults: dict, *, master_weights: bool, capturable: bool, fused):
         self.master_weights = bool(master_weights)
+        self.stochastic_rounding: Optional[int] = None  # the seed, while bf16 params round stochastically
         self.fused = check_fused(type(self).__name__, "auto" if fused is None else fused)
         super().__init__(params, dict(defaults, capturable=bool(capturable)))
 
@@ -54,8 +55,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Raise for group options the kernels cannot run (the group may come from a state_dict)."""
 
     def _update(self, group: dict, params: list, grads: list, state: dict, masters: list,
-                grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
-        """Update one bucket (one device, one param dtype); ``state[name]`` are lists."""
+                grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor],
+                sr: Optional[tuple[int, int]] = None) -> None:
+        """Update one bucket (one device, one param dtype); ``state[name]`` are lists; ``sr`` = (seed,
+        tensor_offset) when the bucket's bf16 params are written with stochastic rounding."""
         raise NotImplementedError
 
     # Param groups:
@@ -140,11 +143,46 @@ class FusedOptimizer(torch.optim.Optimizer):
                     p.grad = None
         self.master_weights = False
 
+    # Stochastic rounding (the bf16-sr precision):
+    def uses_stochastic_rounding(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` (bf16, no master) is written with stochastic rounding at each step."""
+        return self.stochastic_rounding is not None and p.dtype == torch.bfloat16 and not self.uses_master(p)
+
+    def state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of ``p``'s moments / momentum: fp32 with a master or stochastic rounding, else ``p``'s."""
+        return torch.float32 if self.uses_master(p) or self.uses_stochastic_rounding(p) else p.dtype
+
+    @torch.no_grad()
+    def enable_stochastic_rounding(self, seed: int) -> None:
+        """Step bf16 params without masters, writing each new weight with stochastic rounding (the ``bf16-sr``
+        precision calls this): the update is computed in fp32 from the bf16 weight and fp32 moments, and
+        rounded from Philox bits keyed by ``(seed, step)`` with counter (tensor, element) (see
+        :func:`mptrain.ops.stochastic_round`): reproducible from the seed, identical on every rank that
+        shares it. Existing bf16 moments become fp32. Other dtypes step as before."""
+        if self.master_weights:
+            raise ValueError(f"{type(self).__name__}: stochastic rounding replaces master weights; "
+                             "call disable_master_weights() first")
+        self.stochastic_rounding = int(seed) & 0xFFFFFFFFFFFFFFFF
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and self.uses_stochastic_rounding(p):
+                    st.update({name: st[name].float() for name in self._buffers(group) if name in st})
+
+    def disable_stochastic_rounding(self) -> None:
+        """Back to round-to-nearest writes (the late switch to fp32); the fp32 moments stay."""
+        self.stochastic_rounding = None
+
+    def _sr_offset(self, index: int) -> int:
+        """Tensor id of the first param of group ``index``: the params before it in the optimizer."""
+        return sum(len(g["params"]) for g in self.param_groups[:index])
+
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         st = self.state[p]
         if "step" not in st:
             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        dtype = self.master_param(p).dtype  # creates the master if p needs one: fp32 then, else p's dtype
+        self.master_param(p)  # creates the master if p needs one
+        dtype = self.state_dtype(p)
         for name in self._buffers(group):
             if name not in st:
                 st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -166,20 +204,23 @@ class FusedOptimizer(torch.optim.Optimizer):
             return loss
         per_device_inf = found_inf_per_device(buckets, found_inf, check, self.fused)
         for (index, device, _dtype, master), params in buckets.items():
+            sr = None
+            if self.stochastic_rounding is not None and self.uses_stochastic_rounding(params[0]):
+                sr = (self.stochastic_rounding, self._sr_offset(index))
             self._step_bucket(self.param_groups[index], device, master, params, grad_scale,
-                              per_device_inf.get(device))
+                              per_device_inf.get(device), sr)
         if unscale_grads and grad_scale is not None and (torch.is_tensor(grad_scale) or grad_scale != 1):
             unscale_grads_(buckets, grad_scale, per_device_inf, self.fused)
         return loss
 
     def _step_bucket(self, group: dict, device: torch.device, master: bool, params: list, grad_scale,
-                     found_inf: Optional[torch.Tensor]) -> None:
+                     found_inf: Optional[torch.Tensor], sr: Optional[tuple[int, int]] = None) -> None:
         states = [self._init_state(p, group) for p in params]
         work, grads, write_back = dense_work_lists(params, [p.grad for p in params])
         state = {name: [st[name] for st in states] for name in ("step",) + self._buffers(group)}
         masters = [st["master_param"] for st in states] if master else []
         gs = grad_scale.to(device, non_blocking=True) if torch.is_tensor(grad_scale) else grad_scale
-        self._update(group, work, grads, state, masters, gs, found_inf)
+        self._update(group, work, grads, state, masters, gs, found_inf, **({"sr": sr} if sr else {}))
         for p, w in write_back:  # the non-dense params' working copies
             p.copy_(w)
 

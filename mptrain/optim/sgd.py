@@ -35,8 +35,8 @@ class FusedSGD(FusedOptimizer):
     def _buffers(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _update(self, group, params, grads, state, masters, grad_scale, found_inf):
+    def _update(self, group, params, grads, state, masters, grad_scale, found_inf, sr=None):
         multi_tensor_sgd(grads, params, state.get("momentum_buffer", []), state["step"], masters, lr=group["lr"],
                          momentum=group["momentum"], dampening=group["dampening"],
                          weight_decay=group["weight_decay"], nesterov=group["nesterov"], maximize=group["maximize"],
-                         grad_scale=grad_scale, found_inf=found_inf, fused=self.fused)
+                         grad_scale=grad_scale, found_inf=found_inf, fused=self.fused, sr=sr)

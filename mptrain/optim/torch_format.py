@@ -49,7 +49,7 @@ def restore_state_tensors(optimizer, saved_state: dict, saved_groups: list) -> N
             elif name == "master_param" and not optimizer.uses_master(p):
                 st.pop(name, None)
             elif torch.is_tensor(value):
-                dtype = torch.float32 if optimizer.uses_master(p) else p.dtype
+                dtype = optimizer.state_dtype(p)
                 st[name] = state_in_layout(value, p, dtype)
             elif value is None:  # torch.optim.SGD keeps momentum_buffer=None until the first step
                 st.pop(name, None)

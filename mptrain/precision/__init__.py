@@ -10,8 +10,9 @@ from mptrain.precision.master import MasterPrecision
 from mptrain.precision.mixed import MixedPrecision
 from mptrain.precision.plugin import MptrainPrecision
 from mptrain.precision.sharded import ShardedPrecision
+from mptrain.precision.sr import StochasticRoundingPrecision
 from mptrain.precision.true import TruePrecision
 
 __all__ = ["PRECISIONS", "normalize_precision", "precision_plugin", "build_precision", "check_device_supports",
            "MptrainPrecision", "MasterPrecision", "Fp8Precision", "MixedPrecision", "TruePrecision", "ShardedPrecision",
-           "DynamicLossScaler", "NonFiniteError", "HALF_DTYPES"]
+           "StochasticRoundingPrecision", "DynamicLossScaler", "NonFiniteError", "HALF_DTYPES"]

@@ -10,10 +10,11 @@ from mptrain.precision.master import MasterPrecision
 from mptrain.precision.mixed import MixedPrecision
 from mptrain.precision.plugin import MptrainPrecision, check_device_supports
 from mptrain.precision.sharded import ShardedPrecision
+from mptrain.precision.sr import StochasticRoundingPrecision
 from mptrain.precision.true import TruePrecision
 
 PRECISIONS: tuple[str, ...] = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "16-master", "bf16-master",
-                                 "fp8-master")
+                                 "fp8-master", "bf16-sr")
 
 # Lightning's short spellings (lightning.fabric.connector's table, minus 64-true which we do not run).
 _ALIASES: dict[Any, str] = {32: "32-true", "32": "32-true", 16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed"}
@@ -36,6 +37,8 @@ def precision_plugin(precision: Any, *, sharded: bool = False, **kwargs: Any) ->
         return ShardedPrecision(name, **kwargs)
     if name == "fp8-master":
         return Fp8Precision(name, **kwargs)
+    if name == "bf16-sr":
+        return StochasticRoundingPrecision(name, **kwargs)
     cls = MasterPrecision if name.endswith("-master") else MixedPrecision if name.endswith("-mixed") else TruePrecision
     return cls(name, **kwargs)
 

@@ -16,13 +16,12 @@ another class's step) and no state yet.  Everything else keeps the generic path.
 """
 from __future__ import annotations
 
-import functools
 import logging
-import weakref
 from typing import Optional
 
 import torch
 
+from mptrain.compat import torch as compat
 from mptrain.optim import FusedAdam, FusedAdamW, FusedSGD
 from mptrain.optim.base import FusedOptimizer
 from mptrain.optim.torch_format import normalize_steps
@@ -34,25 +33,26 @@ COUNTERPARTS: dict[type, type[FusedOptimizer]] = {torch.optim.AdamW: FusedAdamW,
                                                   torch.optim.SGD: FusedSGD}
 
 
-def fused_counterpart(optimizer: torch.optim.Optimizer) -> Optional[type[FusedOptimizer]]:
-    """The mptrain class that can take ``optimizer``'s step over, or None (see the module docstring)."""
+def fused_counterpart(optimizer: torch.optim.Optimizer, require_fused: bool = True) -> Optional[type[FusedOptimizer]]:
+    """The mptrain class that can take ``optimizer``'s step over, or None (see the module docstring).
+    ``require_fused=False``: also when the user did not ask torch for ``fused=True`` (``bf16-sr``, which has
+    no other way to step)."""
     cls = COUNTERPARTS.get(type(optimizer))
     if cls is None or optimizer.state:
         return None
-    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks",
-                                                                          None):
+    if compat.optimizer_step_hooks(optimizer):
         return None
     for g in optimizer.param_groups:
-        if not g.get("fused") or g.get("amsgrad") or g.get("differentiable"):
+        if (require_fused and not g.get("fused")) or g.get("amsgrad") or g.get("differentiable"):
             return None
         if cls is FusedAdam and g.get("decoupled_weight_decay"):
             cls = FusedAdamW  # torch >= 2.7 spells AdamW as Adam(decoupled_weight_decay=True)
     return cls
 
 
-def take_over_step(optimizer: torch.optim.Optimizer, fused) -> bool:
+def take_over_step(optimizer: torch.optim.Optimizer, fused, require_fused: bool = True) -> bool:
     """Turn ``optimizer`` into its fused counterpart in place (True), or leave it (False)."""
-    cls = fused_counterpart(optimizer)
+    cls = fused_counterpart(optimizer, require_fused)
     if cls is None:
         return False
     before = type(optimizer)
@@ -63,27 +63,8 @@ def take_over_step(optimizer: torch.optim.Optimizer, fused) -> bool:
         group.setdefault("decoupled_weight_decay", cls is FusedAdamW)
         optimizer._prepare_group(group)
     normalize_steps(optimizer)
-    optimizer._patch_step_function()
-    _rewrap_scheduler_step(optimizer)
-    log.info("%s.%s steps through mptrain's fused master-weight kernel (%s: same update and state keys)",
+    compat.patch_step_function(optimizer)
+    compat.rewrap_scheduler_step(optimizer)  # an LR scheduler made before wrapped the old class's step
+    log.info("%s.%s steps through mptrain's fused kernel (%s: same update and state keys)",
              before.__module__, before.__qualname__, cls.__name__)
     return True
-
-
-def _rewrap_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
-    """An LR scheduler made before the take-over wrapped ``optimizer.step`` on the instance around the torch
-    class's function (to see that the optimizer stepped); the wrapper is made again around the new class's."""
-    old = vars(optimizer).get("step")
-    if old is None:
-        return
-    ref = weakref.ref(optimizer)
-    func = type(optimizer).step
-
-    @functools.wraps(func)
-    def step(*args, **kwargs):
-        opt = ref()
-        opt._opt_called = True
-        return func(opt, *args, **kwargs)
-
-    step._wrapped_by_lr_sched = getattr(old, "_wrapped_by_lr_sched", True)
-    optimizer.step = step

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: build the extension, run the CUDA tests and the benchmarks on the GPU
 # machine.  Usage: tests/gpu/run.sh [stage ...]
-#   stages: info build tests kernels host e2e user fp8 multi
+#   stages: info build tests kernels host e2e user fp8 sr multi
 #   default: info build tests kernels host (about 4-5 minutes on an H200 with 16 cores:
 #   info 16 s, build 60 s, tests 118 s, kernels 40 s; each stage's timeout below keeps the
 #   default call under 9 minutes: 30 + 150 + 170 + 130 + 60 s).  e2e takes a call of its
@@ -15,6 +15,8 @@
 #   (nvidia-h200-x2): tests/gpu/run.sh info build multi -- DDP scaling of both models, then the FSDP
 #   BERT-large test against DDP (tests marked multi_gpu; the tests stage leaves them out).  fp8 takes a call of its
 #   own (tests/gpu/run.sh fp8): compiled Llama steps, bf16-master vs torchao float8 vs fp8-master, two models.
+#   sr (tests/gpu/run.sh build sr, about 5 minutes): bf16-sr vs bf16-master on the 1.2B Llama (step time, peak
+#   memory) and the SR AdamW step alone vs torchao's (SR_ARGS adds flags, e.g. SR_ARGS="--optim-only").
 # Each stage logs to $OUT/<stage>.log; the benchmarks also write $OUT/<stage>.json, and
 # $OUT/summary.txt lists every stage's exit code and seconds.
 set -uo pipefail
@@ -33,8 +35,8 @@ export MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 STAGES=${*:-info build tests kernels host}
 for s in $STAGES; do
-  case $s in info | build | tests | kernels | host | e2e | user | fp8 | multi) ;;
-  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e user fp8 multi" >&2; exit 2 ;;
+  case $s in info | build | tests | kernels | host | e2e | user | fp8 | sr | multi) ;;
+  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e user fp8 sr multi" >&2; exit 2 ;;
   esac
 done
 summary=()
@@ -73,6 +75,8 @@ stage user 450 python3 -m mptrain.bench.e2e --models user_resnet50,user_bert --w
   --out "$OUT/user.json" ${USER_ARGS:-}
 # shellcheck disable=SC2086  # FP8_ARGS: extra flags, e.g. FP8_ARGS="--models llama1b --rowwise"
 stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --out "$OUT/fp8.json" ${FP8_ARGS:-}
+# shellcheck disable=SC2086  # SR_ARGS: extra flags, e.g. SR_ARGS="--optim-only"
+stage sr 400 python3 -m mptrain.bench.sr --out "$OUT/sr.json" ${SR_ARGS:-}
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
   python3 -m mptrain.bench.ddp --nproc 2 --models bert --batch 128 --json "$OUT/ddp_bert128.json";
   python3 -m pytest tests/gpu -q -s -rfE -p no:cacheprovider -o addopts="" -m multi_gpu' 
