@@ -299,3 +299,91 @@ def test_nothing_imports_the_cli_and_the_doctor_imports_no_benchmark():
     assert not upward, upward
     assert "mptrain.cli.doctor" in graph and "mptrain.cli.numerics" in graph
     assert not [t for t in graph["mptrain.cli.doctor"] if t.startswith("mptrain.bench")]
+
+
+# -- refusals at run time: the config-mistake rule (one line, exit 2, no traceback, nothing written) ----------------
+
+def _damaged_checkpoint(path: Path, how: str) -> Path:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if how == "garbage":
+        path.write_bytes(b"not a checkpoint\n" * 8)
+    else:  # a real checkpoint cut short, as a killed copy leaves it
+        torch.save({"state_dict": {"w": torch.ones(4096)}, "epoch": 0}, path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU machine")
+def test_fp8_master_on_a_cpu_is_refused_and_writes_nothing(workdir, capsys):
+    """The refusal comes from the precision plugin's setup, after Lightning created the logger's folder and
+    LightningCLI saved config.yaml: the run takes them back."""
+    assert_config_error(capsys, workdir, ["fit", "--config", QUICK, *TINY, "--trainer.precision=fp8-master"],
+                        "precision='fp8-master'", "cpu", "Use 'bf16-master'")
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated"])
+def test_a_damaged_ckpt_path_is_refused_before_anything_is_written(how, workdir, capsys):
+    _damaged_checkpoint(workdir / "bad.ckpt", how)
+    line = assert_config_error(capsys, workdir, ["fit", "--config", QUICK, *TINY, "--ckpt_path=bad.ckpt"],
+                               "--ckpt_path='bad.ckpt'", "bad.ckpt", "another checkpoint")
+    assert "weights_only=False" not in line
+
+
+def test_a_damaged_last_checkpoint_is_refused_at_restore_and_the_run_is_taken_back(workdir, capsys):
+    """--ckpt_path=last finds the newest last.ckpt only once the run is set up (config.yaml saved, a new version
+    folder made): a damaged one is refused and that run's files are removed; the earlier run's stay."""
+    _damaged_checkpoint(workdir / "runs/quickstart/lightning_logs/version_0/checkpoints/last.ckpt", "truncated")
+    assert_config_error(capsys, workdir, ["fit", "--config", QUICK, *TINY, "--ckpt_path=last"],
+                        "--ckpt_path='last'", "last.ckpt", "another checkpoint")
+    assert not (workdir / "runs/quickstart/lightning_logs/version_1").exists()
+
+
+def test_a_missing_optional_extra_names_the_extra(workdir, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision raises ImportError
+    assert_config_error(capsys, workdir, ["fit", "--config", QUICK, *TINY, "--model.arch=resnet18"],
+                        "torchvision", "pip install 'mptrain[vision]'")
+
+
+def test_numerics_fp8_without_torchao_is_one_line(workdir, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    assert_config_error(capsys, workdir, ["numerics", "--config", QUICK, "--fp8=true", "--steps=1"],
+                        "torchao", "pip install 'mptrain[fp8]'")
+
+
+def test_mptrain_traceback_shows_the_refusals_traceback(workdir, capsys, monkeypatch):
+    _damaged_checkpoint(workdir / "bad.ckpt", "garbage")
+    monkeypatch.setenv("MPTRAIN_TRACEBACK", "1")
+    with pytest.raises(ConfigError, match="bad.ckpt") as raised:
+        main(["fit", "--config", QUICK, *TINY, "--ckpt_path=bad.ckpt"])
+    assert type(raised.value.__cause__).__name__ == "CheckpointError"
+
+
+def test_an_error_once_a_loop_runs_is_a_failure_with_its_traceback(workdir, capsys, monkeypatch):
+    """Only setup refusals become one line: a ValueError from training_step is the run failing, and propagates."""
+    from mptrain.models import ImageClassifier
+
+    def broken(self, batch, batch_idx):
+        raise ValueError("training_step broke")
+
+    monkeypatch.setattr(ImageClassifier, "training_step", broken)
+    with pytest.raises(ValueError, match="training_step broke"):
+        main(["fit", "--config", QUICK, *TINY, "--trainer.num_sanity_val_steps=0"])
+
+
+@pytest.mark.parametrize("flag, key, near", [("--trainer.max_epoch=3", "trainer.max_epoch", "max_epochs"),
+                                             ("--trainer.max_step", "trainer.max_step", "max_steps"),
+                                             ("--model.l=0.1", "model.l", None)])
+def test_abbreviated_flags_are_unknown_keys(flag, key, near, workdir, capsys):
+    """argparse would take a prefix of one flag as that flag (--trainer.max_epoch=3 ran as max_epochs=3)."""
+    argv = ["fit", "--config", QUICK, *TINY, *flag.split()] + ([] if "=" in flag else ["3"])
+    line = assert_config_error(capsys, workdir, argv, f"unknown key {key!r}")
+    if near:
+        assert f"Did you mean {near!r}" in line
+
+
+def test_tool_flags_are_not_abbreviated_either(workdir, capsys):
+    assert_config_error(capsys, workdir, ["numerics", "--config", QUICK, "--max_sample=3"], "max_sample")
+    assert_config_error(capsys, workdir, ["doctor", "--jso=x.json"], "jso")

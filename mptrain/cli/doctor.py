@@ -189,7 +189,7 @@ def format_doctor(r: dict) -> str:
 
 
 def doctor_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="mptrain doctor", exit_on_error=False,
+    parser = ArgumentParser(prog="mptrain doctor", exit_on_error=False, allow_abbrev=False,
                             description="GPU, tensor-core paths, toolchain versions, extension status, advice.")
     parser.add_argument("--json", type=Optional[str], default=None, help="also write the report as JSON to this path")
     parser.add_argument("--build", type=Optional[bool], default=None,

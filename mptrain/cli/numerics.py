@@ -23,7 +23,7 @@ from mptrain.trainer import Trainer
 
 
 def numerics_parser():
-    parser = ArgumentParser(prog="mptrain numerics", exit_on_error=False,
+    parser = ArgumentParser(prog="mptrain numerics", exit_on_error=False, allow_abbrev=False,
                             description="Layerwise fp32-vs-low-precision comparison of a recipe's model on one batch.")
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="a recipe (the one `mptrain fit` takes)")
     parser.add_argument("--seed_everything", type=Union[bool, int], default=0, help="seed of the model's init")
