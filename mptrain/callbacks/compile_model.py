@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
+from mptrain.compat import torch as compat
+
 
 class CompileModel(Callback):
     """Compile ``pl_module.model`` in place (as ``nn.Module.compile(**compile_kwargs)`` does) at ``setup``.
@@ -30,22 +32,16 @@ class CompileModel(Callback):
                 f"{type(pl_module).__name__}.model is {found}. Store the network as `self.model`, or leave "
                 f"compile=False and call torch.compile yourself in configure_model()."
             )
-        if getattr(model, "_compiled_call_impl", None) is None and not isinstance(
-                model, torch._dynamo.eval_frame.OptimizedModule):
+        if compat.compiled_call(model) is None and not compat.is_optimized_module(model):
             compile_in_place(model, **self.compile_kwargs)
 
 
 def compile_in_place(model: torch.nn.Module, **compile_kwargs: Any) -> None:
     """``model.compile(**compile_kwargs)``, with the compiled frame a function of ours that calls the module.
 
-    ``Module.compile`` compiles ``model._call_impl``; torch 2.6's dynamo skips a first frame in torch.nn
-    (``_call_impl``, ``nn.Sequential.forward``), so a torch.nn container was never traced whole: only the
+    ``Module.compile`` compiles the module's call itself; torch 2.6's dynamo skips a first frame in torch.nn
+    (``Module._call_impl``, ``nn.Sequential.forward``), so a torch.nn container was never traced whole: only the
     user functions it reached (hooks, the fallback's wrappers) were compiled, each as a graph of its own.
-    A frame outside torch.nn is traced on every version, and dynamo inlines ``_call_impl`` from it.
+    A frame outside torch.nn is traced on every version, and dynamo inlines the module's call from it.
     """
-    call_impl = model._call_impl
-
-    def compiled_call(*args: Any, **kwargs: Any) -> Any:
-        return call_impl(*args, **kwargs)
-
-    model._compiled_call_impl = torch.compile(compiled_call, **compile_kwargs)  # what Module.compile sets
+    compat.compile_call(model, **compile_kwargs)

@@ -35,6 +35,7 @@ from mptrain.callbacks.auto_fp32_fallback import AutoFp32Fallback
 from mptrain.callbacks.compile_model import CompileModel
 from mptrain.callbacks.fp32_finetune import Fp32Finetune
 from mptrain.callbacks.graphed_forward import GraphedForward
+from mptrain.compat import torch as compat
 from mptrain.precision.graph_capture import CudaGraphError
 from mptrain.precision.graphed_step import GraphedStep
 from mptrain.precision.grads import accepts_device_found_inf, is_mptrain_fused
@@ -125,8 +126,7 @@ def check_optimizers(optimizers: list) -> None:
     if len(optimizers) != 1:
         raise _refuse(f"it graphs the step of one optimizer, got {len(optimizers)}", "Return one optimizer")
     opt = optimizers[0]
-    hooks = [getattr(h, "__qualname__", repr(h)) for kind in ("pre", "post")
-             for h in getattr(opt, f"_optimizer_step_{kind}_hooks", {}).values()]
+    hooks = [getattr(h, "__qualname__", repr(h)) for h in compat.optimizer_step_hooks(opt)]
     if hooks:
         raise _refuse(f"{type(opt).__name__} has step hooks ({', '.join(hooks)}), which would run once, at capture",
                       "Remove the optimizer's step hooks")

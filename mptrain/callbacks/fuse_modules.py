@@ -13,7 +13,6 @@ Modules that are already mptrain's (a recipe model that called ``fuse_modules`` 
 """
 from __future__ import annotations
 
-import sys
 from typing import Union
 
 import torch
@@ -22,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from mptrain.callbacks.compile_model import CompileModel
+from mptrain.compat import torch as compat
 from mptrain.nn.fuse import MEASURED_FASTER, count_fused, describe_swaps, fuse_and_list, kernels_available
 from mptrain.precision import HALF_DTYPES, MptrainPrecision
 
@@ -111,12 +111,7 @@ def _compiled_roots(trainer, pl_module) -> list:
     for name, m in pl_module.named_modules():
         if any(name.startswith(f"{r}.") or r == "" for r, _ in roots):
             continue
-        user = getattr(m, "_compiled_call_impl", None) is not None or _is_optimized_module(m)
+        user = compat.compiled_call(m) is not None or compat.is_optimized_module(m)
         if user or (will_compile and name == "model"):
             roots.append((name, m))
     return roots
-
-
-def _is_optimized_module(m) -> bool:
-    dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled (importing it costs ~1 s)
-    return dynamo is not None and isinstance(m, dynamo.eval_frame.OptimizedModule)

@@ -3,23 +3,19 @@ mptrain's own (device work only), ``self.log``, and torch.compile's own CUDA gra
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any
 
 import torch
 
+from mptrain.compat import torch as compat
 from mptrain.precision.graph_capture import CudaGraphError
 
 
 def refuse_module_hooks(module: torch.nn.Module) -> None:
     """Module hooks run once, at capture: only mptrain's own (device-only by design) may be graphed."""
-    from torch.nn.modules import module as torch_module
-
-    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    sources = [(f"torch has a global {k[1:-1].replace('_', ' ')}", getattr(torch_module, f"_global{k}", {}))
-               for k in kinds]
-    sources += [(f"module {name or '<root>'!r} has a {k[1:-1].replace('_', ' ')}", getattr(m, k))
-                for name, m in module.named_modules() for k in kinds]
+    sources = [(f"torch has a global {k[:-1].replace('_', ' ')}", hooks) for k, hooks in compat.module_hooks().items()]
+    sources += [(f"module {name or '<root>'!r} has a {k[:-1].replace('_', ' ')}", hooks)
+                for name, m in module.named_modules() for k, hooks in compat.module_hooks(m).items()]
     for where, hooks in sources:
         for hook in hooks.values():
             fn = getattr(hook, "func", hook)
@@ -45,14 +41,7 @@ def refuse_logging(module: torch.nn.Module):
 def refuse_cudagraph_trees() -> None:
     """A model the user compiled with cudagraph trees (``mode="reduce-overhead"``) would replay their graphs
     inside ours, or skip one silently: refused (the ``compile`` argument's graphing modes are refused at setup)."""
-    trees = sys.modules.get("torch._inductor.cudagraph_trees")
-    if trees is None or not torch.cuda.is_initialized():
-        return
-    try:
-        manager = trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
-    except (AttributeError, TypeError, KeyError):  # another torch's internals: nothing to see
-        return
-    if manager is not None:
+    if torch.cuda.is_initialized() and compat.cudagraph_trees_active(torch.cuda.current_device()):
         raise CudaGraphError("cuda_graphs=True: this process runs torch.compile's own CUDA graphs (cudagraph trees: "
                              "mode='reduce-overhead' or 'max-autotune', or options={'triton.cudagraphs': True}), "
                              "which cannot be replayed inside another capture. Compile with the default mode, or "

@@ -20,24 +20,27 @@ import functools
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from mptrain.callbacks.graph_safety import refuse_cudagraph_trees, refuse_logging, refuse_module_hooks
+from mptrain.compat import torch as compat
 from mptrain.precision.graph_capture import CudaGraphError, capture
 
 _FIX = ("forward must be a function of its tensor inputs and the parameters: do host reads and logging in "
         "training_step, which runs eagerly (e.g. BertMLM(max_predictions=N) gathers without a host sync).")
 _CONSTANT = (type(None), bool, int, float, str, torch.dtype, torch.device)
+_pytree = compat.pytree()
+keystr, tree_flatten, tree_flatten_with_path, tree_unflatten = \
+    _pytree.keystr, _pytree.tree_flatten, _pytree.tree_flatten_with_path, _pytree.tree_unflatten
 
 
 class _Slot:
     """One module a training step may call, as ``call`` names it (``self(...)``, ``self.model(...)``), and the
-    attribute its calls go through: ``forward``, or ``_compiled_call_impl`` for a module compiled in place (its
-    compiled code runs ``forward`` inside, where a wrapper would be traced)."""
+    attribute its calls go through: ``forward``, or the compiled call ``Module.compile`` sets for a module compiled
+    in place (its compiled code runs ``forward`` inside, where a wrapper would be traced)."""
 
     def __init__(self, module: torch.nn.Module, call: str):
         self.module, self.call = module, call
-        self.attr = "_compiled_call_impl" if getattr(module, "_compiled_call_impl", None) is not None else "forward"
+        self.attr = compat.COMPILED_CALL_ATTR if compat.compiled_call(module) is not None else "forward"
         self.had = self.attr in module.__dict__  # an instance attribute (torch.compile's, a user's): put back
         self.saved = module.__dict__.get(self.attr)
         self.eager = getattr(module, self.attr)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mptrain.compat import torch as compat
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision.lean_cross_entropy import lean_cross_entropy
 from mptrain.precision.list_grammar import ListGrammar
@@ -116,7 +117,8 @@ class _HalfSource:
     __slots__ = ("packed", "version", "shape", "dtype")
 
     def __init__(self, half: torch.Tensor, packed):
-        self.packed, self.version, self.shape, self.dtype = packed, half._version, tuple(half.shape), half.dtype
+        self.packed, self.version = packed, compat.tensor_version(half)
+        self.shape, self.dtype = tuple(half.shape), half.dtype
 
 
 def _pack_upcast(pairs: list, outer_pack, t: torch.Tensor):
@@ -130,32 +132,17 @@ def _unpack_upcast(outer_unpack, saved):
     if type(saved) is not _HalfSource:
         return outer_unpack(saved) if outer_unpack is not None else saved
     half = outer_unpack(saved.packed) if outer_unpack is not None else saved.packed
-    if outer_unpack is None and half._version != saved.version:
+    version = compat.tensor_version(half)
+    if outer_unpack is None and version != saved.version:
         raise RuntimeError(
             f"one of the variables needed for gradient computation has been modified by an inplace operation: a "
-            f"{saved.dtype} tensor of shape {saved.shape} (is at version {half._version}; expected version "
+            f"{saved.dtype} tensor of shape {saved.shape} (is at version {version}; expected version "
             f"{saved.version}), the input of an op that mptrain's fp32 fallback computed in fp32: backward upcasts "
             f"that input again, as an fp32 run would reuse it. Modify a copy instead (x = x + y rather than x += y)")
     return half.float()
 
 
-def _top_hooks_reader() -> Optional[Callable[[], Optional[tuple]]]:
-    """A function returning the saved-tensor hooks in force ((pack, unpack) or None), or None on a torch that
-    cannot show them (before 2.8); some versions take an ``ignore_is_tracing`` flag, others nothing."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return None
-    for args in ((False,), ()):
-        try:
-            top(*args)
-        except TypeError:
-            continue
-        return lambda: top(*args)
-    return None
-
-
-_hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
-_top_hooks = _top_hooks_reader()
+_top_hooks = compat.saved_tensors_hooks_reader()  # None: this torch cannot show the hooks in force
 
 
 def push_half_saving(pairs: list) -> bool:
@@ -166,18 +153,18 @@ def push_half_saving(pairs: list) -> bool:
     disabled, or on a torch that cannot show the hooks in force.  A True return must be followed by
     :func:`pop_half_saving` once the op has run."""
     if not pairs or _top_hooks is None or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
-            or not _hooks_enabled():
+            or not compat.saved_tensors_hooks_enabled():
         return False
     outer = _top_hooks() or (None, None)
-    torch._C._autograd._push_saved_tensors_default_hooks(functools.partial(_pack_upcast, pairs, outer[0]),
-                                                        functools.partial(_unpack_upcast, outer[1]))
+    compat.push_saved_tensors_hooks(functools.partial(_pack_upcast, pairs, outer[0]),
+                                    functools.partial(_unpack_upcast, outer[1]))
     return True
 
 
 def pop_half_saving(pairs: list) -> None:
     """Undoes :func:`push_half_saving`, and empties ``pairs``: every tensor saved meanwhile keeps a reference to
     the pack hook, which must not keep the upcasts alive."""
-    torch._C._autograd._pop_saved_tensors_default_hooks()
+    compat.pop_saved_tensors_hooks()
     pairs.clear()
 
 
@@ -229,13 +216,13 @@ def _in_fp32(name: str, func, args, kwargs):
     if torch.compiler.is_compiling():  # what dynamo traces
         with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
             return _fp32_call(name, func, args, kwargs)
-    with torch._C._DisableAutocast():  # the same in eager mode, at a tenth of the two contexts' host time
+    with compat.disable_autocast():  # the same in eager mode, at a tenth of the two contexts' host time
         return _fp32_call(name, func, args, kwargs)
 
 
 # -- the listed ops' callables, wrapped while a forward runs ----------------------------------------------
 _MISSING = object()
-_OWNERS = (F, torch, torch.Tensor, torch._C._nn, torch._VF)  # torch._VF: what nn.LSTM / nn.LSTMCell call
+_OWNERS = (F, torch, torch.Tensor, compat.nn_c_functions(), compat.rnn_functions())  # the last: nn.LSTM's
 #: the C functions torch.nn.functional reaches under another name (a name bound before the forward,
 #: ``from torch.nn.functional import cross_entropy``, calls these)
 _INTERNAL = {"cross_entropy": ("cross_entropy_loss",), "nll_loss": ("nll_loss_nd",)}
@@ -248,7 +235,7 @@ _wrappers: dict = {}  # (id(owner), attribute) -> (the callable wrapped, its wra
 @functools.lru_cache(maxsize=None)
 def _spots(name: str) -> tuple:
     """(owner, attribute, op name) of every callable a spelling of op ``name`` ends in."""
-    spots = [(owner, name) for owner in _OWNERS] + [(torch._C._nn, n) for n in _INTERNAL.get(name, ())]
+    spots = [(owner, name) for owner in _OWNERS] + [(compat.nn_c_functions(), n) for n in _INTERNAL.get(name, ())]
     return tuple((owner, attr, name) for owner, attr in spots if callable(getattr(owner, attr, None)))
 
 
@@ -273,7 +260,7 @@ def _wrapper(name: str, orig):
 
 class PatchedOps:
     """The op list of a forward: while open, every callable the listed ops' spellings end in (``F.softmax``,
-    ``torch.softmax``, ``Tensor.softmax``, ``torch._C._nn.cross_entropy_loss``, ...) is wrapped.  In eager
+    ``torch.softmax``, ``Tensor.softmax``, torch's C ``cross_entropy_loss``, ...) is wrapped.  In eager
     code the wrappers act in the threads inside such a context and pass straight through elsewhere; code
     dynamo traces meanwhile gets the fp32 path in its graph.  Unlisted ops cost nothing.  Not caught:
     ``torch.ops.aten`` calls and C functions bound to a name before the forward (``from torch import softmax``)."""
@@ -357,7 +344,7 @@ class Fp32Fallback:
         return f"Fp32Fallback({list(self.ops)})"
 
 
-NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
+NORM_TYPES = (compat.norm_base_class(), nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -374,7 +361,7 @@ def run_module_in_fp32(module: nn.Module) -> list:
     if getattr(module, "accepts_mixed_dtypes", False):
         return []
 
-    cudnn_mixed = isinstance(module, nn.modules.batchnorm._BatchNorm)
+    cudnn_mixed = isinstance(module, compat.batch_norm_base_class())
 
     def pre(mod, args, kwargs):
         dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]

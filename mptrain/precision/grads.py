@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from mptrain import ops
+from mptrain.compat import torch as compat
 
 
 def is_mptrain_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -17,7 +18,7 @@ def is_mptrain_fused(optimizer: torch.optim.Optimizer) -> bool:
 def accepts_device_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours ``found_inf`` on the device: mptrain's fused optimizers and torch's
     ``fused=True`` ones (the ``grad_scale`` / ``found_inf`` attributes of torch.amp.GradScaler's protocol)."""
-    return is_mptrain_fused(optimizer) or (bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    return is_mptrain_fused(optimizer) or (compat.supports_amp_scaling(optimizer)
                                            and all(g.get("fused", False) for g in optimizer.param_groups))
 
 

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mptrain.compat import torch as compat
 from mptrain.ops.dtypes import HALF_DTYPES
 
 #: logits smaller than this run the plain path (their memory is small; the blocks cost launches)
@@ -89,5 +90,5 @@ class _BlockCrossEntropy(torch.autograd.Function):
             logp = torch.log_softmax(x[a:b].float(), 1)
             g = torch.ops.aten.nll_loss_backward(grad if grad.dim() == 0 else grad[a:b], logp, target[a:b], None,
                                                  ctx.enum, ctx.ignore_index, total_weight)
-            gx[a:b] = torch._log_softmax_backward_data(g, logp, 1, torch.float32)
+            gx[a:b] = compat.log_softmax_backward(g, logp, 1, torch.float32)
         return gx, None, None, None

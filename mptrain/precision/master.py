@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from mptrain import ops
+from mptrain.compat import torch as compat
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module, run_module_in_fp32
@@ -66,7 +67,7 @@ class MasterPrecision(MptrainPrecision):
             for name, b in m.named_buffers(recurse=False):
                 # Non-persistent buffers are constants derived from the config (RoPE's inv_freq): a bf16 copy
                 # would move a rotary angle near position 2048 by radians, so they keep their dtype.
-                if b.is_floating_point() and name not in m._non_persistent_buffers_set:
+                if b.is_floating_point() and name not in compat.non_persistent_buffer_names(m):
                     setattr(m, name, b.to(self.param_dtype))
         # torch tags hooks with attributes (a bound method takes none); partials also pickle with the module.
         cls = type(self)
@@ -237,7 +238,7 @@ class MasterPrecision(MptrainPrecision):
         pair = self._pairs.get(id(optimizer))
         if pair is not None and pair[0]:
             with torch.no_grad():
-                torch._foreach_copy_(pair[0], pair[1])  # masters down into the half params
+                compat.foreach_copy_(pair[0], pair[1])  # masters down into the half params
             # The window's grads are consumed: the half ones and the masters' fp32 copies go now, not at the
             # next zero_grad, which Lightning calls after the next forward (the fp32 set would sit through it).
             for p, m in zip(*pair):

@@ -20,8 +20,8 @@ from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision as FSDPMixedPrecision
-from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
 
+from mptrain.compat import torch as compat
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module
@@ -109,7 +109,7 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         """Fabric never calls ``connect``: its first step checks that the optimizer holds FSDP's shards
         (flat parameters, or with ``use_orig_params`` views into them)."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        if self._root is None and not all(map(_is_fsdp_flattened, params)):
+        if self._root is None and not all(map(compat.is_fsdp_flattened, params)):
             raise ValueError(f"{self!r} runs under Lightning's FSDPStrategy, but {type(optimizer).__name__} holds "
                              f"parameters FSDP does not manage. Use strategy='fsdp' and set up the module before "
                              f"the optimizer, or mptrain.MasterPrecision({self.initial_precision!r}) unsharded")
