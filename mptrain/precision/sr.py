@@ -120,7 +120,9 @@ class StochasticRoundingPrecision(MptrainPrecision):
         if not G.is_mptrain_fused(optimizer):
             take_over_step(optimizer, self.fused if self.fused is not False else "auto", require_fused=False)
         if not isinstance(optimizer, SR_OPTIMIZERS):
-            name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+            cls = type(optimizer)
+            public = getattr(torch.optim, cls.__qualname__, None) is cls  # torch.optim.RMSprop, not .rmsprop.RMSprop
+            name = f"torch.optim.{cls.__qualname__}" if public else f"{cls.__module__}.{cls.__qualname__}"
             why = ""
             if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
                 why = (" (this one has an option the fused kernels do not run -- amsgrad, differentiable -- step "
