@@ -1,9 +1,11 @@
 """AtomicCheckpointIO: Lightning's checkpoint format, written atomically, read safely.
 
 Save: into a temp file in the target's folder, fsync, ``os.replace``, fsync the folder (a killed save
-leaves the previous file intact; the next save removes the orphan); non-finite weights are refused.
+leaves the previous file intact; the next save removes the orphan).  Whatever Lightning hands over is written,
+as ``TorchCheckpointIO`` writes it (a full checkpoint, or the bare weights ``strategy="ddp_spawn"`` passes back).
 Load: CRC32 of every zip record verified, then ``torch.load(weights_only=True)`` only.  Every failure
-is a :class:`CheckpointError` naming the file and what is wrong.
+is a :class:`CheckpointError` naming the file and what is wrong; a missing file is also a ``FileNotFoundError``,
+as in Lightning.
 """
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, damaged, unsafe to unpickle or not a Lightning checkpoint."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint file does not exist: Lightning raises ``FileNotFoundError`` there, so this is one too."""
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """A Lightning ``CheckpointIO`` plugin: atomic local writes, ``weights_only`` verified reads; remote
     (``scheme://``) paths go through Lightning's ``TorchCheckpointIO``.  ``mptrain.Trainer`` adds it by default."""
@@ -35,7 +41,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r})")
         path = Path(path)
-        _check_finite(checkpoint, path)
         path.parent.mkdir(parents=True, exist_ok=True)
         for orphan in path.parent.glob(f".*{_TMP_SUFFIX}"):  # left by a save killed before its rename
             orphan.unlink(missing_ok=True)
@@ -61,7 +66,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                                   "torch.serialization.add_safe_globals)")
         path = Path(path)
         if not path.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file; check ckpt_path")
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {path} (it does not exist or is not a file; "
+                                          f"check ckpt_path)")
         _verify_zip(path)
         try:
             state = torch.load(path, map_location=map_location, weights_only=True)
@@ -73,10 +79,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except Exception as e:  # noqa: BLE001 - any other failure to read is a damaged file
             raise CheckpointError(f"checkpoint {str(path)!r} cannot be read "
                                   f"({type(e).__name__}: {_first_line(e)})") from None
-        if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
-            what = (type(state).__name__ if not isinstance(state, dict)
-                    else f"a dict without 'state_dict' (keys {sorted(state)[:8]})")
-            raise CheckpointError(f"checkpoint {str(path)!r} is not a Lightning checkpoint: it holds {what}")
         return state
 
 
@@ -91,20 +93,6 @@ def _verify_zip(path: Path) -> None:
         raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {_first_line(e)}") from None
     if bad is not None:
         raise CheckpointError(f"checkpoint {str(path)!r} is damaged: record {bad!r} fails its CRC32 check")
-
-
-def _check_finite(checkpoint: dict[str, Any], path: Path) -> None:
-    """One min/max reduction per floating tensor (NaN propagates through both), one host read in all."""
-    tensors = {name: t for name, t in checkpoint.get("state_dict", {}).items()
-               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()}
-    if not tensors:
-        return
-    finite = [torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all() for t in tensors.values()]
-    device = finite[0].device
-    bad = [name for name, ok in zip(tensors, torch.stack([f.to(device) for f in finite]).tolist()) if not ok]
-    if bad:
-        raise CheckpointError(f"refused to write checkpoint {str(path)!r}: non-finite values in {bad[:5]}"
-                              f"{' and more' if len(bad) > 5 else ''}; the previous checkpoint there is kept")
 
 
 def _is_remote(path: _PATH) -> bool:

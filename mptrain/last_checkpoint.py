@@ -1,62 +1,36 @@
-"""``fit(ckpt_path="last")``: the newest "last" checkpoint of the run's root, or an error naming where it looked.
+"""``fit(ckpt_path="last")``: the newest "last" checkpoint of the run's root.
 
 Lightning looks in the checkpoint folder of *this* run only; with a logger that folder is the logger's new version
 (``version_1``) while the run to resume wrote into ``version_0``, so it warns and trains from scratch.  Here the
 folders searched are each ``ModelCheckpoint``'s own (its ``dirpath``, or the logger's ``log_dir``/checkpoints, or
 ``default_root_dir``/checkpoints) plus, where the folder comes from the logger, the checkpoint folders of every
 version of that logger (``<save_dir>/<name>/*/checkpoints``) and an ``OnExceptionCheckpoint``'s file; the newest
-file (modification time, Lightning's rule) wins.  A resume that was asked for never silently becomes a fresh run.
+file (modification time, Lightning's rule) wins.  Where there is none, ``"last"`` goes to Lightning unchanged: it
+warns that there is no last checkpoint and starts a new run.
 """
 from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Optional
 
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-from mptrain.checkpoint import CheckpointError
 
-
-def find_last_checkpoint(trainer: Any) -> str:
-    """The path ``fit(ckpt_path="last")`` resumes from; :class:`CheckpointError` naming the folders when none."""
-    callbacks = trainer.checkpoint_callbacks
-    if not callbacks:
-        raise CheckpointError("fit(ckpt_path='last'): this Trainer has no ModelCheckpoint (enable_checkpointing=False "
-                              "and none in callbacks), so it has no 'last' checkpoint to resume; pass the checkpoint's "
-                              "path, or ckpt_path=None to start a new run")
+def find_last_checkpoint(trainer: Any) -> Optional[str]:
+    """The path ``fit(ckpt_path="last")`` resumes from, or None where there is none (Lightning's case then)."""
     found: set[str] = set()
-    searched: list[str] = []
-    for callback in callbacks:
+    for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, OnExceptionCheckpoint):
-            searched.append(callback.ckpt_path)
             found.add(callback.ckpt_path)
         elif isinstance(callback, ModelCheckpoint):
             found |= callback._find_last_checkpoints(trainer)
-            searched.append(_own_folder(callback, trainer))
             if callback.dirpath is None and trainer.loggers:
-                pattern = os.path.join(_logger_root(trainer), "*", "checkpoints")
-                searched.append(pattern)
-                found |= _last_files(callback, pattern)
+                found |= _last_files(callback, os.path.join(_logger_root(trainer), "*", "checkpoints"))
     # a file, or a folder (a sharded checkpoint)
     times = {path: fs.modified(path) for path in found if (fs := get_filesystem(path)).exists(path)}
-    if not times:
-        raise CheckpointError(f"fit(ckpt_path='last') found no last checkpoint (last*.ckpt, written by "
-                              f"ModelCheckpoint(save_last=True) or Trainer(checkpoint_every_n_steps=N)); looked in "
-                              f"{', '.join(map(repr, dict.fromkeys(searched)))}. Pass the checkpoint's path, or "
-                              f"ckpt_path=None to start a new run")
-    return max(times, key=times.get)
-
-
-def _own_folder(callback: ModelCheckpoint, trainer: Any) -> str:
-    if callback.dirpath is not None:
-        return str(callback.dirpath)
-    if trainer.loggers:
-        logger = trainer.loggers[0]
-        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-        return os.path.join(_logger_root(trainer), version, "checkpoints")
-    return os.path.join(str(trainer.default_root_dir), "checkpoints")
+    return max(times, key=times.get) if times else None
 
 
 def _logger_root(trainer: Any) -> str:

@@ -25,7 +25,8 @@ from mptrain.last_checkpoint import find_last_checkpoint
 from mptrain.precision import normalize_precision, precision_plugin
 from mptrain.precision.sharded import is_sharded_strategy
 from mptrain.trainer_checks import (check_arguments, check_finetune, check_fuse_modules, check_mode_for_strategy,
-                                    check_sharded_arguments, check_sharded_plugin, check_user_plugin)
+                                    check_lightning_precision, check_sharded_arguments, check_sharded_plugin,
+                                    check_user_plugin, is_lightning_precision)
 
 
 _FIT_CKPT_PATH = list(inspect.signature(pl.Trainer.fit).parameters).index("ckpt_path") - 1  # after self
@@ -36,7 +37,8 @@ class Trainer(pl.Trainer):
 
     Args:
         precision: One of ``mptrain.PRECISIONS`` or a Lightning alias (``32``, ``16``, ``bf16``); default
-            ``32-true``; leave it unset when ``plugins`` holds a precision plugin.
+            ``32-true``; leave it unset when ``plugins`` holds a precision plugin.  Lightning's modes that mptrain
+            does not run (``64-true``, ``transformer-engine*``) get Lightning's own plugin, untouched.
         fp32_finetune_epochs: Train the last N epochs of a ``max_epochs`` run in ``32-true`` (optimizer state kept).
         fp32_finetune_steps: Train the last N optimizer steps of a ``max_steps`` run in ``32-true``.
         loss_scaler: None for the mode's default, a ``DynamicLossScaler``, or a dict of its arguments.
@@ -81,6 +83,9 @@ class Trainer(pl.Trainer):
         if user_plugin is not None:
             check_user_plugin(precision, loss_scaler, fp32_fallback, fused)
             check_sharded_plugin(strategy, sharded, user_plugin)
+        elif is_lightning_precision(precision):  # a mode mptrain does not run (64-true, transformer-engine)
+            check_lightning_precision(precision, loss_scaler, fp32_fallback, fused)
+            kwargs["precision"] = precision  # Lightning picks its own plugin, as lightning.Trainer does
         else:
             name = normalize_precision("32-true" if precision is None else precision)
             check_mode_for_strategy(strategy, sharded, name)
@@ -102,13 +107,16 @@ class Trainer(pl.Trainer):
 
     def fit(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's ``fit``; ``ckpt_path="last"`` resumes the newest "last" checkpoint of this run's root, across
-        the logger's versions, or raises naming where it looked (never a fresh run instead of a resume)."""
+        the logger's versions; where there is none, Lightning warns and starts a new run."""
         args = list(args)
-        if len(args) > _FIT_CKPT_PATH:
-            if args[_FIT_CKPT_PATH] == "last":
-                args[_FIT_CKPT_PATH] = find_last_checkpoint(self)
-        elif kwargs.get("ckpt_path") == "last":
-            kwargs["ckpt_path"] = find_last_checkpoint(self)
+        positional = len(args) > _FIT_CKPT_PATH
+        if (args[_FIT_CKPT_PATH] if positional else kwargs.get("ckpt_path")) == "last":
+            last = find_last_checkpoint(self)
+            if last is not None:
+                if positional:
+                    args[_FIT_CKPT_PATH] = last
+                else:
+                    kwargs["ckpt_path"] = last
         if self._mptrain_seed is not None:
             seed_everything(self._mptrain_seed, workers=True)
         return super().fit(*args, **kwargs)

@@ -95,6 +95,30 @@ def check_user_plugin(precision, loss_scaler, fp32_fallback, fused) -> None:
                          f"plugin itself, or drop it from plugins and pass these arguments")
 
 
+def is_lightning_precision(precision) -> bool:
+    """A precision value Lightning accepts and mptrain does not run (``64-true``, ``transformer-engine``, ...): it goes
+    to Lightning's own plugin."""
+    from mptrain.compat.lightning import precision_inputs
+    from mptrain.precision import normalize_precision
+
+    if precision is None or precision not in precision_inputs():
+        return False
+    try:
+        normalize_precision(precision)
+    except ValueError:
+        return True
+    return False
+
+
+def check_lightning_precision(precision, loss_scaler, fp32_fallback, fused) -> None:
+    given = [f"{k}={v!r}" for k, v, default in (("loss_scaler", loss_scaler, None),
+                                               ("fp32_fallback", fp32_fallback, "default"), ("fused", fused, "auto"))
+             if v != default]
+    if given:
+        raise ValueError(f"precision={precision!r} is Lightning's own mode, run by Lightning's plugin, so "
+                         f"{', '.join(given)} would be ignored: drop them, or pick one of mptrain's modes")
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} is not valid; valid values: an integer >= {minimum}")

@@ -31,12 +31,23 @@ from mptrain.checkpoint import CheckpointError
 _EPOCHS = "epoch_progress"
 _BATCHES = "epoch_loop.batch_progress"
 _EPOCH_LOOP = "epoch_loop.state_dict"
+_VAL_BATCHES = "epoch_loop.val_loop.batch_progress"
 
 
 def ends_an_epoch(fit_loop: dict[str, Any]) -> bool:
-    """Whether a checkpoint's fit-loop state was written after its epoch's last batch (Lightning's own flag)."""
+    """Whether a checkpoint's fit-loop state was written after its epoch's last batch (Lightning's own flag), and
+    not inside the validation that follows it (Lightning resumes that validation where it stopped)."""
     batches = fit_loop.get(_BATCHES)
-    return isinstance(batches, dict) and bool(batches.get("is_last_batch")) and isinstance(fit_loop.get(_EPOCHS), dict)
+    return (isinstance(batches, dict) and bool(batches.get("is_last_batch")) and isinstance(fit_loop.get(_EPOCHS), dict)
+            and not _mid_evaluation(fit_loop))
+
+
+def _mid_evaluation(fit_loop: dict[str, Any]) -> bool:
+    """A validation batch started and not finished: Lightning's test for a restart mid-evaluation."""
+    progress = fit_loop.get(_VAL_BATCHES)
+    total = progress.get("total") if isinstance(progress, dict) else None
+    return isinstance(total, dict) and total["started"] == total["ready"] and \
+        total["processed"] == total["started"] - 1 and total["completed"] == total["processed"]
 
 
 def stopped_mid_epoch(fit_loop: dict[str, Any]) -> bool:

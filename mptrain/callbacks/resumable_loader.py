@@ -120,8 +120,8 @@ class ResumableDataLoader(StatefulDataLoader):
         self._epoch = epoch
 
     def __iter__(self):
-        if self._epoch is not None:
-            _set_sampler_epoch(self, self._epoch())
+        if self._epoch is not None and self.next_iter_state is not None:  # a restored iterator; else Lightning's
+            _set_sampler_epoch(self, self._epoch())                       # own call sets the epoch, once
         return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
@@ -143,8 +143,9 @@ def to_resumable(loader: Any, epoch: Optional[Callable[[], int]] = None) -> Any:
         return loader
     sampler = loader.sampler
     if type(sampler) is RandomSampler:
-        sampler = ResumableRandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples,
-                                         sampler.generator)
+        # the user's sampler object stays (its attributes, set_epoch, identity); only its iterator records its
+        # position: ResumableRandomSampler adds nothing but that
+        sampler.__class__ = ResumableRandomSampler
     common = {k: getattr(loader, k) for k in ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
                                               "multiprocessing_context", "generator", "prefetch_factor",
                                               "persistent_workers", "pin_memory_device")}
@@ -171,33 +172,33 @@ def order_not_restorable(loader: Any) -> list[str]:
 
 def make_train_loader_resumable(trainer: Any) -> None:
     """Convert the train loader right after Lightning prepares it (sampler injection included), by wrapping the
-    data connector method that prepares it (no public hook lies in between).  An empty train loader is refused
-    here: Lightning would return from ``fit`` after 0 steps."""
-    from lightning.pytorch.trainer.states import RunningStage
-
+    data connector method that prepares it (no public hook lies in between)."""
     connector = trainer._data_connector
-    prepare = connector._prepare_dataloader
+    connector._prepare_dataloader = _PrepareResumable(connector, trainer)
 
-    def prepare_resumable(dataloader: Any, shuffle: bool, mode: RunningStage) -> Any:
-        prepared = prepare(dataloader, shuffle=shuffle, mode=mode)
+
+class _PrepareResumable:
+    """The data connector's ``_prepare_dataloader``, then the conversion of a train loader (a picklable callable:
+    the Trainer and everything it holds pickle, ``strategy="ddp_spawn"`` sends them to its processes)."""
+
+    def __init__(self, connector: Any, trainer: Any):
+        self.connector = connector
+        self.trainer = trainer
+
+    def __call__(self, dataloader: Any, shuffle: bool, mode: Any) -> Any:
+        from lightning.pytorch.trainer.states import RunningStage
+
+        prepared = type(self.connector)._prepare_dataloader(self.connector, dataloader, shuffle=shuffle, mode=mode)
         if mode != RunningStage.TRAINING:
             return prepared
-        _check_not_empty(prepared)
-        return to_resumable(prepared, epoch=lambda: trainer.fit_loop.epoch_progress.current.processed)
-
-    connector._prepare_dataloader = prepare_resumable
+        return to_resumable(prepared, epoch=FitEpoch(self.trainer))
 
 
-def _check_not_empty(loader: Any) -> None:
-    try:
-        batches = len(loader)
-    except TypeError:  # an iterable without a length: its end is its own business
-        return
-    if batches == 0:
-        dataset = getattr(loader, "dataset", None)
-        samples = len(dataset) if hasattr(dataset, "__len__") else "?"
-        raise ValueError(
-            f"the train dataloader yields no batch (dataset of {samples} samples, batch_size="
-            f"{getattr(loader, 'batch_size', '?')}, drop_last={getattr(loader, 'drop_last', '?')}): fit would train "
-            f"0 steps. Give it data, a smaller batch_size or drop_last=False; limit_train_batches=0 skips training."
-        )
+class FitEpoch:
+    """The epoch the fit loop is in (the sampler's epoch), as a picklable callable."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    def __call__(self) -> int:
+        return self.trainer.fit_loop.epoch_progress.current.processed

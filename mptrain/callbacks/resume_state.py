@@ -12,7 +12,6 @@ batches per epoch, accumulation) would replay the wrong batches silently: it is 
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -60,6 +59,12 @@ class ResumeState(Callback):
         fit_loop = (checkpoint.get("loops") or {}).get("fit_loop")
         if trainer.state.fn != TrainerFn.FITTING or not isinstance(fit_loop, dict):
             return
+        if self.state_key not in (checkpoint.get("callbacks") or {}):
+            # not written by mptrain's Trainer (e.g. by lightning.Trainer): resumed as Lightning resumes it
+            rank_zero_warn(f"checkpoint {trainer.ckpt_path!r} holds no ResumeState (not written by mptrain's Trainer): "
+                           f"it is resumed as Lightning resumes it; the exact-resume guarantee needs mptrain's own "
+                           f"checkpoints")
+            return
         if ends_an_epoch(fit_loop):
             self._next_epoch_loaders = settle_epoch_end(fit_loop)
         elif stopped_mid_epoch(fit_loop):
@@ -88,10 +93,7 @@ class ResumeState(Callback):
         self._fit_end = {"rng": rng_state(), "loaders": combined._state_dicts() if combined is not None else []}
 
     def _restore_rng(self, trainer) -> None:
-        if not self._loaded:
-            if trainer.ckpt_path is not None:
-                rank_zero_warn(f"checkpoint {trainer.ckpt_path!r} holds no ResumeState (not written by mptrain's "
-                               f"Trainer): the RNG is not restored, so this run will not repeat the original one")
+        if not self._loaded:  # a checkpoint of lightning.Trainer: on_load_checkpoint said so
             return
         saved, self._loaded = self._loaded, None
         layout = saved.get("layout")
@@ -110,23 +112,25 @@ def _isolate_validation(trainer, owner: ResumeState) -> None:
     the checkpoint was written before (both build the val loader's iterator, which draws a seed)."""
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     for name in ("run", "increment_progress_to_evaluation_end"):
-        method = getattr(val_loop, name)
-        if not getattr(method, "_mptrain_isolated", False):
-            setattr(val_loop, name, _on_rng_copy(method, owner))
+        if not isinstance(vars(val_loop).get(name), _OnRngCopy):
+            setattr(val_loop, name, _OnRngCopy(val_loop, name, owner))
 
 
-def _on_rng_copy(method: Any, owner: ResumeState) -> Any:
-    @functools.wraps(method)
-    def isolated(*args: Any, **kwargs: Any) -> Any:
+class _OnRngCopy:
+    """``loop.<name>`` run on a copy of the RNG, restored when it returns (a picklable callable: the Trainer and
+    everything it holds pickle)."""
+
+    def __init__(self, loop: Any, name: str, owner: ResumeState):
+        self.loop, self.name, self.owner = loop, name, owner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self.owner
         owner._training_rng = rng_state()
         try:
-            return method(*args, **kwargs)
+            return getattr(type(self.loop), self.name)(self.loop, *args, **kwargs)
         finally:
             set_rng_state(owner._training_rng)
             owner._training_rng = None
-
-    isolated._mptrain_isolated = True
-    return isolated
 
 
 _LAYOUT_KEYS = ("world_size", "accumulate_grad_batches", "num_training_batches", "batch_in_epoch")

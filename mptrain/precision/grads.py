@@ -73,3 +73,35 @@ def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tenso
     finally:
         del optimizer.grad_scale
         del optimizer.found_inf
+
+
+def arm_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
+             grad_scale: Optional[torch.Tensor] = None) -> None:
+    """Make the running ``optimizer.step(closure)`` honour ``found_inf`` once its closure returned: on the device
+    where the optimizer reads ``grad_scale`` / ``found_inf`` after its closure (GradScaler's protocol), else after
+    one host read, a step to skip finds no gradient (torch's optimizers leave such parameters and their state as
+    they are).  :func:`disarm_step` undoes it."""
+    if accepts_device_found_inf(optimizer):
+        optimizer.grad_scale = grad_scale.reshape(1).float() if grad_scale is not None else None
+        optimizer.found_inf = found_inf if is_mptrain_fused(optimizer) else found_inf.reshape(())
+    elif bool(found_inf.item()):
+        hide_grads(optimizer)
+
+
+def hide_grads(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's grads set aside (``None``) until :func:`disarm_step`: its step updates nothing."""
+    hidden = vars(optimizer).setdefault("_mptrain_hidden_grads", [])
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                hidden.append((p, p.grad))
+                p.grad = None
+
+
+def disarm_step(optimizer: torch.optim.Optimizer) -> None:
+    """Undo :func:`arm_step`: attributes removed, hidden grads back in place."""
+    state = vars(optimizer)
+    state.pop("grad_scale", None)
+    state.pop("found_inf", None)
+    for p, grad in state.pop("_mptrain_hidden_grads", ()):
+        p.grad = grad

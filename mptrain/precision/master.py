@@ -226,13 +226,28 @@ class MasterPrecision(MptrainPrecision):
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, **kwargs: Any) -> None:
         if self.phase != "low" or not G.is_mptrain_fused(optimizer):
             return super()._optimizer_step(optimizer, found_inf, **kwargs)
+        G.step_with_found_inf(optimizer, found_inf, grad_scale=self._fused_step_scale(optimizer, found_inf), **kwargs)
+
+    def _step_scale(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.phase != "low" or not G.is_mptrain_fused(optimizer):
+            return super()._step_scale(optimizer, found_inf)
+        return self._fused_step_scale(optimizer, found_inf)
+
+    def _step_kwargs(self, optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.phase == "low" and G.is_mptrain_fused(optimizer):
+            # the engine never reads the grads after the step: no extra pass leaving them unscaled
+            return {"unscale_grads": False, **kwargs}
+        return super()._step_kwargs(optimizer, kwargs)
+
+    def _fused_step_scale(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> torch.Tensor:
+        """What the fused step divides the still-scaled half grads by: the loss scale and the clipping coefficient."""
         key = id(optimizer)
         scale = self._scale(found_inf.device, optimizer)
         max_norm = self._fused_clip.pop(key, None)
         if max_norm is not None:
             coef = torch.clamp(max_norm / (self._fused_norm[key] + 1e-6), max=1.0)
             scale = scale / torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
-        G.step_with_found_inf(optimizer, found_inf, grad_scale=scale, **kwargs)
+        return scale
 
     def end_step(self, optimizer: torch.optim.Optimizer) -> None:
         pair = self._pairs.get(id(optimizer))

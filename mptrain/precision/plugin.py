@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from lightning_utilities import apply_to_collection
 from torch import nn
 
@@ -225,21 +225,54 @@ class MptrainPrecision(_LightningPrecision):
     def optimizer_step(self, optimizer: Any, model: Any = None, closure: Optional[Callable[[], Any]] = None,
                        **kwargs: Any) -> Any:
         """lightning.Trainer passes the closure (training_step + backward); Fabric calls after backward.
-        The step phases in order (class docstring), or the ``step_runner``'s step."""
+        The step phases in order (class docstring), or the ``step_runner``'s step.
+
+        Lightning's contract holds: ``optimizer.step(closure)`` runs the closure, so the optimizer decides when (and
+        how often: LBFGS) training_step and backward run, and an optimizer whose step requires a closure gets one.
+        Each run of the closure is followed by ``unscale_and_check`` and ``before_step``; the update then honours
+        the check on the device where the optimizer can, or else finds no gradient when the step is skipped."""
         if self.step_runner is not None:
             return self.step_runner.optimizer_step(optimizer, model, closure, **kwargs)
         optimizer = self.prepare_optimizer(optimizer)
         if closure is None:  # Fabric
             return self._step(optimizer, **kwargs)
-        closure_result = closure()
-        if lightning_skips_step(closure_result, model):
+        results: list = []
+
+        def closure_then_check() -> Any:
+            if results:  # a closure run again (LBFGS) has new grads: checked again
+                G.disarm_step(optimizer)
+                self._pending.pop(id(optimizer), None)
+            result = closure()
+            results.append(result)
+            if lightning_skips_step(result, model):
+                self.before_step(model, optimizer)
+                G.hide_grads(optimizer)  # nothing to step
+                return result
+            found = self.unscale_and_check(optimizer)
             self.before_step(model, optimizer)
+            G.arm_step(optimizer, found, grad_scale=self._step_scale(optimizer, found))
+            return result
+
+        try:
+            output = optimizer.step(closure=closure_then_check, **self._step_kwargs(optimizer, kwargs))
+        finally:
+            G.disarm_step(optimizer)
+        if not results or lightning_skips_step(results[-1], model):  # the closure never ran, or stepped nothing
             self.end_step(optimizer)
-            return closure_result
-        self.unscale_and_check(optimizer)
-        self.before_step(model, optimizer)
-        self._step(optimizer, **kwargs)
-        return closure_result
+            return output
+        found = self.unscale_and_check(optimizer)  # the last run's check
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found)
+        self.finish_step(optimizer, found)
+        return output
+
+    def _step_scale(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Optional[torch.Tensor]:
+        """The ``grad_scale`` the optimizer's step divides the grads by (None: ``unscale_and_check`` unscaled them)."""
+        return None
+
+    def _step_kwargs(self, optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Arguments of ``optimizer.step`` besides the closure (decided before the closure runs)."""
+        return kwargs
 
     def main_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The grads the optimizer reads (``*-master``: copied up into the masters first)."""
@@ -458,7 +491,8 @@ class MptrainPrecision(_LightningPrecision):
             self._promote_saved()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint is never written with non-finite weights (they would poison every resume)."""
+        """A checkpoint with non-finite weights is written as Lightning writes it, with a warning naming the first
+        such weight (resuming it would train on from inf/NaN; the previous checkpoint may be the last good one)."""
         floats = {k: v for k, v in checkpoint.get("state_dict", {}).items()
                   if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
         if not floats:
@@ -467,9 +501,9 @@ class MptrainPrecision(_LightningPrecision):
         if bool(finite.all()):  # one host read per checkpoint
             return
         name = list(floats)[int((~finite).nonzero()[0])]
-        raise NonFiniteError(f"refusing to save a checkpoint: weight {name!r} holds inf/NaN at step "
-                             f"{self._step_number()} (precision={self.precision!r}); the previous "
-                             f"checkpoint is the last good one")
+        rank_zero_warn(f"saving a checkpoint whose weight {name!r} holds inf/NaN at step {self._step_number()} "
+                       f"(precision={self.precision!r}): resuming it trains on from inf/NaN; an earlier checkpoint "
+                       f"may be the last good one")
 
     def teardown(self) -> None:
         self._pending.clear()

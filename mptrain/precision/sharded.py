@@ -25,7 +25,6 @@ from mptrain.compat import torch as compat
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module
-from mptrain.precision.loss_scaler import NonFiniteError
 from mptrain.precision.plugin import MptrainPrecision
 
 #: Callbacks whose work FSDP cannot do: they change parameter dtypes after wrapping.
@@ -156,8 +155,8 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         self._root.clip_grad_norm_(clip_val)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse non-finite weights on every rank together (a full state dict lives on rank 0 only,
-        a sharded one is split across ranks): one all-reduce per checkpoint."""
+        """Non-finite weights are written as Lightning writes them, with a warning decided on every rank together (a
+        full state dict lives on rank 0 only, a sharded one is split across ranks): one all-reduce per checkpoint."""
         local = [_local(v) for v in checkpoint.get("state_dict", {}).values()]
         floats = [t for t in local if t is not None and t.is_floating_point() and t.numel()]
         bad = torch.zeros(1, device=self._device())
@@ -166,8 +165,9 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         G.all_reduce_max_(bad)
         if not bool(bad.item()):
             return
-        raise NonFiniteError(f"refusing to save a checkpoint: a weight holds inf/NaN at step {self._step_number()} "
-                             f"(precision={self.precision!r}); the previous checkpoint is the last good one")
+        rank_zero_warn(f"saving a checkpoint with a weight holding inf/NaN at step {self._step_number()} "
+                       f"(precision={self.precision!r}): resuming it trains on from inf/NaN; an earlier checkpoint "
+                       f"may be the last good one")
 
 
 def _local(value: Any) -> Optional[torch.Tensor]:

@@ -25,6 +25,16 @@ class TruePrecision(MptrainPrecision):
     def _convert(self, module: nn.Module) -> nn.Module:
         return module.to(dtype=self.param_dtype)
 
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """As Lightning's HalfPrecision: tensors (and layers built in ``configure_model``) are created in the half
+        dtype, never in fp32 first."""
+        if self.param_dtype in HALF_DTYPES:
+            return _DtypeContextManager(self.param_dtype)
+        return super().tensor_init_context()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
+
     def forward_context(self) -> contextlib.AbstractContextManager:
         """As Lightning's HalfPrecision: tensors created in the forward default to the half dtype."""
         stack = super().forward_context()
