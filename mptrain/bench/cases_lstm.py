@@ -21,6 +21,7 @@ from torch import nn
 
 from mptrain.bench.common import Result, floor_ms, input_sets, loop_ms, median_ms
 from mptrain.bench.graph_timing import step_ms
+from mptrain.compat import torch as compat
 from mptrain.nn.lstm import FusedLSTM, FusedLSTMCell
 
 BF16 = torch.bfloat16
@@ -105,7 +106,7 @@ def _pointwise_case(batch: int, hidden: int, quick: bool) -> list[Result]:
     def theirs():
         ig, hg, c, dh, dc = next(rot)
         ig, hg = ig.detach().requires_grad_(), hg.detach().requires_grad_()
-        hy, cy, _ = torch.ops.aten._thnn_fused_lstm_cell(ig, hg, c)  # no torch.* binding in newer torch
+        hy, cy, _ = compat.thnn_fused_lstm_cell(ig, hg, c)
         return torch.autograd.grad((hy, cy), (ig, hg), (dh, dc))
 
     rep = 50 if quick else 200

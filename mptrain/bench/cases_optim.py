@@ -20,6 +20,7 @@ import torch
 from mptrain import ops
 from mptrain.bench.common import Result, floor_ms, median_ms
 from mptrain.bench.graph_timing import capture_graph
+from mptrain.compat import torch as compat
 
 #: Calls per timed batch: one multi-tensor call costs the host ~0.3-0.6 ms before its launch, so
 #: timed alone (after do_bench's L2 flush) the GPU idles that long; in training the host runs ahead,
@@ -75,9 +76,9 @@ def _torch_master_path(params, grads, make_optimizer):
     master_grads = [w.grad for w in masters]
 
     def step():
-        torch._foreach_copy_(master_grads, grads)
+        compat.foreach_copy_(master_grads, grads)
         opt.step()
-        torch._foreach_copy_(params, masters)
+        compat.foreach_copy_(params, masters)
 
     return step
 
@@ -144,18 +145,18 @@ def _unscale_cases(shapes, n) -> list[Result]:
 
         label = "torch._amp_foreach_non_finite_check_and_unscale_"
         try:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads[:1], found, scales[1])  # supported?
+            compat.amp_unscale_and_check_(grads[:1], found, scales[1])  # supported?
 
             def theirs():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, next_scale())
+                compat.amp_unscale_and_check_(grads, found, next_scale())
         except RuntimeError:
             label = "torch: bf16 unsupported -> upcast to fp32, unscale, copy back"
             up = [torch.empty_like(g, dtype=torch.float32) for g in grads]
 
             def theirs():
-                torch._foreach_copy_(up, grads)
-                torch._amp_foreach_non_finite_check_and_unscale_(up, found, next_scale())
-                torch._foreach_copy_(grads, up)
+                compat.foreach_copy_(up, grads)
+                compat.amp_unscale_and_check_(up, found, next_scale())
+                compat.foreach_copy_(grads, up)
 
         ours_ms = per_call_ms(ours)
         torch_ms = per_call_ms(theirs)
@@ -172,7 +173,7 @@ def _l2norm_case(shapes, n) -> Result:
     ours = partial(ops.multi_tensor_l2norm, grads, fused=True)
 
     def theirs():  # what torch.nn.utils.clip_grad_norm_ computes
-        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        torch.linalg.vector_norm(torch.stack(compat.foreach_norm(grads)))
 
     exact = torch.stack([g.double().norm() for g in grads]).norm()  # torch's bf16 _foreach_norm rounds to bf16
     torch.testing.assert_close(ours().double(), exact, rtol=1e-5, atol=0)

@@ -13,6 +13,7 @@ import torch
 from mptrain import ops
 from mptrain.bench.common import Result, floor_ms, input_sets
 from mptrain.bench.graph_timing import step_ms
+from mptrain.compat import torch as compat
 
 # (batch, heads, S): 512x512x512 and 128x2048x2048 rows x cols, the shapes Megatron's fused softmax is
 # compared at (docs/kernels/softmax.md).
@@ -83,7 +84,7 @@ def _halves(b, h, s, causal, sets, ours, theirs, rep, name, extra) -> list[Resul
         return ext.scaled_masked_softmax_backward(st[1], st[0], SCALE)
 
     def theirs_b(st):
-        return torch._softmax_backward_data(st[1], st[0], -1, dt).mul_(SCALE)
+        return compat.softmax_backward(st[1], st[0], -1, dt).mul_(SCALE)
 
     torch.testing.assert_close(ours_b(bwd_sets[0]).float(), theirs_b(bwd_sets[0]).float(), rtol=3e-2, atol=3e-2)
     t_b, how_b = step_ms(ours_b, bwd_sets, rep)

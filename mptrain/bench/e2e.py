@@ -309,7 +309,7 @@ def _fresh_start(cuda: bool) -> Optional[float]:
     (LightningModule.log reaches it within the full benchmark's compiled cases).  Inductor's on-disk caches stay,
     so a recompile of code seen before is quick.  The reset comes before the collection: compiled code and its
     guards hold the last case's module."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
     if not cuda:
         return None

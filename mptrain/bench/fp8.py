@@ -244,7 +244,7 @@ def run_case(model: str, name: str, shape: LlamaShape, warmup: int, steps: int, 
         return res
     # A fresh dynamo per case (no cache entries or recompile counts from the cases before), and the last case's
     # trainer, model and optimizer state collected before the peak is reset.
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
     cuda = device == "cuda"
     if cuda:

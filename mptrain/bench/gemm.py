@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from mptrain.bench.common import device_meta, fmt, input_sets, median_ms, write_json
+from mptrain.compat import torch as compat
 
 #: minimum compute capability per dtype (torch >= 2.6 has _int_mm, _scaled_mm and float8_e4m3fn)
 MIN_CC = {"fp32": (0, 0), "tf32": (8, 0), "fp16": (7, 0), "bf16": (8, 0), "int8": (7, 5), "fp8": (8, 9)}
@@ -78,11 +79,11 @@ def make_operands(dtype: str, n: int, device, gen: Optional[torch.Generator] = N
 def gemm_fn(dtype: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The product for ``dtype`` (TF32 on/off is set by :func:`_matmul_precision` around the timing)."""
     if dtype == "int8":
-        return torch._int_mm
+        return compat.int_mm
     if dtype == "fp8":
         def fp8_mm(a, b):
             one = torch.ones((), device=a.device)
-            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            return compat.scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         return fp8_mm
     return torch.matmul
 

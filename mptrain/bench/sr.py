@@ -78,7 +78,7 @@ def run_e2e_case(name: str, shape: LlamaShape, warmup: int, steps: int, device: 
     from mptrain.bench.fp8 import Result
 
     res = E2EResult(name)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
     cuda = device == "cuda"
     if cuda:
@@ -174,7 +174,7 @@ def _optimizer(case: str, params: list, fused) -> Callable[[], object]:
 def run_optim_case(case: str, shapes, device: str, warmup: int, reps: int, fused, bandwidth: float) -> OptimResult:
     res = OptimResult(case, bytes_per_param=BYTES_PER_PARAM[case], tensors=len(shapes))
     cuda = device == "cuda"
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

@@ -162,11 +162,11 @@ def rnn_refresh_flat_weights(rnn: nn.RNNBase) -> None:
     rnn._init_flat_weights()
 
 
-def conv_forward(conv: nn.modules.conv._ConvNd, x: torch.Tensor, weight: torch.Tensor,
-                 bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """A conv layer's convolution with ``weight`` and ``bias`` in place of its own (its padding mode honoured).
-    Missing public API: the layer's forward with other weights."""
-    return type(conv)._conv_forward(conv, x, weight, bias)
+def conv2d_forward(conv: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``conv``'s convolution with ``weight`` and ``bias`` in place of its own (its padding mode and settings
+    honoured). Missing public API: the layer's forward with other weights."""
+    return nn.Conv2d._conv_forward(conv, x, weight, bias)
 
 
 def module_hooks(module: Optional[nn.Module] = None) -> dict[str, dict]:

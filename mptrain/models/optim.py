@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+from mptrain.compat import torch as compat
+
+_NORMS = (compat.norm_base_class(), nn.LayerNorm, nn.GroupNorm)
 
 
 def decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mptrain.compat import torch as compat
 from mptrain.nn import fuse_modules
 from mptrain.nn.retype import retype
 
@@ -26,11 +27,11 @@ class ChannelPaddedConv2d(nn.Conv2d):
     def pads(self, x: torch.Tensor) -> bool:
         return x.shape[1] == 3 and self.groups == 1 and x.dtype == torch.float16 and x.is_cuda
 
-    def _conv_forward(self, x, weight, bias):
-        if self.pads(x):
-            x = F.pad(x, (0, 0, 0, 0, 0, self.PAD_TO - 3))
-            weight = F.pad(weight, (0, 0, 0, 0, 0, self.PAD_TO - 3))
-        return super()._conv_forward(x, weight, bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.pads(x):
+            return super().forward(x)
+        pad = (0, 0, 0, 0, 0, self.PAD_TO - 3)
+        return compat.conv2d_forward(self, F.pad(x, pad), F.pad(self.weight, pad), self.bias)
 
 
 def digits_cnn(num_classes: int = 10, width: int = 16, hidden: int = 64) -> nn.Module:

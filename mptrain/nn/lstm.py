@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from mptrain import ops
+from mptrain.compat import torch as compat
 from mptrain.ops.dispatch import check_fused, use_op
 
 IMPLS = ("auto", "cudnn", "fused")
@@ -93,27 +94,27 @@ class FusedLSTM(nn.LSTM):
         new = cls(lstm.input_size, lstm.hidden_size, num_layers=lstm.num_layers, bias=lstm.bias,
                   batch_first=lstm.batch_first, dropout=lstm.dropout, bidirectional=lstm.bidirectional,
                   proj_size=lstm.proj_size, device="meta", **kwargs)
-        for name in new._flat_weights_names:
+        for name in compat.rnn_flat_weight_names(new):
             setattr(new, name, getattr(lstm, name))
-        new._init_flat_weights()
+        compat.rnn_refresh_flat_weights(new)
         return new.train(lstm.training)
 
     def flatten_parameters(self) -> None:
         """nn.LSTM's, plus bfloat16, which torch skips (cuDNN would then copy the scattered weights into
         one buffer at every call, with the "not part of single contiguous chunk of memory" warning)."""
         super().flatten_parameters()
-        weights = self._flat_weights
-        if (len(weights) != len(self._flat_weights_names) or not weights
+        weights = compat.rnn_flat_weights(self)
+        if (len(weights) != len(compat.rnn_flat_weight_names(self)) or not weights
                 or not all(isinstance(w, torch.Tensor) and w.is_cuda and w.dtype == torch.bfloat16 for w in weights)
                 or len({w.data_ptr() for w in weights}) != len(weights)
                 or not (torch.backends.cudnn.enabled and torch.backends.cudnn.is_available())
-                or not torch._use_cudnn_rnn_flatten_weight()):
+                or not compat.use_cudnn_rnn_flatten_weight()):
             return
         from torch.backends.cudnn import rnn as cudnn_rnn
 
         try:
             with torch.cuda.device_of(weights[0]), torch.no_grad():
-                torch._cudnn_rnn_flatten_weight(
+                compat.cudnn_rnn_flatten_weight(
                     weights, 4 if self.bias else 2, self.input_size, cudnn_rnn.get_cudnn_mode(self.mode),
                     self.hidden_size, self.proj_size, self.num_layers, self.batch_first, bool(self.bidirectional),
                 )

@@ -21,7 +21,11 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map_only
+
+from mptrain.compat import torch as compat
+
+_pytree = compat.pytree()
+tree_leaves, tree_map_only = _pytree.tree_leaves, _pytree.tree_map_only
 
 #: the keys of every row, in this order (outside tests rely on exactly these)
 ROW_KEYS = ("module", "max_abs", "max_rel", "mean_abs", "cosine", "ok", "overflow_frac", "underflow_frac")

@@ -18,6 +18,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from mptrain.compat import torch as compat
 from mptrain.numerics.layerwise import _call
 
 QMIN, QMAX = -128, 127
@@ -163,7 +164,7 @@ def _int_mm_checked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch._int_mm, or (once warned) the exact reference where this cuBLAS refuses the call."""
     global _warned_int_mm
     try:
-        return torch._int_mm(a, b)
+        return compat.int_mm(a, b)
     except RuntimeError as e:
         if not _warned_int_mm:
             warnings.warn(f"torch._int_mm failed ({str(e).splitlines()[0][:200]}); int8 matmuls fall back to the "

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from mptrain.compat import torch as compat
+
 FUSED_CHOICES = ("auto", True, False)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -50,9 +52,8 @@ def call_fast(entry: str, x, fused, *args):
     return NotImplemented if fn is None else fn(x, *args)
 
 
-# torch.compile runs the loader while tracing and treats its answer as a constant (what
-# torch.compiler.assume_constant_result sets; set directly: importing torch._dynamo costs ~1 s).
-_load._dynamo_marked_constant = True
+# torch.compile runs the loader while tracing and treats its answer as a constant
+compat.mark_compile_constant(_load)
 
 
 def use_op(op: str, x: torch.Tensor, fused, dtype=None) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from mptrain.compat import torch as compat
+
 from . import dispatch, reference
 from .dispatch import use_op
 from .library import OPS
@@ -32,7 +34,7 @@ def _param_dtypes(x, weight, bias):
 
 # Whether CUDA autocast runs the op in fp32 (layer_norm always; rms_norm in recent torch), looked up once
 # (a plain dict: torch.compile traces it without a graph break).
-_AUTOCAST_FP32 = {op: torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA")
+_AUTOCAST_FP32 = {op: compat.has_autocast_cuda_kernel(op)
                   for op in ("aten::layer_norm", "aten::rms_norm")}
 
 
