@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 from jsonargparse import ArgumentParser
 
+from mptrain.compat import torch as compat
 from mptrain.ops.build import extension_status, find_cuda_home, get_extension
 from mptrain.precision.fallback import cpu_lacks_native_bf16
 
@@ -59,11 +60,11 @@ def _probe_product(path: str, n: int, device: torch.device) -> torch.Tensor:
     second operand column-major, the layout cuBLASLt's kernels take)."""
     if path == "int8":
         a, b = (torch.randint(-128, 128, (n, n), dtype=torch.int8, device=device) for _ in range(2))
-        return torch._int_mm(a, b.t())
+        return compat.int_mm(a, b.t())
     if path == "fp8":
         a, b = (torch.randn(n, n, device=device).to(torch.float8_e4m3fn) for _ in range(2))
         one = torch.ones((), device=device)
-        return torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return compat.scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     dtype = {"tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[path]
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     if path != "tf32":
