@@ -9,7 +9,8 @@
 * **half saved for backward** (eager): an op that saves its input for backward (layer_norm, a norm layer's
   ops, ...) keeps the half tensor an fp32 upcast was made from, not the upcast, and backward upcasts it again
   (exact): 2 bytes an element where the upcast costs 4, the same values (compiled graphs choose what they save);
-  cross_entropy on large half logits runs by blocks of rows (:mod:`.lean_cross_entropy`);
+  cross_entropy on large half logits runs by blocks of rows (:mod:`.lean_cross_entropy`); under torch.compile
+  cross_entropy on half logits is traced as ``logsumexp - picked logit`` (:mod:`.compiled_cross_entropy`);
 * **CPU RNN policy**: torch's oneDNN bf16 LSTM crashes on CPUs without native bf16, so there
   ``torch.lstm`` / ``torch.lstm_cell`` run in fp32 on CPU tensors (GPU tensors untouched);
 * **automatic promotion** (``auto_fp32_fallback``): leaf modules' outputs are checked for inf/NaN on
@@ -29,6 +30,7 @@ from torch import nn
 
 from mptrain.compat import torch as compat
 from mptrain.ops.dtypes import HALF_DTYPES
+from mptrain.precision.compiled_cross_entropy import compiled_cross_entropy
 from mptrain.precision.lean_cross_entropy import lean_cross_entropy
 from mptrain.precision.list_grammar import ListGrammar
 
@@ -301,8 +303,10 @@ def _fp32_call(name: str, func, args, kwargs):
     """``func`` on fp32 copies of its half tensors, the result in the first one's dtype."""
     if name == "batch_norm":
         return _batch_norm_fp32(func, args, kwargs)
-    if name == "cross_entropy":  # large half logits: by blocks of rows, no whole fp32 copy (lean_cross_entropy)
-        loss = lean_cross_entropy(func, args, kwargs)
+    if name == "cross_entropy":  # half logits: traced as logsumexp - picked when compiling, by blocks in eager
+        loss = compiled_cross_entropy(func, args, kwargs)
+        if loss is None:
+            loss = lean_cross_entropy(func, args, kwargs)
         if loss is not None:
             return loss.to((args[0] if args else kwargs["input"]).dtype)
     seen: list = []
