@@ -3,11 +3,10 @@ CUDA input)."""
 from __future__ import annotations
 
 from torch import nn
-from torch.nn.modules.utils import _pair
 
 from mptrain.ops import max_pool2d
 from mptrain.ops.dispatch import check_fused
-from mptrain.ops.pool import MAX_WINDOW
+from mptrain.ops.pool import MAX_WINDOW, as_pair
 
 
 class FusedMaxPool2d(nn.MaxPool2d):
@@ -26,8 +25,8 @@ class FusedMaxPool2d(nn.MaxPool2d):
 
     def unsupported(self) -> str:
         """What of this configuration the kernel cannot take ('' when it takes it all)."""
-        k = _pair(self.kernel_size)
-        bad = (_pair(self.dilation) != (1, 1), self.ceil_mode, self.return_indices, k[0] * k[1] > MAX_WINDOW)
+        k = as_pair(self.kernel_size)
+        bad = (as_pair(self.dilation) != (1, 1), self.ceil_mode, self.return_indices, k[0] * k[1] > MAX_WINDOW)
         if not any(bad):  # forward asks on every call: no message strings built for the common case
             return ""
         whys = (f"dilation={self.dilation}", "ceil_mode=True", "return_indices=True",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules.utils import _pair
 
 from . import dispatch
 from .dispatch import use_op
@@ -16,6 +15,11 @@ from .library import OPS
 
 _max_pool2d = OPS["max_pool2d"]
 MAX_WINDOW = 127  # window elements an int8 offset can address
+
+
+def as_pair(value) -> tuple:
+    """``(v, v)`` for one number, the two values of a pair as a tuple (what torch's pooling arguments accept)."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0, *, fused="auto"):
@@ -28,8 +32,8 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, *, fused="auto"):
     y = dispatch.call_fast("fast_pool", x, fused, kernel_size, stride, padding)
     if y is not NotImplemented:
         return y
-    k, p = _pair(kernel_size), _pair(padding)
-    s = _pair(stride) if stride is not None and stride != [] else k
+    k, p = as_pair(kernel_size), as_pair(padding)
+    s = as_pair(stride) if stride is not None and stride != [] else k
     if x.dim() != 4 or k[0] * k[1] > MAX_WINDOW:
         if fused is True:
             raise ValueError(f"max_pool2d: fused=True needs 4-d input and a window of at most {MAX_WINDOW} elements, "
