@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from mptrain.compat import torch as compat
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.optim import FusedAdam, FusedLAMB, FusedSGD
 from mptrain.precision import grads as G
@@ -80,7 +81,7 @@ class StochasticRoundingPrecision(MptrainPrecision):
             for name, b in m.named_buffers(recurse=False):
                 # Non-persistent buffers are constants derived from the config (RoPE's inv_freq): they keep
                 # their dtype, as in the master modes.
-                if b.is_floating_point() and name not in m._non_persistent_buffers_set:
+                if b.is_floating_point() and name not in compat.non_persistent_buffer_names(m):
                     setattr(m, name, b.to(self.param_dtype))
         return module
 
