@@ -15,6 +15,7 @@ gradients and the optimizer are left as they were.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
@@ -61,7 +62,7 @@ def _shadow_optimizer(optimizer: torch.optim.Optimizer, weights: list[list[torch
     except TypeError as e:
         raise ValueError(f"rounding_loss: cannot make a {type(optimizer).__name__} from its own param groups ({e}); "
                          "pass an optimizer whose constructor takes them (torch.optim's and mptrain's do)") from None
-    shadow.load_state_dict(optimizer.state_dict())
+    shadow.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # loading may keep tensors (step counts) as given
     return shadow
 
 
