@@ -1,7 +1,9 @@
 """``mptrain numerics``: a jsonargparse parser in the flag style of ``mptrain fit`` (snake_case,
 ``--config``, dotted overrides; docs/cli.md lists the flags).  It reads a recipe as ``mptrain fit``
 does and compares its model layer by layer on one batch (:func:`mptrain.numerics.compare_layerwise`),
-or with ``--fp8`` reports what fp8-master's casts do (:func:`mptrain.numerics.fp8_report`)."""
+or with ``--fp8`` reports what fp8-master's casts do (:func:`mptrain.numerics.fp8_report`), or with ``--rounding``
+which share of an optimizer step's updates bf16 round-to-nearest would lose
+(:func:`mptrain.numerics.rounding.rounding_loss`: bf16-sr or bf16-master rather than bf16-true)."""
 from __future__ import annotations
 
 import json
@@ -49,6 +51,12 @@ def numerics_parser():
     parser.add_argument("--fp8_scaling", type=Literal["current", "delayed"], default="current",
                         help="with --fp8: current (fp8-master's) or delayed (from the amax of the 16 previous calls)")
     parser.add_argument("--steps", type=int, default=4, help="with --fp8: training batches to run")
+    parser.add_argument("--rounding", type=bool, default=False,
+                        help="instead: per parameter group, the share of one optimizer step's updates that bf16 "
+                             "round-to-nearest (bf16-true) would lose, on one training batch in fp32")
+    parser.add_argument("--rounding_lr", type=Optional[float], default=None,
+                        help="with --rounding: evaluate at this learning rate (e.g. the schedule's last) instead of "
+                             "the optimizer's first")
     return parser
 
 
@@ -91,6 +99,8 @@ def numerics_main(argv: Optional[list[str]] = None) -> int:
     cfg = parser.parse_args(argv)
     if cfg.fp8:
         return fp8_main(parser, cfg)
+    if cfg.rounding:
+        return rounding_main(parser, cfg)
     precision = cfg.precision or cfg.trainer.get("precision") or "bf16-mixed"
     try:
         precision = normalize_precision(precision)
@@ -134,4 +144,49 @@ def fp8_main(parser, cfg) -> int:
         Path(cfg.json).write_text(report.to_json())
         print(f"wrote {cfg.json}")
     print(report.table(top=cfg.top))  # its last line: the summary and the keep_bf16 advice
+    return 0
+
+
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """The (first) optimizer of whatever ``configure_optimizers`` returned (Lightning's forms)."""
+    if isinstance(configured, dict):
+        configured = configured.get("optimizer")
+    if isinstance(configured, (list, tuple)) and configured:
+        first = configured[0]
+        return _first_optimizer(first[0] if isinstance(first, (list, tuple)) else first)
+    if not isinstance(configured, torch.optim.Optimizer):
+        raise ConfigError(f"--rounding: configure_optimizers() returned {type(configured).__name__}, not an optimizer")
+    return configured
+
+
+def rounding_main(parser, cfg) -> int:
+    """``mptrain numerics --rounding``: the recipe's model in fp32 and its optimizer on one training batch; per
+    parameter group, the share of the step's updates bf16 round-to-nearest would lose (nothing is stepped)."""
+    from mptrain.numerics.rounding import format_rounding_report, rounding_loss
+
+    if cfg.rounding_lr is not None and not cfg.rounding_lr > 0:
+        raise bad_value("rounding_lr", cfg.rounding_lr, "a learning rate > 0")
+    model, batch = build_model_and_batch(parser, cfg)
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = model.to(device)
+    batch = apply_to_collection(batch, torch.Tensor, lambda t: t.to(device))
+    try:
+        optimizer = _first_optimizer(model.configure_optimizers())
+    except (AttributeError, RuntimeError, TypeError) as e:  # e.g. a schedule that asks the trainer for its length
+        raise ConfigError(f"--rounding: {type(model).__name__}.configure_optimizers() failed outside a trainer: "
+                          f"{one_line(str(e))}") from None
+    if cfg.rounding_lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.rounding_lr
+
+    def loss() -> torch.Tensor:
+        out = model.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+
+    model.train()
+    rows = rounding_loss(model, optimizer, loss_fn=loss)
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps([r.to_dict() for r in rows], indent=2))
+        print(f"wrote {cfg.json}")
+    print(format_rounding_report(rows))  # its last line: the advice
     return 0

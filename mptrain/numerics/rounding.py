@@ -140,8 +140,8 @@ def format_rounding_report(rows: list[GroupRounding], dtype: str = "bf16") -> st
     for r in rows:
         worst = ", ".join(f"{n} {100 * s:.0f}%" for n, s in r.worst)
         lines.append(f"{r.group:>5} {r.lr:>9.3g} {r.params:>6} {r.elements:>12,} {r.updated:>12,} "
-                     f"{100 * r.lost_share:>6.1f}% {100 * r.lost_mass_share:>8.1f}% {r.median_update_to_half_ulp:>12.3g}"
-                     f"  {worst}")
+                     f"{100 * r.lost_share:>6.1f}% {100 * r.lost_mass_share:>8.1f}% "
+                     f"{r.median_update_to_half_ulp:>12.3g}  {worst}")
     updated = sum(r.updated for r in rows)
     share = sum(r.lost for r in rows) / updated if updated else 0.0
     if share > ADVICE_THRESHOLD:

@@ -77,3 +77,20 @@ def test_masters_are_the_weights_and_a_missing_grad_is_an_error():
     rows = rounding_loss(model, opt)
     assert rows[0].params == 6 and rows[0].updated > 0
     assert "master_param" in opt.state[model[0].weight] and opt.master_weights
+
+
+@pytest.mark.slow
+def test_numerics_cli_rounding_flag(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from mptrain.cli.numerics import numerics_main
+
+    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml")
+    out = tmp_path / "rounding.json"
+    assert numerics_main(["--config", recipe, "--rounding=true", "--rounding_lr=1e-5", "--device=cpu",
+                          "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert rows and all(r["lr"] == 1e-5 for r in rows) and rows[0]["lost_share"] > 0.5
+    assert "bf16-sr" in printed.splitlines()[-1]
