@@ -387,3 +387,24 @@ def test_abbreviated_flags_are_unknown_keys(flag, key, near, workdir, capsys):
 def test_tool_flags_are_not_abbreviated_either(workdir, capsys):
     assert_config_error(capsys, workdir, ["numerics", "--config", QUICK, "--max_sample=3"], "max_sample")
     assert_config_error(capsys, workdir, ["doctor", "--jso=x.json"], "jso")
+
+
+SHIPPED_BENCHMARKS = ("ddp", "e2e", "fp8", "gemm", "host_cost", "kernels")
+
+
+def test_bench_help_lists_every_benchmark_the_package_ships(workdir, capsys):
+    from mptrain.bench import benchmarks
+
+    assert set(SHIPPED_BENCHMARKS) <= set(benchmarks())
+    rc, out, _ = run(capsys, "bench", "--help")
+    assert rc == 0 and all(name in out for name in benchmarks())
+    assert_config_error(capsys, workdir, ["bench", "fp9"], "unknown benchmark 'fp9'",
+                        ", ".join(benchmarks()))
+
+
+@pytest.mark.parametrize("name", sorted(__import__("mptrain.bench", fromlist=["benchmarks"]).benchmarks()))
+def test_each_benchmark_is_reached_and_prints_its_help(name, workdir, capsys):
+    rc, out, err = run(capsys, "bench", name, "--help")
+    assert rc == 0, err
+    assert "usage:" in out and "--" in out
+    assert files_under(workdir) == set()

@@ -1,8 +1,9 @@
-"""Timing and reporting shared by every benchmark (DESIGN §5): CUDA-event medians on inputs
-rotated among sets larger than L2 (HBM, not cache), host-loop timers, and the result table of
-ours against the PyTorch baseline (ratio, % of the bandwidth floor)."""
+"""The harness every benchmark shares (DESIGN §5): its command-line parser (``mptrain bench NAME``),
+CUDA-event medians on inputs rotated among sets larger than L2 (HBM, not cache), host-loop timers,
+and the result table of ours against the PyTorch baseline (ratio, % of the bandwidth floor)."""
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -12,6 +13,15 @@ import torch
 
 #: Measured device-to-device copy bandwidth on the H200 (bytes read + written), DESIGN §5.
 H200_COPY_BW = 4.25e12
+
+
+def bench_parser(name: str, doc: Optional[str], **kwargs) -> argparse.ArgumentParser:
+    """The parser of ``mptrain bench NAME``: its description is the module docstring's first paragraph, and
+    flags are never abbreviated (``--step`` is not ``--steps``)."""
+    description = (doc or "").split("\n\n")[0]
+    kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(prog=f"mptrain bench {name}", description=description, allow_abbrev=False,
+                                   **kwargs)
 
 
 def median_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 200.0) -> float:

@@ -29,7 +29,7 @@ import torch
 
 from lightning.pytorch import Callback
 
-from mptrain.bench.common import parse_csv, write_json
+from mptrain.bench.common import bench_parser, parse_csv, write_json
 from mptrain.bench.e2e_models import MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def measure(model: str, nproc: int, tmp: str, probe: dict, args) -> dict:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mptrain bench ddp", description=__doc__.split("\n\n")[0])
+    p = bench_parser("ddp", __doc__)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--trainer", default="mptrain", choices=("mptrain", "lightning"),
                    help="mptrain.Trainer, or a plain lightning.Trainer as the baseline")

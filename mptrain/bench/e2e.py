@@ -45,7 +45,7 @@ from typing import Optional
 import lightning as L
 import torch
 
-from mptrain.bench.common import device_meta, fmt, parse_csv, write_json
+from mptrain.bench.common import bench_parser, device_meta, fmt, parse_csv, write_json
 from mptrain.bench.e2e_models import MODELS, build, compile_lightning_module, make_trainer, use_optimizer
 from mptrain.bench.user_models import USER_MODELS, build_user
 from mptrain.precision.graph_capture import CudaGraphError
@@ -506,8 +506,7 @@ _fmt = partial(fmt, none="-")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mptrain bench e2e", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("e2e", __doc__)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(ALL_MODELS)} "
                    f"(default: {', '.join(MODELS)})")
     p.add_argument("--cases", default=None,

@@ -44,7 +44,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from mptrain.bench.common import device_meta, fmt, parse_csv, write_json
+from mptrain.bench.common import bench_parser, device_meta, fmt, parse_csv, write_json
 from mptrain.bench.e2e import QUICK_COMPILE, StepTimer, fused_kernel_status
 from mptrain.bench.e2e_models import DeviceBatches, make_trainer
 
@@ -333,8 +333,7 @@ def format_summary(model: str, summary: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mptrain.bench.fp8", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("fp8", __doc__)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--cases", default=",".join(DEFAULT_CASES),
                    help=f"comma list of {', '.join(CASES)} (default: {', '.join(DEFAULT_CASES)})")

@@ -6,7 +6,6 @@ Operands are random (a zero operand lets some hardware clock higher) and rotated
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import sys
@@ -14,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mptrain.bench.common import device_meta, fmt, input_sets, median_ms, write_json
+from mptrain.bench.common import bench_parser, device_meta, fmt, input_sets, median_ms, write_json
 from mptrain.compat import torch as compat
 
 #: minimum compute capability per dtype (torch >= 2.6 has _int_mm, _scaled_mm and float8_e4m3fn)
@@ -147,7 +146,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="mptrain bench gemm", description=__doc__.splitlines()[0])
+    parser = bench_parser("gemm", __doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma list of n (n x n x n)")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of {list(DTYPES)}")
     parser.add_argument("--json", default="bench_gemm.json", help="where to write the results")

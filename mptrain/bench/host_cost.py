@@ -16,7 +16,6 @@ dispatcher, so "ours - reference" is the custom-op path's own cost (the CUDA pat
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain import ops
-from mptrain.bench.common import write_json
+from mptrain.bench.common import bench_parser, write_json
 
 TINY = "tiny"
 BENCH = "bench"
@@ -193,7 +192,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mptrain.bench.host_cost", description=__doc__.split("\n")[0])
+    p = bench_parser("host_cost", __doc__.split("\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny shapes only, few iterations (a smoke run)")
     p.add_argument("--iters", type=int, default=None, help="calls per timing loop (default 1000 tiny, 50 bench)")

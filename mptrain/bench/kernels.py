@@ -6,7 +6,6 @@ call per op (``mptrain.bench.host_cost``).
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from pathlib import Path
@@ -14,13 +13,13 @@ from pathlib import Path
 import torch
 
 from mptrain.bench import host_cost
-from mptrain.bench.common import device_meta, format_table, parse_csv, write_json
+from mptrain.bench.common import bench_parser, device_meta, format_table, parse_csv, write_json
 
 FAMILIES = {name: f"mptrain.bench.cases_{name}" for name in ("optim", "norm", "softmax", "lstm", "pool")}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mptrain bench kernels", description=__doc__)
+    parser = bench_parser("kernels", __doc__)
     parser.add_argument("--only", default=",".join(FAMILIES), help=f"comma list of {sorted(FAMILIES)}")
     parser.add_argument("--json", default="bench_kernels.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")

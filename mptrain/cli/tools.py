@@ -5,15 +5,15 @@ import importlib
 
 from jsonargparse import ArgumentError
 
+from mptrain import bench
 from mptrain.cli.errors import ConfigError, explain_parse_error, parser_keys
 
 #: name -> its line in ``mptrain --help`` (main() runs them; LightningCLI lists them)
 TOOLS = {
     "doctor": "check the GPU, the compiler toolchain and the fused kernels",
     "numerics": "layerwise fp32-vs-low-precision comparison of a recipe's model on one batch",
-    "bench": "benchmarks: mptrain bench gemm|kernels|e2e|ddp [options]",
+    "bench": f"benchmarks: mptrain bench {'|'.join(bench.benchmarks())} [options]",
 }
-BENCHES = ("gemm", "kernels", "e2e", "ddp")  # each is mptrain.bench.<name>
 
 
 def tool_parser(name: str):
@@ -23,11 +23,11 @@ def tool_parser(name: str):
         return getattr(module, f"{name}_parser")()
     from jsonargparse import ArgumentParser
 
-    parser = ArgumentParser(prog="mptrain bench", exit_on_error=False,
+    names = bench.benchmarks()
+    parser = ArgumentParser(prog="mptrain bench", exit_on_error=False, allow_abbrev=False,
                             description="Benchmarks; each prints its own options with `mptrain bench NAME --help`.")
-    parser.add_argument("benchmark", choices=list(BENCHES),
-                        help="gemm: GEMM throughput per dtype; kernels: fused kernels vs PyTorch; e2e: ResNet-50 / "
-                             "BERT-base training per precision vs Lightning; ddp: scaling under torchrun")
+    parser.add_argument("benchmark", choices=list(names),
+                        help="; ".join(f"{name}: {what}" for name, what in names.items()))
     return parser
 
 
@@ -43,9 +43,13 @@ def run_tool(name: str, argv: list[str]) -> int:
 
 def _bench(argv: list[str]) -> int:
     """``mptrain bench NAME [options]``: the benchmark's own ``main(argv)`` parses the rest."""
+    names = bench.benchmarks()
     if not argv or argv[0] in ("-h", "--help"):
-        tool_parser("bench").print_help()
+        width = max(map(len, names))
+        print("usage: mptrain bench NAME [options]    (mptrain bench NAME --help: that benchmark's options)\n\n"
+              "benchmarks:\n" + "\n".join(f"  {name:<{width}}  {what}" for name, what in names.items()))
         return 0 if argv else 2
-    if argv[0] not in BENCHES:
-        raise ConfigError(f"unknown benchmark {argv[0]!r}. Valid: {', '.join(BENCHES)}")
-    return int(importlib.import_module(f"mptrain.bench.{argv[0]}").main(argv[1:]) or 0)
+    if argv[0] not in names:
+        raise ConfigError(f"unknown benchmark {argv[0]!r}. Valid: {', '.join(names)} "
+                          "(`mptrain bench --help` says what each measures)")
+    return bench.run(argv[0], argv[1:])
