@@ -57,7 +57,8 @@ def take_over_step(optimizer: torch.optim.Optimizer, fused, require_fused: bool 
         return False
     before = type(optimizer)
     optimizer.__class__ = cls
-    optimizer.master_weights = False  # the precision plugin enables them with the masters' fp32 init
+    for name, default in cls._instance_attrs.items():  # as FusedOptimizer.__init__ sets them: no master weights
+        setattr(optimizer, name, default)  # (the plugin enables them with the masters' fp32 init), no rounding
     optimizer.fused = fused
     for group in optimizer.param_groups:
         group.setdefault("decoupled_weight_decay", cls is FusedAdamW)
