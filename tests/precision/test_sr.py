@@ -186,3 +186,36 @@ def test_low_learning_rate_bf16_true_loses_every_update_bf16_sr_moves_in_expecta
     assert moved["bf16-true"] == 0.0
     assert moved["32-true"] == pytest.approx(steps * lr)
     assert moved["bf16-sr"] == pytest.approx(steps * lr, rel=0.05)  # 8192 weights: the mean within 5%
+
+
+class RankSeed(L.Callback):
+    """Each rank sees a different run seed before setup; saves its weights and rounding seed at the end."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def setup(self, trainer, pl_module, stage):
+        import os
+
+        os.environ["PL_GLOBAL_SEED"] = str(100 + trainer.global_rank)
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save({"weights": [p.detach().clone() for p in pl_module.parameters()],
+                    "seed": trainer.precision_plugin.seed, "precision": trainer.precision_plugin.precision},
+                   f"{self.out_dir}/rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow  # two spawned ranks
+def test_ddp_ranks_round_identically_with_rank_0s_seed_and_switch_to_fp32(tmp_path):
+    from mptrain.callbacks.fp32_finetune import Fp32Finetune
+
+    torch.manual_seed(0)
+    model = Classifier(mlp(), lr=0.05, optimizer="sgd")
+    t = L.Trainer(plugins=[StochasticRoundingPrecision("bf16-sr")], strategy="ddp_spawn", devices=2,
+                  accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                  enable_model_summary=False, callbacks=[RankSeed(str(tmp_path)), Fp32Finetune(steps=2)])
+    t.fit(model, torch.utils.data.DataLoader(classification_data(n=320), batch_size=16))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert r0["seed"] == r1["seed"] == 100  # rank 0's, broadcast
+    assert r0["precision"] == r1["precision"] == "32-true"  # the late switch: fp32 weights, rounding off
+    assert all(torch.equal(a, b) for a, b in zip(r0["weights"], r1["weights"]))  # the replicas never drifted
