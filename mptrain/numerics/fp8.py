@@ -30,6 +30,7 @@ from torch import nn
 from mptrain.numerics.layerwise import _call, _model_device, _short
 from mptrain.precision.fp8 import RECIPES, _torchao_float8
 from mptrain.precision.fp8_policy import plan_fp8_layers, resolve_keep_list
+from mptrain.precision.list_grammar import is_edit_list
 
 #: keys of each operand entry (one per distinct cast the recipe makes of the operand)
 CAST_KEYS = ("operand", "format", "scaling", "gemms", "scale", "scale_history", "amax", "saturated_frac",
@@ -399,8 +400,7 @@ def _layer_advice(name: str, status: str, keep_bf16: Any) -> str:
 
 def _edits(keep_bf16: Any) -> bool:
     """Is ``keep_bf16`` the default list or edits of it (``+x`` / ``-x``), rather than a whole list?"""
-    return keep_bf16 is None or isinstance(keep_bf16, str) or \
-        (bool(keep_bf16) and all(e[:1] in ("+", "-") for e in keep_bf16))
+    return keep_bf16 is None or isinstance(keep_bf16, str) or is_edit_list(keep_bf16)
 
 
 def _keep_advice(keep_bf16: Any, names: list[str]) -> Optional[list[str]]:
