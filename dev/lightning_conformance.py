@@ -15,6 +15,7 @@ Never imported by mptrain.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -100,7 +101,7 @@ def write_local_legacy_checkpoint(tests: Path) -> None:
 
 def run(tests: Path, trainer: str, paths: list[str], extra: list[str], timeout: int) -> dict[str, str]:
     """pytest over ``paths``; returns ``{test id: passed|failed|skipped}``."""
-    report = tests / f"report-{trainer}.xml"  # the stock report is kept: --only mptrain compares with it
+    report = tests / f"report-{trainer}.xml"
     report.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conformance_plugin",
                f"--timeout={timeout}", f"--junitxml={report}", "-o", "junit_family=xunit1",
@@ -111,7 +112,12 @@ def run(tests: Path, trainer: str, paths: list[str], extra: list[str], timeout: 
     with open(log, "w") as out:
         subprocess.run(command, cwd=tests, env=env, stdout=out, stderr=subprocess.STDOUT)
     print(f"   log: {log}", flush=True)
-    return parse(report) if report.exists() else {}
+    results = parse(report) if report.exists() else {}
+    # every run's results are kept, by test: --only mptrain compares with the stock results of the same tests
+    merged = tests / f"results-{trainer}.json"
+    known = json.loads(merged.read_text()) if merged.exists() else {}
+    merged.write_text(json.dumps({**known, **results}, indent=0, sort_keys=True))
+    return results
 
 
 def parse(report: Path) -> dict[str, str]:
@@ -151,8 +157,8 @@ def main() -> None:
         write_local_legacy_checkpoint(tests)
     sides = [args.only] if args.only else ["stock", "mptrain"]
     results = {side: run(tests, side, paths, extra, args.timeout) for side in sides}
-    if args.only == "mptrain" and (tests / "report-stock.xml").exists():  # compare with the last stock run
-        stock = parse(tests / "report-stock.xml")
+    if args.only == "mptrain" and (tests / "results-stock.json").exists():  # compare with earlier stock runs
+        stock = json.loads((tests / "results-stock.json").read_text())
         results = {"stock": {t: r for t, r in stock.items() if t in results["mptrain"]}, **results}
     for side, result in results.items():
         print(f"{side}: {counts(result)}")
