@@ -29,10 +29,13 @@ def saved_tensors_hooks_reader() -> Optional[Callable[[], Optional[tuple]]]:
     return None
 
 
+_hooks_is_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
+
+
 def saved_tensors_hooks_enabled() -> bool:
     """Whether saved-tensor hooks may be pushed (``torch.autograd.graph.disable_saved_tensors_hooks`` not in force).
     Missing public API: a query for what ``disable_saved_tensors_hooks`` set."""
-    return getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)()
+    return _hooks_is_enabled()
 
 
 def push_saved_tensors_hooks(pack: Callable, unpack: Callable) -> None:
