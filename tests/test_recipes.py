@@ -94,7 +94,41 @@ def test_two_synthetic_steps_on_cpu(name, workdir, capsys):
     logged = {k for r in rows for k, v in r.items() if v}
     assert VAL_METRICS[name] <= logged, logged
     assert (Path(result["log_dir"]) / "config.yaml").is_file()
-    assert list((Path(result["log_dir"]) / "checkpoints").glob("*.ckpt"))
+    assert (Path(result["log_dir"]) / "checkpoints" / "last.ckpt").is_file()  # what --ckpt_path=last resumes
+    # the recipe's own checkpointing is what a resume finds: one more step from where the run stopped
+    rc = main(["fit", "--config", recipe(name), *SMOKE, *TINY[name], "--trainer.max_steps=3", "--ckpt_path=last"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    resumed = result_line(out)
+    assert resumed["global_step"] == 3 and resumed["log_dir"] != result["log_dir"]
+    steps = [int(r["step"]) for r in read_metrics(resumed["log_dir"]) if r.get("train/loss")]
+    assert steps == [2], steps  # only the step after the resumed position was trained
+
+
+def readme_resume_lines() -> list[list[str]]:
+    """The README's stop-and-resume commands of the quickstart, as argv lists (comments dropped)."""
+    import shlex
+
+    lines = [ln for ln in (ROOT / "README.md").read_text().splitlines()
+             if ln.startswith("mptrain fit --config recipes/quickstart.yaml --trainer.max_steps=")]
+    return [shlex.split(ln, comments=True) for ln in lines]
+
+
+def test_the_readme_resume_lines_resume_the_quickstart(workdir, capsys, one_thread):
+    """Exactly the README's two lines: the first stops mid-epoch at step 30 and writes last.ckpt, the second resumes
+    there with --ckpt_path=last and trains steps 30..59 only."""
+    first, second = readme_resume_lines()
+    assert "--ckpt_path=last" not in first and "--ckpt_path=last" in second
+    results = []
+    for argv in (first, second):
+        assert argv[:4] == ["mptrain", "fit", "--config", "recipes/quickstart.yaml"]
+        rc = main(["fit", "--config", recipe("quickstart"), *argv[4:]])
+        out, err = capsys.readouterr()
+        assert rc == 0, err[-3000:]
+        results.append(result_line(out))
+    assert [r["global_step"] for r in results] == [30, 60]
+    steps = [int(r["step"]) for r in read_metrics(results[1]["log_dir"]) if r.get("train/loss")]
+    assert steps and min(steps) >= 30, steps
 
 
 def test_lstm_recipe_with_the_readme_command_runs_on_this_cpu(workdir, capsys):
