@@ -15,7 +15,7 @@ from mptrain import (PRECISIONS, AtomicCheckpointIO, AutoFp32Fallback, ChannelsL
 
 PARAM_DTYPE = {"32-true": torch.float32, "16-mixed": torch.float32, "bf16-mixed": torch.float32,
                "16-true": torch.float16, "bf16-true": torch.bfloat16, "16-master": torch.float16,
-               "bf16-master": torch.bfloat16}
+               "bf16-master": torch.bfloat16, "bf16-sr": torch.bfloat16}
 
 
 def _loader(ds, bs, shuffle=True, seed=0):

@@ -12,7 +12,7 @@ from mptrain.precision import (PRECISIONS, DynamicLossScaler, MasterPrecision, M
 
 PARAM_DTYPE = {"32-true": torch.float32, "16-mixed": torch.float32, "bf16-mixed": torch.float32,
                "16-true": torch.float16, "bf16-true": torch.bfloat16, "16-master": torch.float16,
-               "bf16-master": torch.bfloat16}
+               "bf16-master": torch.bfloat16, "bf16-sr": torch.bfloat16}
 
 
 # fp8-master needs an fp8 GPU: its CPU refusal and plugin logic are in tests/precision/test_fp8.py
@@ -28,8 +28,8 @@ def test_every_mode_trains_under_plain_lightning(name):
     t.fit(model, loader())
     assert t.global_step == 4 and plugin.skipped_steps == 0 and plugin.precision == name
     assert model.net[0].weight.dtype == PARAM_DTYPE[name]
-    want_norm = torch.float32 if name.endswith("master") else PARAM_DTYPE[name]
-    assert model.net[1].weight.dtype == want_norm  # the LayerNorm keeps fp32 in master modes
+    want_norm = torch.float32 if name.endswith("master") or name == "bf16-sr" else PARAM_DTYPE[name]
+    assert model.net[1].weight.dtype == want_norm  # the LayerNorm keeps fp32 in master modes and bf16-sr
     assert all(not rec.unchanged(k) for k in range(4))
     losses = torch.stack(model.losses).float()
     assert torch.isfinite(losses).all() and losses[-1] < losses[0]
