@@ -86,7 +86,8 @@ def build_model_and_data(parser, cfg) -> tuple[Any, Any]:
         pl.seed_everything(None if cfg.seed_everything is True else int(cfg.seed_everything), verbose=False)
     try:
         fill_vocab_size(cfg)
-        built = parser.instantiate_classes(cfg)
+        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # jsonargparse >= 4.49
+        built = instantiate(cfg)
     except CONSTRUCTION_ERRORS as e:
         raise ConfigError(one_line(innermost_error(str(e)))) from None
     built.data.prepare_data()

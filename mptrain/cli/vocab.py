@@ -17,7 +17,8 @@ def fill_vocab_size(config: Any) -> None:
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(pl.LightningDataModule, "data")
-    built = parser.instantiate_classes(parser.parse_object({"data": data.clone().as_dict()})).data
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # jsonargparse >= 4.49: instantiate
+    built = instantiate(parser.parse_object({"data": data.clone().as_dict()})).data
     vocab = getattr(built, "vocab_size", None)
     if vocab is not None:
         init["vocab_size"] = int(vocab)
