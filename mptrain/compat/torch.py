@@ -149,6 +149,18 @@ def non_persistent_buffer_names(module: nn.Module) -> set[str]:
     return module._non_persistent_buffers_set
 
 
+def own_parameters(module: nn.Module) -> dict:
+    """``module``'s own parameters by name, without ``Module.__getattr__`` per lookup (a host-bound step reads
+    them every call). Missing public API: that dict."""
+    return module._parameters
+
+
+def rnn_layer_weight_names(rnn: nn.RNNBase) -> list[list[str]]:
+    """Per layer (and direction), the names of an RNN's weights: w_ih, w_hh[, b_ih, b_hh][, w_hr].
+    Missing public API: that list."""
+    return rnn._all_weights
+
+
 def rnn_flat_weight_names(rnn: nn.RNNBase) -> list[str]:
     """The parameter names of an RNN's weights, in cuDNN's order. Missing public API: that list."""
     return rnn._flat_weights_names

@@ -44,12 +44,12 @@ class FusedLSTMCell(nn.LSTMCell):
 
     def forward(self, input, hx=None):
         # A step is host-bound: the common case (batched, hx given) goes straight to the op, which checks
-        # every tensor itself, with the parameters read from _parameters (self.weight_ih would cost a
+        # every tensor itself, with the parameters read from their dict (self.weight_ih would cost a
         # Module.__getattr__ call each); parametrized or replaced weights take the attributes.
         if hx is not None and input.dim() == 2:
             h, c = hx
             if h.dim() == 2 and c.dim() == 2:
-                p = self._parameters
+                p = compat.own_parameters(self)
                 try:
                     w_ih, w_hh, b_ih, b_hh = p["weight_ih"], p["weight_hh"], p["bias_ih"], p["bias_hh"]
                 except KeyError:
@@ -157,7 +157,7 @@ class FusedLSTM(nn.LSTM):
                     raise ValueError(f"FusedLSTM: expected {name} of shape {want}, got {got}")
         states = []
         for k in range(self.num_layers):
-            weights = [getattr(self, name) for name in self._all_weights[k]]
+            weights = [getattr(self, name) for name in compat.rnn_layer_weight_names(self)[k]]
             if not self.bias:
                 weights += [None, None]
             x, h, c = ops.lstm_layer(x, h0[k], c0[k], *weights)

@@ -50,7 +50,11 @@ class DynamicLossScaler:
 
     def _configure(self, config: dict) -> None:
         for k, v in config.items():
-            setattr(self, "_init_scale" if k == "init_scale" else k, type(_DEFAULTS[k])(v))
+            value = type(_DEFAULTS[k])(v)
+            if k == "init_scale":
+                self._init_scale = value  # the configured start; ``scale`` is the live value
+            else:
+                setattr(self, k, value)
 
     @classmethod
     def from_spec(cls, spec: "DynamicLossScaler | dict | None") -> "DynamicLossScaler":
