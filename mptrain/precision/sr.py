@@ -119,7 +119,7 @@ class StochasticRoundingPrecision(MptrainPrecision):
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not G.is_mptrain_fused(optimizer):
-            take_over_step(optimizer, self.fused if self.fused is not False else "auto", require_fused=False)
+            take_over_step(optimizer, self.fused, require_fused=False)  # fused=False: the reference step
         if not isinstance(optimizer, SR_OPTIMIZERS):
             cls = type(optimizer)
             public = getattr(torch.optim, cls.__qualname__, None) is cls  # torch.optim.RMSprop, not .rmsprop.RMSprop
