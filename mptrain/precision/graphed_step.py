@@ -89,6 +89,11 @@ class GraphedStep:
 
     def _capture(self, optimizer: torch.optim.Optimizer, model: Any) -> None:
         plugin = self.plugin
+        if plugin.step_check(optimizer) is not None:
+            raise CudaGraphError("cuda_graphs=True: the gradients were unscaled and checked before the optimizer step "
+                                 "(clip_gradients or unscale_gradients called from training_step?); that check is "
+                                 "part of the captured step. Leave clipping to gradient_clip_val, or use "
+                                 "cuda_graphs=False")
         device = next(p.device for g in optimizer.param_groups for p in g["params"])
         self.loss_bad = torch.zeros(1, dtype=torch.float32, device=device)
         plugin.keep_loss_flag_in(self.loss_bad)
@@ -96,11 +101,6 @@ class GraphedStep:
         self._load_lrs(optimizer)
         pool = torch.cuda.graph_pool_handle()
         self.prepare = torch.cuda.CUDAGraph()
-        if plugin.step_check(optimizer) is not None:
-            raise CudaGraphError("cuda_graphs=True: the gradients were unscaled and checked before the optimizer step "
-                                 "(clip_gradients or unscale_gradients called from training_step?); that check is "
-                                 "part of the captured step. Leave clipping to gradient_clip_val, or use "
-                                 "cuda_graphs=False")
         had_grad = {id(p) for p in _params(optimizer) if p.grad is not None}  # made by the backward
         with capture(self.prepare, pool, "the unscale and inf/NaN check of the optimizer step", _FIX):
             found = plugin.unscale_and_check(optimizer)

@@ -578,3 +578,22 @@ def test_a_model_compiled_with_cudagraph_trees_is_refused_at_capture(monkeypatch
     managers[0] = object()
     with pytest.raises(CudaGraphError, match=r"torch\.compile's own CUDA graphs \(cudagraph trees.*default mode"):
         refuse_cudagraph_trees()
+
+
+def test_emulated_a_check_made_inside_training_step_is_refused_at_capture(monkeypatch):
+    """Clipping right after backward unscales and checks the grads before the step: that check could not be part
+    of the captured step, so the capture refuses it instead of replaying a step without it."""
+    from _graph_emulator import emulate_cuda_graphs
+
+    from mptrain.optim import FusedAdamW
+
+    class ClipsItself(Classifier):
+        def on_after_backward(self):
+            self.clip_gradients(self.optimizers(), gradient_clip_val=1.0)
+
+        def configure_optimizers(self):
+            return FusedAdamW(self.parameters())
+
+    emulate_cuda_graphs(monkeypatch)
+    with pytest.raises(CudaGraphError, match=r"unscaled and checked before the optimizer step \(clip_gradients"):
+        _fit(ClipsItself(mlp()), callbacks=[Wired(warmup_steps=2)])
