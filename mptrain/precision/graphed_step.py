@@ -91,7 +91,7 @@ class GraphedStep:
         plugin = self.plugin
         if plugin.step_check(optimizer) is not None:
             raise CudaGraphError("cuda_graphs=True: the gradients were unscaled and checked before the optimizer step "
-                                 "(clip_gradients or unscale_gradients called from training_step?); that check is "
+                                 "(clip_gradients called from training_step or on_after_backward?); that check is "
                                  "part of the captured step. Leave clipping to gradient_clip_val, or use "
                                  "cuda_graphs=False")
         device = next(p.device for g in optimizer.param_groups for p in g["params"])
