@@ -174,9 +174,10 @@ void multi_tensor_adam_sr(const std::vector<at::Tensor>& grads, const std::vecto
   a.decoupled = decoupled;
   check_sr_lists(grads, params, exp_avgs, exp_avg_sqs, steps, tensor_offset, name);
   const mpt_sr::SrArgs sr{static_cast<uint64_t>(seed), static_cast<uint32_t>(tensor_offset)};
-  multi_tensor_apply<5>({grads, params, exp_avgs, exp_avg_sqs, steps}, 1u << 4,
-                        AdamOp<at::BFloat16, at::BFloat16, float, false, 2, kVec, true>{a, sr}, name);
-  step_increment(steps, a.found_inf, name);
+  // The master step's launch shape (adam_master_launch: the same dtype mix of streams, one stream fewer):
+  // 1 group of 8 elements per thread in the queue kernel, whose last block advances the step counts.
+  multi_tensor_apply_queue<5>({grads, params, exp_avgs, exp_avg_sqs, steps}, 1u << 4,
+                              AdamOp<at::BFloat16, at::BFloat16, float, false, 1, 8, true>{a, sr}, name);
 }
 
 }  // namespace mpt_mt
