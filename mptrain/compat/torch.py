@@ -242,13 +242,6 @@ def is_fsdp_flattened(tensor: torch.Tensor) -> bool:
     return _is_fsdp_flattened(tensor)
 
 
-def shutdown_loader_workers(iterator: Any) -> None:
-    """Ends a DataLoader iterator's worker processes now, not when it is garbage collected.
-    Missing public API: closing a DataLoader iterator."""
-    if hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-
-
 # -- torch.compile ---------------------------------------------------------------------------------------------
 def mark_compile_constant(fn: Callable) -> Callable:
     """torch.compile runs ``fn`` while tracing and bakes its result in, as ``torch.compiler.assume_constant_result``
