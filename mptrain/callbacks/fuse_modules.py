@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Union
 
-import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
