@@ -59,7 +59,10 @@ class MptrainPrecision(_LightningPrecision):
        buffer that stays put.
     3. ``before_step(model, optimizer)``: Lightning's ``on_before_optimizer_step`` hooks, then gradient clipping.
     4. ``apply_step(optimizer, found_inf)``: the optimizer step, skipped where ``found_inf`` is set, and the
-       loss-scale update: device work only with an optimizer that honours ``found_inf`` on the device.
+       loss-scale update: device work only with an optimizer that honours ``found_inf`` on the device.  Under
+       ``lightning.Trainer`` the plugin's own ``optimizer_step`` runs phases 2 and 3 inside ``optimizer.step``
+       (Lightning's closure contract) and arms that step with the check instead; a runner, which calls the
+       closure itself, calls ``apply_step``.
     5. ``finish_step(optimizer, found_inf)``: the skip counters and :class:`NonFiniteError` check, ``end_step``
        and the automatic fp32 fallback's poll.
     ``end_step(optimizer)``: the window ends (``*-master`` copies the masters down, the flags reset); also
