@@ -235,6 +235,7 @@ def test_tools_share_the_flag_style(workdir, capsys):
     assert rc == 0 and "--json" in out
 
 
+@pytest.mark.slow  # a subprocess: a whole start-up
 def test_python_dash_m_is_the_same_program(workdir):
     r = subprocess.run([sys.executable, "-m", "mptrain", "fit", "--config", QUICK, "--trainer.max_steps=-5"],
                        capture_output=True, text=True, cwd=workdir, timeout=300,
