@@ -14,7 +14,8 @@ copy bandwidth (3.0 TB/s on an H100, 4.25 on an H200; DESIGN §5).  Cases:
 
   mptrain-sr             FusedAdamW with stochastic rounding: fp32 moments, 22 B/param (grad 2, param 2+2, m 4+4, v 4+4)
   mptrain-master         FusedAdamW(master_weights=True) (bf16-master's step): 28 B/param (+ fp32 master 4+4, param 2)
-  torchao-sr             torchao.optim.AdamW(bf16_stochastic_round=True): its default bf16 moments, 14 B/param;
+  torchao-sr             torchao.optim.AdamW(bf16_stochastic_round=True) (_AdamW in torchao 0.18): its default
+                         bf16 moments, 14 B/param;
                          a compiled kernel per parameter (torchao compiles its single-tensor step)
   torchao-sr-fp32-state  the same with fp32 moments (its buffers made fp32): mptrain-sr's 22 B/param
 
@@ -157,10 +158,12 @@ def _optimizer(case: str, params: list, fused) -> Callable[[], object]:
     except ImportError as e:
         raise ImportError("torchao is not installed: pip install torchao") from e
 
+    # torchao 0.18 exports its bf16 SR AdamW as _AdamW (for its quantized training), later ones as AdamW
+    base = getattr(torchao.optim, "AdamW", None) or getattr(torchao.optim, "_AdamW")
     if case == "torchao-sr":
-        cls = torchao.optim.AdamW
+        cls = base
     else:
-        class AdamWFp32State(torchao.optim.AdamW):
+        class AdamWFp32State(base):
             """torchao's AdamW with fp32 moments, as bf16-sr keeps them."""
 
             def _new_buffer(self, p, signed):
