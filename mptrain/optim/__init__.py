@@ -7,6 +7,9 @@ subclasses taking torch's argument names plus:
   in the state under ``'master_param'`` (made at its first step, or by ``optimizer.master_param(p)``);
   one kernel reads the half grad, the master and the fp32 moments and writes them and the half param.
   fp32 params ignore the flag. The state_dict round-trips in fp32.
+* ``enable_stochastic_rounding(seed)`` (what precision ``bf16-sr`` calls): bf16 params without masters, fp32
+  moments; each new weight is written to bf16 with stochastic rounding from Philox bits keyed by (seed, step),
+  counter (tensor, element) (:func:`mptrain.ops.stochastic_round`), reproducible from the seed.
 * ``capturable=False``: the step never syncs with the host either way (step counts live on the
   device); True (CUDA params only, as in torch) also keeps each group's ``lr`` as a float32 device
   tensor that LR schedulers fill in place, so a captured or compiled step follows the schedule.
