@@ -206,6 +206,7 @@ def _fit(precision, model, tokens, steps, **trainer_kw):
     return trainer, torch.stack(losses.values).float().cpu()
 
 
+@pytest.mark.timeout(240)  # five short trainings: about 90 s, more than run.sh's 120 s per test allows on a slow day
 def test_bf16_sr_trains_like_bf16_master_and_fine_tunes_where_bf16_true_cannot(ext):
     pytest.importorskip("transformers")
     from test_fp8_convergence import LAST, MODEL, SEQ, STEPS, markov_chain, sample_sequences
