@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 
 from mptrain.callbacks import (AutoFp32Fallback, ChannelsLast, CompileModel, CudaGraphs, Fp32Finetune, FuseModules,
                                OverflowMonitor, ResumeState)
-from mptrain.checkpoint import AtomicCheckpointIO, CheckpointError
+from mptrain.resume import AtomicCheckpointIO, CheckpointError
 from mptrain.precision import (PRECISIONS, DynamicLossScaler, Fp8Precision, MasterPrecision, MixedPrecision, NonFiniteError,
                                ShardedPrecision, StochasticRoundingPrecision, TruePrecision)
 from mptrain.trainer import Trainer

@@ -9,7 +9,6 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 
 from mptrain.callbacks.auto_fp32_fallback import AutoFp32Fallback
@@ -18,10 +17,9 @@ from mptrain.callbacks.compile_model import CompileModel
 from mptrain.callbacks.cuda_graphs import CudaGraphs
 from mptrain.callbacks.fp32_finetune import Fp32Finetune
 from mptrain.callbacks.fuse_modules import FuseModules
-from mptrain.callbacks.resumable_loader import make_train_loader_resumable
 from mptrain.callbacks.resume_state import ResumeState
-from mptrain.checkpoint import AtomicCheckpointIO
-from mptrain.last_checkpoint import find_last_checkpoint
+from mptrain.compat.lightning import is_unset_wrapping_io
+from mptrain.resume import AtomicCheckpointIO, attach, resolve_ckpt_path
 from mptrain.precision import normalize_precision, precision_plugin
 from mptrain.precision.sharded import is_sharded_strategy
 from mptrain.trainer_checks import (check_arguments, check_finetune, check_fuse_modules, check_mode_for_strategy,
@@ -94,7 +92,7 @@ class Trainer(pl.Trainer):
         io = next((p for p in plugins if isinstance(p, CheckpointIO)), None)
         if io is None:
             plugins.append(AtomicCheckpointIO())
-        elif isinstance(io, _WrappingCheckpointIO) and io.checkpoint_io is None:  # e.g. AsyncCheckpointIO()
+        elif is_unset_wrapping_io(io):  # e.g. AsyncCheckpointIO()
             io.checkpoint_io = AtomicCheckpointIO()
         # ours first (a user's epoch-start hook sees the new phase); ResumeState last: it restores the RNG
         # after every other on_train_start hook, the moment the uninterrupted run was at
@@ -103,20 +101,16 @@ class Trainer(pl.Trainer):
         callbacks = ours + _as_list(callbacks) + [ResumeState()]
         self._mptrain_seed = seed
         super().__init__(plugins=plugins, callbacks=callbacks, **kwargs)
-        make_train_loader_resumable(self)
+        attach(self)
 
     def fit(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's ``fit``; ``ckpt_path="last"`` resumes the newest "last" checkpoint of this run's root, across
         the logger's versions; where there is none, Lightning warns and starts a new run."""
         args = list(args)
-        positional = len(args) > _FIT_CKPT_PATH
-        if (args[_FIT_CKPT_PATH] if positional else kwargs.get("ckpt_path")) == "last":
-            last = find_last_checkpoint(self)
-            if last is not None:
-                if positional:
-                    args[_FIT_CKPT_PATH] = last
-                else:
-                    kwargs["ckpt_path"] = last
+        if len(args) > _FIT_CKPT_PATH:
+            args[_FIT_CKPT_PATH] = resolve_ckpt_path(self, args[_FIT_CKPT_PATH])
+        elif "ckpt_path" in kwargs:
+            kwargs["ckpt_path"] = resolve_ckpt_path(self, kwargs["ckpt_path"])
         if self._mptrain_seed is not None:
             seed_everything(self._mptrain_seed, workers=True)
         return super().fit(*args, **kwargs)

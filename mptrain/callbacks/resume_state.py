@@ -1,4 +1,5 @@
-"""ResumeState: every rank's RNG state in the checkpoint, restored where training resumes.
+"""ResumeState: Lightning's callback entry point to :mod:`mptrain.resume` (every rank's RNG state and the epoch's
+layout in the checkpoint, restored and checked where training resumes).
 
 Lightning's checkpoint holds the loops' progress and the loader's position; a bitwise resume also needs the RNGs that
 dropout, augmentation and the next shuffle draw from (torch CPU and CUDA, NumPy, Python), restored at
@@ -7,23 +8,24 @@ training stream's: validation inside ``fit`` draws from a copy (restored when it
 validation the original run did (a checkpoint written just before it) sees the same stream, and a checkpoint written
 after ``fit`` holds the RNG and loader position training ended with.  A checkpoint written at an epoch's end starts
 the next epoch as the uninterrupted run did, and one written after a ``fit`` stopped mid-epoch continues that epoch
-(:mod:`mptrain.callbacks.loop_position`).  A mid-epoch resume whose epoch is laid out differently (world size,
+(:mod:`mptrain.resume.loop_position`).  A mid-epoch resume whose epoch is laid out differently (world size,
 batches per epoch, accumulation) would replay the wrong batches silently: it is refused.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from mptrain.callbacks.loop_position import (begin_next_epoch, ends_an_epoch, reopen_stopped_epoch,
-                                             settle_epoch_end, stopped_mid_epoch)
-from mptrain.callbacks.resumable_loader import order_not_restorable
-from mptrain.callbacks.rng import rng_state, set_rng_state
-from mptrain.checkpoint import CheckpointError
+from mptrain.compat.lightning import combined_loader, loader_states
+from mptrain.resume.errors import CheckpointError
+from mptrain.resume.loop_position import (begin_next_epoch, ends_an_epoch, reopen_stopped_epoch, settle_epoch_end,
+                                          stopped_mid_epoch)
+from mptrain.resume.rng import rng_state, set_rng_state
+from mptrain.resume.state import (LAYOUT_KEYS, check_layout, epoch_layout, gather_rng, isolate_validation,
+                                  warn_if_order_not_restorable)
 
 
 class ResumeState(Callback):
@@ -41,13 +43,13 @@ class ResumeState(Callback):
         self._next_epoch_loaders = None
         if stage == TrainerFn.FITTING:
             self._fit_end = None
-            _isolate_validation(trainer, self)
+            isolate_validation(trainer, self)
 
     def state_dict(self) -> dict[str, Any]:
         if self._trainer is None:
             return {}
         rng = self._training_rng or (self._fit_end or {}).get("rng") or rng_state()
-        return {"rng": _gather(rng), "layout": _layout(self._trainer)}
+        return {"rng": gather_rng(rng), "layout": epoch_layout(self._trainer)}
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         # after fit, Lightning has let go of the loader's iterator: save the position training ended at
@@ -73,24 +75,24 @@ class ResumeState(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = state_dict
         layout = state_dict.get("layout")
-        if self._trainer is not None and isinstance(layout, dict) and set(_LAYOUT_KEYS) <= set(layout):
+        if self._trainer is not None and isinstance(layout, dict) and set(LAYOUT_KEYS) <= set(layout):
             # Refused before Lightning hands the loader state to a sampler of another kind (1 process ->
             # DistributedSampler), which fails with a bare AssertionError; batches per epoch come at on_train_start.
-            _check_layout(layout, _layout(self._trainer), ("world_size", "accumulate_grad_batches"))
+            check_layout(layout, epoch_layout(self._trainer), ("world_size", "accumulate_grad_batches"))
 
     def on_train_start(self, trainer, pl_module) -> None:
         saved = (self._loaded or {}).get("layout")
         self._restore_rng(trainer)
         if self._next_epoch_loaders is not None:
             loaders, self._next_epoch_loaders = self._next_epoch_loaders, None
-            now = _layout(trainer)
+            now = epoch_layout(trainer)
             same = not isinstance(saved, dict) or all(saved.get(k) == now[k]
                                                       for k in ("world_size", "num_training_batches"))
             begin_next_epoch(trainer, loaders, same_layout=same)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        combined = trainer.fit_loop._combined_loader
-        self._fit_end = {"rng": rng_state(), "loaders": combined._state_dicts() if combined is not None else []}
+        combined = combined_loader(trainer.fit_loop)
+        self._fit_end = {"rng": rng_state(), "loaders": loader_states(combined) if combined is not None else []}
 
     def _restore_rng(self, trainer) -> None:
         if not self._loaded:  # a checkpoint of lightning.Trainer: on_load_checkpoint said so
@@ -98,82 +100,10 @@ class ResumeState(Callback):
         saved, self._loaded = self._loaded, None
         layout = saved.get("layout")
         if not isinstance(saved.get("rng"), list) or not saved["rng"] or not isinstance(layout, dict) \
-                or not set(_LAYOUT_KEYS) <= set(layout):
+                or not set(LAYOUT_KEYS) <= set(layout):
             raise CheckpointError(f"checkpoint {trainer.ckpt_path!r}: its ResumeState entry is damaged (keys "
                                   f"{sorted(saved)}; expected a non-empty 'rng' list and a 'layout' dict with "
-                                  f"{list(_LAYOUT_KEYS)})")
-        _check_layout(layout, _layout(trainer))
-        _warn_if_order_not_restorable(trainer, layout)
+                                  f"{list(LAYOUT_KEYS)})")
+        check_layout(layout, epoch_layout(trainer))
+        warn_if_order_not_restorable(trainer, layout)
         set_rng_state(saved["rng"][trainer.global_rank % len(saved["rng"])])
-
-
-def _isolate_validation(trainer, owner: ResumeState) -> None:
-    """Validation inside fit runs on a copy of the training RNG: its run, and the skip a resumed run makes of one
-    the checkpoint was written before (both build the val loader's iterator, which draws a seed)."""
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    for name in ("run", "increment_progress_to_evaluation_end"):
-        if not isinstance(vars(val_loop).get(name), _OnRngCopy):
-            setattr(val_loop, name, _OnRngCopy(val_loop, name, owner))
-
-
-class _OnRngCopy:
-    """``loop.<name>`` run on a copy of the RNG, restored when it returns (a picklable callable: the Trainer and
-    everything it holds pickle)."""
-
-    def __init__(self, loop: Any, name: str, owner: ResumeState):
-        self.loop, self.name, self.owner = loop, name, owner
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        owner = self.owner
-        owner._training_rng = rng_state()
-        try:
-            return getattr(type(self.loop), self.name)(self.loop, *args, **kwargs)
-        finally:
-            set_rng_state(owner._training_rng)
-            owner._training_rng = None
-
-
-_LAYOUT_KEYS = ("world_size", "accumulate_grad_batches", "num_training_batches", "batch_in_epoch")
-
-
-def _layout(trainer) -> dict[str, int]:
-    batches = trainer.num_training_batches
-    return {
-        "world_size": trainer.world_size,
-        "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "num_training_batches": -1 if batches == float("inf") else int(batches),
-        "batch_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.ready,
-    }
-
-
-def _check_layout(saved: dict[str, int], now: dict[str, int],
-                  keys: tuple[str, ...] = ("world_size", "accumulate_grad_batches", "num_training_batches")) -> None:
-    position = saved["batch_in_epoch"]
-    if position == 0 or position >= saved["num_training_batches"] > 0:
-        return  # an epoch boundary: any new layout starts a fresh epoch
-    changed = {k: (saved[k], now[k]) for k in keys if saved[k] != now[k]}
-    if changed:
-        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
-        raise ValueError(
-            f"cannot resume mid-epoch (batch {position} of {saved['num_training_batches']}) with a different epoch "
-            f"layout: {what}. Resume with the saved world size, batch size and accumulate_grad_batches, or from a "
-            f"checkpoint written at the end of an epoch."
-        )
-
-
-def _warn_if_order_not_restorable(trainer, saved: dict[str, int]) -> None:
-    if 0 < saved["batch_in_epoch"] < saved["num_training_batches"]:
-        loaders = trainer.fit_loop._combined_loader.flattened
-        culprits = [name for loader in loaders for name in order_not_restorable(loader)]
-        if culprits:
-            rank_zero_warn(f"resuming mid-epoch with {', '.join(culprits)}: it keeps no state, so the rest of this "
-                           f"epoch may visit other samples than the uninterrupted run; give it state_dict() / "
-                           f"load_state_dict(), or resume from an end-of-epoch checkpoint")
-
-
-def _gather(state: dict[str, Any]) -> list[dict[str, Any]]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [state]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, state)
-    return states

@@ -72,7 +72,7 @@ def refusal(error: BaseException, loop_started: bool) -> Optional[str]:
     Trainer's argument checks, the model's and data's ``setup``, restoring ``--ckpt_path``), a ``ValueError``,
     ``TypeError`` or Lightning ``MisconfigurationException``, or a ``RuntimeError`` that mptrain raised itself.
     Once a loop runs, an error is a failure of the run and keeps its traceback."""
-    from mptrain.checkpoint import CheckpointError
+    from mptrain.resume import CheckpointError
 
     if isinstance(error, CheckpointError):
         return one_line(error)

@@ -26,6 +26,7 @@ from mptrain.cli.run_dir import RunConfigCallback, RunFiles, keep_wandb_files_in
 from mptrain.cli.tools import TOOLS, tool_parser
 from mptrain.cli.trainer_values import check_ckpt_path, check_trainer_values
 from mptrain.cli.vocab import fill_vocab_size
+from mptrain.compat.lightning import subcommand_parser
 
 
 class MptrainCLI(LightningCLI):
@@ -60,7 +61,7 @@ class MptrainCLI(LightningCLI):
         except ArgumentError as e:  # jsonargparse's, with exit_on_error=False
             # the chosen subcommand's keys, for the did-you-mean
             argv = (sys.argv[1:] if args is None else args) or []
-            sub_parser = self._subcommand_parsers.get(next((a for a in argv if a in self.subcommands()), None))
+            sub_parser = subcommand_parser(self, next((a for a in argv if a in self.subcommands()), None))
             keys = parser_keys(sub_parser) if sub_parser is not None else {"": list(self.subcommands())}
             raise ConfigError(explain_parse_error(str(e), keys)) from None
 
@@ -72,7 +73,7 @@ class MptrainCLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if not (ckpt_path and Path(ckpt_path).is_file()):
             return
-        from mptrain.checkpoint import AtomicCheckpointIO, CheckpointError
+        from mptrain.resume import AtomicCheckpointIO, CheckpointError
 
         try:
             ckpt = AtomicCheckpointIO().load_checkpoint(ckpt_path, map_location="cpu")
@@ -105,7 +106,7 @@ class MptrainCLI(LightningCLI):
         """Lightning's run, then one machine-readable line, the last of stdout: step, the run's folder, its metrics.
         A refusal while the run is set up (before any loop) removes what the run created and becomes a
         ConfigError; an error once a loop runs keeps its traceback."""
-        from mptrain.checkpoint import CheckpointError
+        from mptrain.resume import CheckpointError
 
         trainer = self.trainer
         started = _LoopStarted()

@@ -15,13 +15,13 @@ import logging
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from lightning_utilities import apply_to_collection
 from torch import nn
 
 from mptrain import ops
+from mptrain.compat.lightning import after_closure, convert_fp_tensor
 from mptrain.ops.dispatch import check_fused
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
@@ -152,7 +152,7 @@ class MptrainPrecision(_LightningPrecision):
     def convert_input(self, data: Any) -> Any:
         if self.param_dtype not in HALF_DTYPES:
             return data
-        return apply_to_collection(data, torch.Tensor, _convert_fp_tensor, self.param_dtype)
+        return apply_to_collection(data, torch.Tensor, convert_fp_tensor, self.param_dtype)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Autocast (``*-mixed``) and the fp32 fallback of listed ops, around every forward."""
@@ -323,7 +323,7 @@ class MptrainPrecision(_LightningPrecision):
 
     def before_step(self, model: Any, optimizer: torch.optim.Optimizer) -> None:
         """Lightning's ``on_before_optimizer_step`` hooks (callbacks, then the module), then gradient clipping."""
-        self._after_closure(model, optimizer)
+        after_closure(self, model, optimizer)
 
     def apply_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, **kwargs: Any) -> None:
         """The optimizer step, skipped where ``found_inf`` is set, then the loss-scale update."""

@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as FabricFSDPPrecision
-from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from lightning.fabric.utilities import rank_zero_warn
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -22,6 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision as FSDPMixedPrecision
 
 from mptrain.compat import torch as compat
+from mptrain.compat.lightning import default_dtype
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
 from mptrain.precision.fallback import is_norm_module
@@ -74,7 +74,7 @@ class ShardedPrecision(MptrainPrecision, FSDPPrecision, FabricFSDPPrecision):
         """Modules are created in fp32: the shards are the masters.  (Lightning 2.6.0's FSDPPrecision
         creates them in the all-gather dtype, ``mixed_precision_config.param_dtype``; later versions in
         ``_desired_input_dtype``.)"""
-        return _DtypeContextManager(torch.float32)
+        return default_dtype(torch.float32)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Before wrapping: parameters stay fp32 (FSDP shards them); the norm classes are noted."""

@@ -6,9 +6,9 @@ import contextlib
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from torch import nn
 
+from mptrain.compat.lightning import default_dtype
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision.plugin import MptrainPrecision, float_state_
 
@@ -29,7 +29,7 @@ class TruePrecision(MptrainPrecision):
         """As Lightning's HalfPrecision: tensors (and layers built in ``configure_model``) are created in the half
         dtype, never in fp32 first."""
         if self.param_dtype in HALF_DTYPES:
-            return _DtypeContextManager(self.param_dtype)
+            return default_dtype(self.param_dtype)
         return super().tensor_init_context()
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
@@ -39,7 +39,7 @@ class TruePrecision(MptrainPrecision):
         """As Lightning's HalfPrecision: tensors created in the forward default to the half dtype."""
         stack = super().forward_context()
         if self.param_dtype in HALF_DTYPES:
-            stack.enter_context(_DtypeContextManager(self.param_dtype))
+            stack.enter_context(default_dtype(self.param_dtype))
         return stack
 
     def promote_module(self, module: nn.Module) -> None:

@@ -103,7 +103,7 @@ def test_a_checkpoint_without_resume_state_warns(tmp_path):
 
 
 def test_a_different_world_size_mid_epoch_is_refused_naming_both():
-    from mptrain.callbacks.resume_state import _check_layout
+    from mptrain.resume.state import check_layout as _check_layout
 
     saved = {"world_size": 1, "accumulate_grad_batches": 2, "num_training_batches": 24, "batch_in_epoch": 10}
     now = dict(saved, world_size=2, num_training_batches=12)
@@ -115,7 +115,7 @@ def test_a_different_world_size_mid_epoch_is_refused_naming_both():
 def test_order_not_restorable_names_samplers_without_state():
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from mptrain.callbacks.resumable_loader import order_not_restorable, to_resumable
+    from mptrain.resume.loader import order_not_restorable, to_resumable
 
     ds = classification_data(n=16)
     assert order_not_restorable(to_resumable(_loader())) == []
@@ -146,7 +146,7 @@ def test_resume_with_a_sampler_without_state_warns(tmp_path):
     lambda ds: torch.utils.data.DataLoader(ds, batch_sampler=[[4, 1], [0, 2, 3]]),  # the user's batch sampler
 ])
 def test_to_resumable_yields_what_the_plain_loader_yields(make):
-    from mptrain.callbacks.resumable_loader import ResumableDataLoader, to_resumable
+    from mptrain.resume.loader import ResumableDataLoader, to_resumable
 
     ds = torch.utils.data.TensorDataset(torch.arange(5))
     converted = to_resumable(make(ds))

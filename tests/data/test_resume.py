@@ -85,7 +85,7 @@ def test_resume_at_an_epoch_boundary_of_an_iterable_dataset_is_bitwise(tmp_path,
 
 def test_saving_after_fit_draws_nothing_and_keeps_the_position(tmp_path):
     """torchdata reads a loader's state from a new iterator once Lightning let go of its own: not from ours."""
-    from mptrain.callbacks.rng import rng_state
+    from mptrain.resume.rng import rng_state
 
     torch.manual_seed(0)
     trainer = Trainer(accelerator="cpu", max_steps=5, default_root_dir=str(tmp_path), logger=False, seed=0,

@@ -3,7 +3,7 @@ import sys
 
 import torch
 
-from mptrain.checkpoint import AtomicCheckpointIO
+from mptrain.resume import AtomicCheckpointIO
 
 path = sys.argv[1]
 io = AtomicCheckpointIO()

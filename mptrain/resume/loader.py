@@ -12,18 +12,21 @@ import copy
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler, get_worker_info)
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
-from mptrain.callbacks.rng import preserved_rng, rng_state, set_rng_state
+from mptrain.compat.lightning import prepare_dataloader, set_sampler_epoch, wrap_dataloader_preparation
+from mptrain.compat.torchdata import drop_iterator, live_iterator
+from mptrain.resume.rng import preserved_rng, rng_state, set_rng_state
 
 _BATCHING = (BatchSampler, StatefulBatchSampler)  # batch what their sampler gives, in its order
 # order fixed by (seed, epoch), so a fast-forward replays it, or kept in the iterator's state
 _RESTORABLE = (SequentialSampler, DistributedSampler, *_BATCHING, StatefulRandomSampler)
+# and their subclasses: a DistributedSampler's order is a function of (seed, epoch) (e.g. mptrain.data.ShardedSampler)
+_EPOCH_ORDERED = (DistributedSampler,)
 
 
 class ResumableRandomSampler(RandomSampler):
@@ -121,19 +124,17 @@ class ResumableDataLoader(StatefulDataLoader):
 
     def __iter__(self):
         if self._epoch is not None and self.next_iter_state is not None:  # a restored iterator; else Lightning's
-            _set_sampler_epoch(self, self._epoch())                       # own call sets the epoch, once
+            set_sampler_epoch(self, self._epoch())                        # own call sets the epoch, once
         return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
-        if self._iterator is not None:
+        if live_iterator(self) is not None:
             return super().state_dict()
         # torchdata builds an iterator to read the state from, drawing its base seed from the global RNG: a save
         # (after fit, before the first batch) must not change what training draws next
         with preserved_rng():
             state = super().state_dict()
-        iterator, self._iterator, self._initial_iter_for_state_dict = self._iterator, None, False
-        if hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        drop_iterator(self)
         return state
 
 
@@ -167,18 +168,17 @@ def order_not_restorable(loader: Any) -> list[str]:
     # a custom batch sampler decides the order alone
     samplers = [loader.sampler] if batches is None or type(batches) in _BATCHING else [batches]
     return [type(s).__name__ for s in samplers
-            if not isinstance(s, (Stateful, ResumableRandomSampler)) and type(s) not in _RESTORABLE]
+            if not isinstance(s, (Stateful, ResumableRandomSampler, *_EPOCH_ORDERED)) and type(s) not in _RESTORABLE]
 
 
 def make_train_loader_resumable(trainer: Any) -> None:
     """Convert the train loader right after Lightning prepares it (sampler injection included), by wrapping the
     data connector method that prepares it (no public hook lies in between)."""
-    connector = trainer._data_connector
-    connector._prepare_dataloader = _PrepareResumable(connector, trainer)
+    wrap_dataloader_preparation(trainer, lambda connector, prepare: _PrepareResumable(connector, trainer))
 
 
 class _PrepareResumable:
-    """The data connector's ``_prepare_dataloader``, then the conversion of a train loader (a picklable callable:
+    """Lightning's preparation of a loader, then the conversion of a train loader (a picklable callable:
     the Trainer and everything it holds pickle, ``strategy="ddp_spawn"`` sends them to its processes)."""
 
     def __init__(self, connector: Any, trainer: Any):
@@ -188,7 +188,7 @@ class _PrepareResumable:
     def __call__(self, dataloader: Any, shuffle: bool, mode: Any) -> Any:
         from lightning.pytorch.trainer.states import RunningStage
 
-        prepared = type(self.connector)._prepare_dataloader(self.connector, dataloader, shuffle=shuffle, mode=mode)
+        prepared = prepare_dataloader(self.connector, dataloader, shuffle=shuffle, mode=mode)
         if mode != RunningStage.TRAINING:
             return prepared
         return to_resumable(prepared, epoch=FitEpoch(self.trainer))

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
-from lightning.fabric.utilities.types import _Stateful
-from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.utilities import rank_zero_warn
 
-from mptrain.callbacks.rng import preserved_rng
-from mptrain.checkpoint import CheckpointError
+from mptrain.compat.lightning import (combined_loader, data_fetcher, is_stateful, saved_batches_that_stepped,
+                                      set_saved_batches_that_stepped, stop_restarting)
+from mptrain.resume.errors import CheckpointError
+from mptrain.resume.rng import preserved_rng
 
 _EPOCHS = "epoch_progress"
 _BATCHES = "epoch_loop.batch_progress"
@@ -69,7 +69,7 @@ def reopen_stopped_epoch(fit_loop: dict[str, Any], accumulate_grad_batches: int)
         progress["completed"] = progress["processed"] - 1
     if batches["current"]["ready"] % accumulate_grad_batches == 0:  # it stepped; Lightning counts it again
         loop_state = fit_loop.setdefault(_EPOCH_LOOP, {})
-        loop_state["_batches_that_stepped"] = loop_state.get("_batches_that_stepped", 1) - 1
+        set_saved_batches_that_stepped(loop_state, saved_batches_that_stepped(loop_state, 1) - 1)
 
 
 def settle_epoch_end(fit_loop: dict[str, Any]) -> list[dict[str, Any]]:
@@ -82,7 +82,7 @@ def settle_epoch_end(fit_loop: dict[str, Any]) -> list[dict[str, Any]]:
     if total["completed"] < total["processed"]:  # written inside the last batch's on_train_batch_end
         loop_state = fit_loop.setdefault(_EPOCH_LOOP, {})
         # the last batch of an epoch always steps; Lightning counts it after on_train_batch_end
-        loop_state["_batches_that_stepped"] = loop_state.get("_batches_that_stepped", 0) + 1
+        set_saved_batches_that_stepped(loop_state, saved_batches_that_stepped(loop_state, 0) + 1)
         total["completed"] = total["processed"]
     batches["current"] = dict.fromkeys(batches["current"], 0)  # the next epoch has seen no batch
     batches["is_last_batch"] = False
@@ -95,12 +95,12 @@ def begin_next_epoch(trainer: Any, loader_states: list[dict[str, Any]], same_lay
     ``same_layout``: the run has the checkpoint's epoch layout (world size, batches per epoch); with another, the
     saved epoch is not rebuilt (its state may not even fit the new sampler) and the next epoch starts afresh."""
     fit_loop = trainer.fit_loop
-    combined = fit_loop._combined_loader
-    fetcher = fit_loop._data_fetcher
+    combined = combined_loader(fit_loop)
+    fetcher = data_fetcher(fit_loop)
     if combined is None or fetcher is None:  # nothing to train (limit_train_batches=0, no training_step)
         return
     if same_layout:
-        _rebuild_saved_epoch(trainer, [loader for loader in combined.flattened if isinstance(loader, _Stateful)],
+        _rebuild_saved_epoch(trainer, [loader for loader in combined.flattened if is_stateful(loader)],
                              loader_states)
     if fetcher.length is None:  # no length: Lightning reads a batch ahead from the moment it builds the iterator
         iter(fetcher)
@@ -108,7 +108,7 @@ def begin_next_epoch(trainer: Any, loader_states: list[dict[str, Any]], same_lay
         fetcher.iterator = _IterOnFirstBatch(combined)
     # with max_steps Lightning restarts every loop of a resumed run (FitLoop's setter insists); the settled state
     # is a fresh epoch's start, whose end steps the plateau schedulers as the uninterrupted run's did
-    _Loop.restarting.fset(fit_loop, False)
+    stop_restarting(fit_loop)
 
 
 def _rebuild_saved_epoch(trainer: Any, loaders: list[Any], states: list[dict[str, Any]]) -> None:
