@@ -152,3 +152,18 @@ def test_a_nan_step_leaves_every_checkpoint_finite_and_last_loadable(tmp_path, p
         state = io.load_checkpoint(path)["state_dict"]
         assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), path.name
     Classifier.load_from_checkpoint(tmp_path / "checkpoints" / "last.ckpt", net=mlp())
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "flipped_bit"])
+def test_a_damaged_file_is_named_and_called_damaged_never_advising_weights_only_false(tmp_path, damage):
+    path = tmp_path / "bad.ckpt"
+    AtomicCheckpointIO().save_checkpoint(_state(), path)
+    if damage == "garbage":
+        path.write_bytes(os.urandom(4096))
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        _flip_first_byte_of(path, "data/0")
+    with pytest.raises(CheckpointError, match="bad.ckpt.*is damaged") as e:
+        AtomicCheckpointIO().load_checkpoint(path)
+    assert "weights_only=False" not in str(e.value)

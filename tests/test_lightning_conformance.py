@@ -220,3 +220,15 @@ def test_save_checkpoint_with_nan_weights_writes_it_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="'net.0.weight' holds inf/NaN"):
         trainer.save_checkpoint(tmp_path / "nan.ckpt")
     assert torch.load(tmp_path / "nan.ckpt", weights_only=True)["state_dict"]["net.0.weight"].isnan().all()
+
+
+def test_fit_loop_state_round_trips_a_loaded_loader_state(tmp_path):
+    """A stateful train loader's saved position survives ``fit_loop.load_state_dict`` + ``state_dict`` (Lightning
+    reports its live loaders' state instead)."""
+    trainer = _quiet(max_steps=3, default_root_dir=str(tmp_path))
+    trainer.fit(Classifier(mlp()), _loader(shuffle=True))
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    saved = torch.load(tmp_path / "after.ckpt", weights_only=True)["loops"]["fit_loop"]
+    assert saved["state_dict"]["combined_loader"][0]["_num_yielded"] == 3
+    trainer.fit_loop.load_state_dict(saved)
+    assert trainer.fit_loop.state_dict()["state_dict"]["combined_loader"] == saved["state_dict"]["combined_loader"]

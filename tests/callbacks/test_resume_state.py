@@ -281,3 +281,28 @@ def test_a_train_loader_changed_at_an_epoch_boundary_starts_the_next_epoch_afres
     else:
         trainer = fit(tmp_path / "resumed", 2, str(ckpt), **change)
     assert trainer.global_step == 8 + 256 // change.get("batch_size", 32)
+
+
+def test_a_mid_epoch_resume_with_sharded_sampler_is_exact_and_does_not_warn(tmp_path):
+    """ShardedSampler (a DistributedSampler) orders each epoch from (seed, epoch): the fast-forward is exact."""
+    import warnings
+
+    from mptrain.data import ShardedSampler
+
+    def fit(max_steps, root, ckpt_path=None):
+        torch.manual_seed(0)
+        data = classification_data(n=96)
+        loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=ShardedSampler(len(data), seed=3))
+        model = Classifier(mlp(dropout=0.2))
+        trainer = Trainer(accelerator="cpu", max_steps=max_steps, default_root_dir=str(root), logger=False,
+                          enable_progress_bar=False, checkpoint_every_n_steps=SAVE_AT)
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return torch.stack(model.losses)
+
+    straight = fit(SAVE_AT + 4, tmp_path / "straight")
+    fit(SAVE_AT, tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rest = fit(SAVE_AT + 4, tmp_path, ckpt_path="last")
+    assert not [w for w in caught if "keeps no state" in str(w.message)]
+    assert torch.equal(rest, straight[SAVE_AT:])
