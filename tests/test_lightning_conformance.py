@@ -232,3 +232,23 @@ def test_fit_loop_state_round_trips_a_loaded_loader_state(tmp_path):
     assert saved["state_dict"]["combined_loader"][0]["_num_yielded"] == 3
     trainer.fit_loop.load_state_dict(saved)
     assert trainer.fit_loop.state_dict()["state_dict"]["combined_loader"] == saved["state_dict"]["combined_loader"]
+
+
+def test_a_checkpoint_written_in_the_last_batchs_validation_resumes_the_loops_of_the_straight_run(tmp_path):
+    """val_check_interval equal to the epoch's length: ModelCheckpoint saves in that validation, before Lightning
+    counts the batch as stepped; the resumed run ends with the straight run's loop state (logger step included)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(max_epochs, root, ckpt_path=None):
+        trainer = _quiet(max_epochs=max_epochs, limit_train_batches=2, limit_val_batches=2, val_check_interval=2,
+                         enable_checkpointing=True,
+                         callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1)])
+        trainer.fit(Classifier(mlp()), _loader(), _loader(n=16), ckpt_path=ckpt_path)
+        return torch.load(root / "last.ckpt", weights_only=True)["loops"]["fit_loop"]
+
+    straight = fit(4, tmp_path / "straight")
+    fit(2, tmp_path / "resumed")
+    resumed = fit(4, tmp_path / "resumed", ckpt_path=str(tmp_path / "resumed" / "last.ckpt"))
+    assert resumed["epoch_loop.state_dict"] == straight["epoch_loop.state_dict"]
+    assert resumed["epoch_loop.batch_progress"] == straight["epoch_loop.batch_progress"]
+    assert resumed["epoch_progress"] == straight["epoch_progress"]

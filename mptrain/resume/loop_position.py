@@ -75,13 +75,17 @@ def reopen_stopped_epoch(fit_loop: dict[str, Any], accumulate_grad_batches: int)
 def settle_epoch_end(fit_loop: dict[str, Any]) -> list[dict[str, Any]]:
     """Rewrite an epoch-end fit-loop state (see :func:`ends_an_epoch`) into Lightning's "epoch finished" form, in
     place, and return the train loaders' saved states (removed from it: Lightning would replay them)."""
-    for progress in fit_loop[_EPOCHS].values():  # "total" and "current": the started epoch is over
-        progress.update(ready=progress["started"], processed=progress["started"], completed=progress["started"])
+    epochs = fit_loop[_EPOCHS]["total"]
     batches = fit_loop[_BATCHES]
     total = batches["total"]
-    if total["completed"] < total["processed"]:  # written inside the last batch's on_train_batch_end
+    # written inside the last batch: in its on_train_batch_end, or in the validation that follows it (the epoch is
+    # not yet processed); Lightning counts the batch as stepped only after both
+    inside_last_batch = total["completed"] < total["processed"] or epochs["processed"] < epochs["started"]
+    for progress in fit_loop[_EPOCHS].values():  # "total" and "current": the started epoch is over
+        progress.update(ready=progress["started"], processed=progress["started"], completed=progress["started"])
+    if inside_last_batch:
         loop_state = fit_loop.setdefault(_EPOCH_LOOP, {})
-        # the last batch of an epoch always steps; Lightning counts it after on_train_batch_end
+        # the last batch of an epoch always steps
         set_saved_batches_that_stepped(loop_state, saved_batches_that_stepped(loop_state, 0) + 1)
         total["completed"] = total["processed"]
     batches["current"] = dict.fromkeys(batches["current"], 0)  # the next epoch has seen no batch
