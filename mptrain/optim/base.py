@@ -23,6 +23,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     # mptrain.precision hands its whole master-weight step to these (precision/master.py).
     _mptrain_fused = True
+    # The seed while bf16 params round stochastically (enable_stochastic_rounding), else None; also the value of an
+    # instance made without __init__ (an optimizer whose class became this one in place).
+    stochastic_rounding: Optional[int] = None
     # Instance attributes torch's __getstate__ leaves out (deepcopy and pickle need them), with the value
     # an object pickled without them gets.
     _instance_attrs = {"master_weights": False, "fused": "auto", "stochastic_rounding": None}
