@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mptrain.bench.common import device_meta, write_json
+from mptrain.bench.common import bench_parser, device_meta, write_json
 from mptrain.bench.e2e import QUICK_COMPILE
 from mptrain.bench.fp8 import MODELS, QUICK, Case, CausalLM, LlamaShape, StepTimes, _record, build_model, \
     extension_for, token_batches
@@ -263,8 +263,7 @@ def optim_summary(results: list[OptimResult]) -> dict:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mptrain.bench.sr", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("sr", __doc__)
     p.add_argument("--e2e-only", action="store_true", help="only the training steps")
     p.add_argument("--optim-only", action="store_true", help="only the optimizer step")
     p.add_argument("--optim-cases", default=",".join(OPTIM_CASES), help=f"comma list of {', '.join(OPTIM_CASES)}")
