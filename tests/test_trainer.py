@@ -108,7 +108,7 @@ def test_fp32_finetune_steps_in_a_step_based_run():
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(precision="fp8"), ValueError, "precision='fp8'.*32-true"),
-    (dict(precision="64-true"), ValueError, "precision='64-true'"),
+    (dict(precision="64-true", loss_scaler={"init_scale": 2.0}), ValueError, "precision='64-true' is Lightning's"),
     (dict(fused="yes"), ValueError, "fused='yes'.*'auto', True, False"),
     (dict(precision="16-mixed", loss_scaler={"init_scal": 2}), ValueError, "init_scal.*valid keys"),
     (dict(precision="16-mixed", loss_scaler={"init_scale": -2}), ValueError, "init_scale"),
