@@ -16,30 +16,18 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from mptrain.ops.dtypes import HALF_DTYPES
-
-_F_CROSS_ENTROPY = F.cross_entropy  # before any wrapping
-_NAMES = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
-
+from mptrain.precision.lean_cross_entropy import class_index_call
 
 def compiled_cross_entropy(func, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     """The fp32 loss of a ``F.cross_entropy`` call on half logits as traced code, or None where the plain path
     must run (eager mode, another spelling, a case this form does not cover)."""
-    if func is not _F_CROSS_ENTROPY or not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
         return None
-    if len(args) > len(_NAMES) or any(k not in _NAMES for k in kwargs):
+    call = class_index_call(func, args, kwargs)
+    if call is None:
         return None
-    call = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
-            "label_smoothing": 0.0, **dict(zip(_NAMES, args)), **kwargs}
-    x, target = call.get("input"), call.get("target")
-    if not (isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.dim() == 2
-            and x.dtype in HALF_DTYPES and target.dim() == 1 and not target.is_floating_point()
-            and call["weight"] is None and call["size_average"] is None and call["reduce"] is None
-            and call["label_smoothing"] == 0.0 and call["reduction"] in ("none", "mean", "sum")
-            and isinstance(call["ignore_index"], int)):
-        return None
+    x, target = call["input"], call["target"]
     ignored = target == call["ignore_index"]
     safe = torch.where(ignored, torch.zeros_like(target), target)
     xf = x.float()

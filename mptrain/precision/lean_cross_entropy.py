@@ -35,25 +35,35 @@ _REDUCTIONS = ("none", "mean", "sum")  # in the order of aten's reduction enum
 _F_CROSS_ENTROPY = F.cross_entropy  # before any wrapping
 
 
-def lean_cross_entropy(func, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
-    """The fp32 loss of a ``F.cross_entropy`` call on half logits by blocks, or None where the plain path
-    must run (another spelling, a case the blocks do not cover, compiling)."""
-    if func is not _F_CROSS_ENTROPY or torch.compiler.is_compiling():
-        return None
+def class_index_call(func, args: tuple, kwargs: dict) -> Optional[dict]:
+    """A ``F.cross_entropy`` call's arguments by name where they are the case both rewrites cover: 2-D half
+    logits, 1-D class-index targets (one a row), no class weights, no label smoothing, no legacy reduction
+    flags; None for anything else (another spelling included)."""
     names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
-    if len(args) > len(names) or any(k not in names for k in kwargs):
+    if func is not _F_CROSS_ENTROPY or len(args) > len(names) or any(k not in names for k in kwargs):
         return None
     call = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
             "label_smoothing": 0.0, **dict(zip(names, args)), **kwargs}
     x, target = call.get("input"), call.get("target")
     if not (isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.dim() == 2
-            and x.dtype in HALF_DTYPES and x.numel() >= MIN_ELEMENTS
-            and target.dim() == 1 and not target.is_floating_point() and target.shape[0] == x.shape[0]
+            and x.dtype in HALF_DTYPES and target.dim() == 1 and not target.is_floating_point()
+            and target.shape[0] == x.shape[0]
             and call["weight"] is None and call["size_average"] is None and call["reduce"] is None
             and call["label_smoothing"] == 0.0 and call["reduction"] in _REDUCTIONS
             and isinstance(call["ignore_index"], int)):
         return None
-    return _BlockCrossEntropy.apply(x, target, call["ignore_index"], call["reduction"])
+    return call
+
+
+def lean_cross_entropy(func, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The fp32 loss of a ``F.cross_entropy`` call on half logits by blocks, or None where the plain path
+    must run (another spelling, a case the blocks do not cover, compiling)."""
+    if torch.compiler.is_compiling():
+        return None
+    call = class_index_call(func, args, kwargs)
+    if call is None or call["input"].numel() < MIN_ELEMENTS:
+        return None
+    return _BlockCrossEntropy.apply(call["input"], call["target"], call["ignore_index"], call["reduction"])
 
 
 def _blocks(n: int, c: int):
