@@ -174,7 +174,8 @@ def _finish_wandb(trainer: Any) -> None:
     """Close the W&B runs of ``trainer``'s loggers (wandb otherwise does it at exit, printing after our last line)."""
     from lightning.pytorch.loggers import WandbLogger
 
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and getattr(logger, "_experiment", None) is not None:
-            logger.experiment.finish()
+    if trainer.is_global_zero and any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+        import wandb
+
+        wandb.finish()  # the current run, if one was started (nothing otherwise)
 
