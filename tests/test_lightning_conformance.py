@@ -252,3 +252,27 @@ def test_a_checkpoint_written_in_the_last_batchs_validation_resumes_the_loops_of
     assert resumed["epoch_loop.state_dict"] == straight["epoch_loop.state_dict"]
     assert resumed["epoch_loop.batch_progress"] == straight["epoch_loop.batch_progress"]
     assert resumed["epoch_progress"] == straight["epoch_progress"]
+
+
+def test_an_iterable_dataset_resumed_at_an_epochs_end_is_iterated_once_an_epoch(tmp_path):
+    """As under Lightning: one iterator per epoch, none extra at the resume (a dataset reading an external source
+    would lose what an extra iterator read)."""
+
+    class Counted(torch.utils.data.IterableDataset):
+        iterations = 0
+
+        def __iter__(self):
+            type(self).iterations += 1
+            data = classification_data(n=16)
+            return iter([data[i] for i in range(len(data))])
+
+    def fit(max_epochs, ckpt_path=None):
+        Counted.iterations = 0
+        trainer = _quiet(max_epochs=max_epochs, default_root_dir=str(tmp_path))
+        trainer.fit(Classifier(mlp()), torch.utils.data.DataLoader(Counted(), batch_size=8), ckpt_path=ckpt_path)
+        return trainer
+
+    fit(2).save_checkpoint(tmp_path / "after_fit.ckpt")
+    assert Counted.iterations == 2
+    assert fit(4, ckpt_path=str(tmp_path / "after_fit.ckpt")).current_epoch == 4
+    assert Counted.iterations == 2

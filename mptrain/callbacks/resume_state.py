@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from mptrain.compat.lightning import combined_loader, loader_states
+from mptrain.compat.lightning import before_train_iterator, combined_loader, is_stateful, loader_states
 from mptrain.resume.errors import CheckpointError
 from mptrain.resume.loop_position import (begin_next_epoch, ends_an_epoch, reopen_stopped_epoch, settle_epoch_end,
                                           stopped_mid_epoch)
@@ -37,13 +38,31 @@ class ResumeState(Callback):
         self._next_epoch_loaders: Optional[list] = None  # set when the checkpoint ends an epoch
         self._training_rng: Optional[dict[str, Any]] = None  # while validation runs inside fit
         self._fit_end: Optional[dict[str, Any]] = None  # the RNG and loader states fit ended with
+        self._restored_early: Optional[dict[str, Any]] = None  # see before_train_iterator
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer
         self._next_epoch_loaders = None
+        self._restored_early: Optional[dict[str, Any]] = None  # the saved layout, once the RNG is restored early
         if stage == TrainerFn.FITTING:
             self._fit_end = None
             isolate_validation(trainer, self)
+            before_train_iterator(trainer.fit_loop, self.before_train_iterator)
+
+    def before_train_iterator(self) -> None:
+        """Lightning is about to build the train iterator of a run resumed at an epoch's end.  A loader without
+        length is read a batch ahead at once: with no loader state to rebuild, the RNG is restored now, so this
+        iterator is the next epoch's, as the uninterrupted run built it, and no second one is built (a dataset
+        reading an external source, a queue, would lose what the first one read)."""
+        trainer = self._trainer
+        if self._next_epoch_loaders != [] or self._restored_early is not None or not self._loaded:
+            return
+        combined = combined_loader(trainer.fit_loop)
+        if combined is None or all(sized_len(loader) is not None for loader in combined.flattened) \
+                or any(is_stateful(loader) for loader in combined.flattened):
+            return
+        self._restored_early = {"layout": self._loaded.get("layout")}
+        self._restore_rng(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         if self._trainer is None:
@@ -81,14 +100,16 @@ class ResumeState(Callback):
             check_layout(layout, epoch_layout(self._trainer), ("world_size", "accumulate_grad_batches"))
 
     def on_train_start(self, trainer, pl_module) -> None:
-        saved = (self._loaded or {}).get("layout")
-        self._restore_rng(trainer)
+        early, self._restored_early = self._restored_early, None
+        saved = early["layout"] if early is not None else (self._loaded or {}).get("layout")
+        if early is None:
+            self._restore_rng(trainer)
         if self._next_epoch_loaders is not None:
             loaders, self._next_epoch_loaders = self._next_epoch_loaders, None
             now = epoch_layout(trainer)
             same = not isinstance(saved, dict) or all(saved.get(k) == now[k]
                                                       for k in ("world_size", "num_training_batches"))
-            begin_next_epoch(trainer, loaders, same_layout=same)
+            begin_next_epoch(trainer, loaders, same_layout=same, iterate_unsized=early is None)
 
     def on_train_end(self, trainer, pl_module) -> None:
         combined = combined_loader(trainer.fit_loop)

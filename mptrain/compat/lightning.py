@@ -120,6 +120,14 @@ def is_unset_wrapping_io(io: Any) -> bool:
     return isinstance(io, _WrappingCheckpointIO) and io.checkpoint_io is None
 
 
+def before_train_iterator(fit_loop: Any, hook: Callable[[], None]) -> None:
+    """Call ``hook()`` in the fit loop's ``setup_data`` right before Lightning builds the train iterator (the
+    loaders' saved states loaded).  Needs :func:`report_pending_loader_states`' fit loop.
+    Missing public API: no hook between loading the loaders' states and building their iterator."""
+    if isinstance(fit_loop, _PendingStatesFitLoop):
+        fit_loop.before_train_iterator = hook
+
+
 def report_pending_loader_states(fit_loop: Any) -> None:
     """Make ``fit_loop.state_dict()`` report the train loader states it was loaded with and has not yet handed to
     its loaders (Lightning reports the live loaders' states, so a loaded state does not round-trip with stateful
@@ -129,7 +137,15 @@ def report_pending_loader_states(fit_loop: Any) -> None:
 
 
 class _PendingStatesFitLoop(_FitLoop):
-    """Lightning's fit loop whose saved state holds the loader states loaded and not yet applied."""
+    """Lightning's fit loop whose saved state holds the loader states loaded and not yet applied, with a hook
+    before the train iterator is built (:func:`before_train_iterator`)."""
+
+    before_train_iterator: Optional[Callable[[], None]] = None
+
+    def _load_combined_loader_states(self) -> None:
+        super()._load_combined_loader_states()
+        if self.before_train_iterator is not None:
+            self.before_train_iterator()
 
     def on_save_checkpoint(self) -> dict:
         state = super().on_save_checkpoint()

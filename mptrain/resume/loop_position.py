@@ -93,11 +93,14 @@ def settle_epoch_end(fit_loop: dict[str, Any]) -> list[dict[str, Any]]:
     return fit_loop.get("state_dict", {}).pop("combined_loader", None) or []
 
 
-def begin_next_epoch(trainer: Any, loader_states: list[dict[str, Any]], same_layout: bool = True) -> None:
+def begin_next_epoch(trainer: Any, loader_states: list[dict[str, Any]], same_layout: bool = True,
+                     iterate_unsized: bool = True) -> None:
     """Start the epoch after a settled checkpoint's (call at ``on_train_start``, after the RNG is restored).
 
     ``same_layout``: the run has the checkpoint's epoch layout (world size, batches per epoch); with another, the
-    saved epoch is not rebuilt (its state may not even fit the new sampler) and the next epoch starts afresh."""
+    saved epoch is not rebuilt (its state may not even fit the new sampler) and the next epoch starts afresh.
+    ``iterate_unsized=False``: Lightning built a loader without length's iterator after the RNG was restored
+    (:meth:`ResumeState.before_train_iterator`), so that iterator is the next epoch's already."""
     fit_loop = trainer.fit_loop
     combined = combined_loader(fit_loop)
     fetcher = data_fetcher(fit_loop)
@@ -107,7 +110,8 @@ def begin_next_epoch(trainer: Any, loader_states: list[dict[str, Any]], same_lay
         _rebuild_saved_epoch(trainer, [loader for loader in combined.flattened if is_stateful(loader)],
                              loader_states)
     if fetcher.length is None:  # no length: Lightning reads a batch ahead from the moment it builds the iterator
-        iter(fetcher)
+        if iterate_unsized:
+            iter(fetcher)
     else:
         fetcher.iterator = _IterOnFirstBatch(combined)
     # with max_steps Lightning restarts every loop of a resumed run (FitLoop's setter insists); the settled state
