@@ -3,7 +3,8 @@ layout in the checkpoint, restored and checked where training resumes).
 
 Lightning's checkpoint holds the loops' progress and the loader's position; a bitwise resume also needs the RNGs that
 dropout, augmentation and the next shuffle draw from (torch CPU and CUDA, NumPy, Python), restored at
-``on_train_start``: after Lightning rebuilt the data iterator, before the first resumed step.  The saved RNG is the
+``on_train_start``: after Lightning rebuilt the data iterator, before the first resumed step (at an epoch's end with a
+loader without length and no loader state, right before Lightning builds that iterator).  The saved RNG is the
 training stream's: validation inside ``fit`` draws from a copy (restored when it ends), so a resume that skips a
 validation the original run did (a checkpoint written just before it) sees the same stream, and a checkpoint written
 after ``fit`` holds the RNG and loader position training ended with.  A checkpoint written at an epoch's end starts
