@@ -31,7 +31,11 @@ def compiled_cross_entropy(func, args: tuple, kwargs: dict) -> Optional[torch.Te
     ignored = target == call["ignore_index"]
     safe = torch.where(ignored, torch.zeros_like(target), target)
     xf = x.float()
-    rows = torch.logsumexp(xf, 1) - xf.gather(1, safe[:, None]).squeeze(1)
+    # the target's logit as a masked row sum (exact: one term), not a gather: inductor fuses it into the
+    # logsumexp's pass over the row, and its backward into the softmax's pointwise pass, where a gather's
+    # backward would scatter into a whole zero tensor of the logits' size
+    hit = torch.arange(x.shape[1], device=x.device)[None, :] == safe[:, None]
+    rows = torch.logsumexp(xf, 1) - torch.where(hit, xf, torch.zeros_like(xf)).sum(1)
     rows = torch.where(ignored, torch.zeros_like(rows), rows)
     if call["reduction"] == "none":
         return rows
