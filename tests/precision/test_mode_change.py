@@ -1,4 +1,5 @@
-"""One rule for resuming in another precision mode: allowed (with a warning naming both) unless into 16-true/bf16-true."""
+"""One rule for resuming in another precision mode: allowed (with a warning naming both) unless it would round a
+saved value (into 16-true, bf16-true, or bf16-sr from a mode with fp32 weights)."""
 from __future__ import annotations
 
 import warnings
@@ -16,15 +17,16 @@ CPU_MODES = [p for p in PRECISIONS if p != "fp8-master"]  # fp8-master is refuse
 @pytest.mark.parametrize("saved", CPU_MODES)
 @pytest.mark.parametrize("now", CPU_MODES)
 def test_the_rule_for_every_pair_of_modes(saved, now):
-    from mptrain.precision.mode_change import HALF_STATE_MODES, check_mode_change
+    from mptrain.precision.mode_change import check_mode_change
 
+    rounds = now in ("16-true", "bf16-true") or (now == "bf16-sr" and saved != "bf16-true")
     if saved == now:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             check_mode_change(saved, now)
-    elif now in HALF_STATE_MODES:
-        with pytest.raises(ValueError, match=f"cannot resume a '{saved}' checkpoint in '{now}'.*except into 16-true or "
-                                             f"bf16-true.*Resume in '{saved}'"):
+    elif rounds:
+        with pytest.raises(ValueError, match=f"cannot resume a '{saved}' checkpoint in '{now}'.*except into 16-true, "
+                                             f"bf16-true or bf16-sr.*Resume in '{saved}'"):
             check_mode_change(saved, now)
     else:
         with pytest.warns(UserWarning, match=f"resuming a '{saved}' checkpoint in '{now}'.*carry over exactly"):
@@ -50,7 +52,7 @@ def _fit(root, precision, max_epochs, ckpt_path=None):
 
 @pytest.mark.parametrize("saved, now", [("bf16-master", "16-master"), ("bf16-master", "32-true"),
                                         ("bf16-master", "bf16-mixed"), ("32-true", "bf16-master"),
-                                        ("bf16-true", "32-true")])
+                                        ("bf16-true", "32-true"), ("bf16-true", "bf16-sr")])
 def test_precision_change_rule_allowed_changes_warn_and_carry_the_state(tmp_path, saved, now):
     """The same rule whichever plugin class each mode has: the fp32 weights load exactly, training goes on."""
     first, _ = _fit(tmp_path, saved, max_epochs=1)
@@ -64,9 +66,9 @@ def test_precision_change_rule_allowed_changes_warn_and_carry_the_state(tmp_path
 
 
 @pytest.mark.parametrize("saved, now", [("bf16-master", "bf16-true"), ("32-true", "16-true"),
-                                        ("16-true", "bf16-true")])
+                                        ("16-true", "bf16-true"), ("bf16-master", "bf16-sr")])
 def test_precision_change_rule_refuses_a_change_into_half_weights(tmp_path, saved, now):
     first, _ = _fit(tmp_path, saved, max_epochs=1)
     first.save_checkpoint(tmp_path / "saved.ckpt")
-    with pytest.raises(ValueError, match=f"cannot resume a '{saved}' checkpoint in '{now}'.*16-true or bf16-true"):
+    with pytest.raises(ValueError, match=f"cannot resume a '{saved}' checkpoint in '{now}'.*16-true, bf16-true or bf16-sr"):
         _fit(tmp_path, now, max_epochs=2, ckpt_path=str(tmp_path / "saved.ckpt"))
