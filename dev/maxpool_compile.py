@@ -114,7 +114,7 @@ def e2e(repeat):
 
     stock_build = classifier.build_image_model
 
-    def pooled(arch, num_classes, fused=False):  # torchvision's model, as in session 14
+    def pooled(arch, num_classes, fused=False):  # torchvision's model
         model = stock_build(arch, num_classes)
         model.maxpool = AtenMaxPool2d(model.maxpool)
         return model

@@ -135,7 +135,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint_and_next_save_removes_orphan
 
 @pytest.mark.parametrize("precision", ["bf16-master", "bf16-mixed", "32-true"])
 def test_a_nan_step_leaves_every_checkpoint_finite_and_last_loadable(tmp_path, precision):
-    """Issue 13 item 2: without a loss scaler a NaN step used to poison every later checkpoint."""
+    """Without a loss scaler a NaN step used to poison every later checkpoint."""
     sys.path.insert(0, str(Path(__file__).parent))
     from _models import Classifier, classification_data, mlp, quiet_trainer
 

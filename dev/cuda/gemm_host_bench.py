@@ -100,7 +100,7 @@ def pairs(ext, rows, hid, iters):
     are bitwise the separate ones (and torch.mm's).  Each pair's operands share one buffer ([2, ...], a
     positive fixed stride), the layout a shipped version would need (weights flattened as for cuDNN; x and h
     copied side by side): with separately allocated operands (any offset between them) the batched call
-    faulted at 1024x1024 (illegal address, session 20)."""
+    faulted at 1024x1024 (illegal address)."""
     bf = torch.bfloat16
     xh = torch.randn(2, rows, hid, device="cuda", dtype=bf)
     w = torch.randn(2, 4 * hid, hid, device="cuda", dtype=bf)

@@ -73,7 +73,7 @@ def test_steps_switch_in_a_step_based_run():
 
 
 def test_epochs_in_a_step_based_run_is_refused_at_setup():
-    """Issue 13 item 1: it trained the whole run in fp32."""
+    """A regression: it trained the whole run in fp32."""
     for max_epochs in (-1, None):
         t = trainer(MasterPrecision("bf16-master"), max_epochs=max_epochs, max_steps=6,
                     callbacks=[Fp32Finetune(epochs=1)])

@@ -1,4 +1,4 @@
-"""Issue 14 on 2 GPUs: BERT-large ``bf16-master`` sharded (FSDP + ShardedPrecision) against DDP.
+"""On 2 GPUs: BERT-large ``bf16-master`` sharded (FSDP + ShardedPrecision) against DDP.
 
 Targets: per-GPU peak memory <= 0.6x DDP's, throughput >= 0.9x DDP's, loss after 200 steps within
 1% of DDP's. Each strategy is one launch of this file (Lightning's launcher re-runs the command

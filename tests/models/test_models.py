@@ -258,7 +258,7 @@ def test_bert_compiled_model_is_the_whole_network_in_one_graph():
 
 def test_bert_recipe_network_with_fused_layernorm_and_softmax_compiles_in_one_graph():
     """The recipe's network with mptrain's fused LayerNorm and masked-softmax attention: one
-    fullgraph holding the mptrain ops, no graph break (issue 12)."""
+    fullgraph holding the mptrain ops, no graph break."""
     from mptrain.nn.attention import ATTENTION_NAME
 
     torch.manual_seed(0)

@@ -228,7 +228,7 @@ def _fresh_extension_state(monkeypatch):
 
 @pytest.mark.parametrize("case", ["unwritable build dir", "CUDA_HOME pointing at nothing"])
 def test_bad_build_environment_is_one_clear_message_and_the_references_keep_working(case, tmp_path, monkeypatch):
-    """Issue 13 item 11: neither case may end in a raw traceback or be ignored without a word."""
+    """Neither case may end in a raw traceback or be ignored without a word."""
     if case == "unwritable build dir":
         blocker = tmp_path / "a-file"
         blocker.write_text("not a directory")

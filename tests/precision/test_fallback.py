@@ -211,7 +211,7 @@ def test_bf16_on_a_gpu_without_bf16_raises_before_training(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["bf16-master", "bf16-true", "bf16-mixed"])
 def test_lstm_runs_in_fp32_on_a_cpu_without_native_bf16(precision, monkeypatch, caplog):
-    """Issue 11 item 8: torch's oneDNN bf16 LSTM crashes there; the policy computes it in fp32."""
+    """torch's oneDNN bf16 LSTM crashes there; the policy computes it in fp32."""
     import copy
 
     import mptrain.precision.fallback as fb

@@ -1,4 +1,4 @@
-"""Issue 13 item 2: every mode, scaler or not, skips a non-finite step and stops a run that cannot progress."""
+"""Every mode, scaler or not, skips a non-finite step and stops a run that cannot progress."""
 from __future__ import annotations
 
 import pytest

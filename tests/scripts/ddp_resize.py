@@ -1,4 +1,4 @@
-"""Launched by tests/test_distributed.py (issue 13 item 6): a checkpoint written mid-epoch by ONE
+"""Launched by tests/test_distributed.py: a checkpoint written mid-epoch by ONE
 process, resumed by TWO gloo ranks. The epoch layout changed (half the batches per rank), so the
 resume must be refused naming the saved and current world size, never crash or remap silently.
 
