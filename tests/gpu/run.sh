@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: build the extension, run the CUDA tests and the benchmarks on the GPU
 # machine.  Usage: tests/gpu/run.sh [stage ...]
-#   stages: info build tests kernels host e2e user fp8 sr multi
+#   stages: info build tests kernels host e2e user speed fp8 sr multi
 #   default: info build tests kernels host (about 4-5 minutes on an H200 with 16 cores:
 #   info 16 s, build 60 s, tests 118 s, kernels 40 s; each stage's timeout below keeps the
 #   default call under 9 minutes: 30 + 150 + 170 + 130 + 60 s).  e2e takes a call of its
@@ -17,6 +17,8 @@
 #   own (tests/gpu/run.sh fp8): compiled Llama steps, bf16-master vs torchao float8 vs fp8-master, two models.
 #   sr (tests/gpu/run.sh build sr, about 5 minutes): bf16-sr vs bf16-master on the 1.2B Llama (step time, peak
 #   memory) and the SR AdamW step alone vs torchao's (SR_ARGS adds flags, e.g. SR_ARGS="--optim-only").
+#   speed (tests/gpu/run.sh build speed, about 5 minutes): the tests marked slow (compiled bf16-master never
+#   slower than eager on the user BERT and ResNet-50), which the tests stage leaves out.
 # Each stage logs to $OUT/<stage>.log; the benchmarks also write $OUT/<stage>.json, and
 # $OUT/summary.txt lists every stage's exit code and seconds.
 set -uo pipefail
@@ -65,7 +67,7 @@ print(f\"warm load: {time.perf_counter() - t:.2f} s\")"'
 # GPU_TESTS picks test files (default: all of tests/gpu); the fp8 compile and convergence tests add ~2 minutes
 # shellcheck disable=SC2086
 stage tests 330 python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -rfE --timeout=120 --maxfail=30 -p no:cacheprovider \
-  -o addopts="" -m "not multi_gpu"
+  -o addopts="" -m "not multi_gpu and not slow"
 stage kernels 130 python3 -m mptrain.bench.kernels --no-host --json "$OUT/kernels.json"
 stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
 # shellcheck disable=SC2086  # E2E_ARGS: extra flags, e.g. E2E_ARGS="--models bert --repeat 3"
@@ -73,6 +75,8 @@ stage e2e 590 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json" ${E2E_ARGS:-}
 # shellcheck disable=SC2086  # USER_ARGS: extra flags, e.g. USER_ARGS="--models user_bert" (the last --models wins)
 stage user 450 python3 -m mptrain.bench.e2e --models user_resnet50,user_bert --warmup 6 --steps 20 \
   --out "$OUT/user.json" ${USER_ARGS:-}
+stage speed 420 python3 -m pytest tests/gpu -q -s -rfE --timeout=400 -p no:cacheprovider -o addopts="" \
+  -m "slow and not multi_gpu"
 # shellcheck disable=SC2086  # FP8_ARGS: extra flags, e.g. FP8_ARGS="--models llama1b --rowwise"
 stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --out "$OUT/fp8.json" ${FP8_ARGS:-}
 # shellcheck disable=SC2086  # SR_ARGS: extra flags, e.g. SR_ARGS="--optim-only"
