@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import reference
+from .reference import is_dense  # the kernels' layout rule (csrc checks it), shared with the references
 from .dispatch import KERNEL_DTYPES, use_op
 from .library import OPS
 
@@ -73,19 +74,6 @@ def _same_list(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> bool
     if torch.compiler.is_compiling():
         return len(dst) == len(src) and all(d is s for d, s in zip(dst, src))
     return dst is src
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """Whether the kernels can walk ``t`` flat: ATen's ``is_non_overlapping_and_dense`` (contiguous,
-    channels_last, a transpose, ...; not a slice with gaps, not an expanded view), which csrc checks."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _split_walkable(src: list, dst: list, in_place: bool) -> tuple[list, list, list, list]:

@@ -74,7 +74,8 @@ def philox4x32_10(counter, key):
 
 
 def is_dense(t) -> bool:
-    """Whether ``t``'s elements fill its memory without gaps or overlap (ATen's is_non_overlapping_and_dense)."""
+    """Whether the kernels can walk ``t`` flat: ATen's ``is_non_overlapping_and_dense`` (contiguous,
+    channels_last, a transpose, ...; not a slice with gaps, not an expanded view), which csrc checks."""
     if t.is_contiguous():
         return True
     expected = 1

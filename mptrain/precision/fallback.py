@@ -359,6 +359,28 @@ def is_norm_module(module: nn.Module) -> bool:
     return name.endswith("norm") or "layernorm" in name or "batchnorm" in name or "rmsnorm" in name
 
 
+def half_params_fp32_norms(module: nn.Module, dtype: torch.dtype, before_cast=None) -> list:
+    """The half modes' module policy, in place: norm layers keep fp32 weights and compute in fp32 (their hooks are
+    returned); every other floating parameter and persistent buffer becomes ``dtype``.  Non-persistent buffers are
+    constants derived from the config (RoPE's inv_freq): a bf16 copy would move a rotary angle near position 2048
+    by radians, so they keep their dtype.  ``before_cast(p)`` sees each parameter before it is cast."""
+    hooks: list = []
+    for m in module.modules():
+        if is_norm_module(m):
+            m.float()
+            hooks += run_module_in_fp32(m)
+            continue
+        for p in m.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype not in HALF_DTYPES:
+                if before_cast is not None:
+                    before_cast(p)
+                p.data = p.data.to(dtype)
+        for name, b in m.named_buffers(recurse=False):
+            if b.is_floating_point() and name not in compat.non_persistent_buffer_names(m):
+                setattr(m, name, b.to(dtype))
+    return hooks
+
+
 def run_module_in_fp32(module: nn.Module) -> list:
     """Hooks (returned) that make ``module`` compute in fp32 and return the input's dtype; modules with
     ``accepts_mixed_dtypes = True`` (e.g. mptrain's fused LayerNorm) take half input natively: left alone."""

@@ -20,7 +20,7 @@ from mptrain import ops
 from mptrain.compat import torch as compat
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
-from mptrain.precision.fallback import is_norm_module, run_module_in_fp32
+from mptrain.precision.fallback import half_params_fp32_norms
 from mptrain.precision.fused_step import take_over_step
 from mptrain.precision.plugin import MptrainPrecision, StepCheck, _unwrap_optimizer
 
@@ -54,21 +54,9 @@ class MasterPrecision(MptrainPrecision):
         if module in self._converted:
             return module  # validate/test after fit set the module up again: hooks once
         self._converted.add(module)
-        for m in module.modules():
-            if is_norm_module(m):
-                m.float()
-                self._hooks += run_module_in_fp32(m)
-                continue
-            for p in m.parameters(recurse=False):
-                if p.is_floating_point() and p.dtype not in HALF_DTYPES:
-                    # The masters start from the full fp32 weights (apex O2 lost the init's low bits).
-                    self._fp32_init[id(p)] = p.data
-                    p.data = p.data.to(self.param_dtype)
-            for name, b in m.named_buffers(recurse=False):
-                # Non-persistent buffers are constants derived from the config (RoPE's inv_freq): a bf16 copy
-                # would move a rotary angle near position 2048 by radians, so they keep their dtype.
-                if b.is_floating_point() and name not in compat.non_persistent_buffer_names(m):
-                    setattr(m, name, b.to(self.param_dtype))
+        # The masters start from the full fp32 weights (apex O2 lost the init's low bits).
+        self._hooks += half_params_fp32_norms(module, self.param_dtype,
+                                              before_cast=lambda p: self._fp32_init.__setitem__(id(p), p.data))
         # torch tags hooks with attributes (a bound method takes none); partials also pickle with the module.
         cls = type(self)
         self._hooks.append(module.register_state_dict_post_hook(functools.partial(cls._state_dict_hook, self)))

@@ -28,11 +28,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from mptrain.compat import torch as compat
-from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.optim import FusedAdam, FusedLAMB, FusedSGD
 from mptrain.precision import grads as G
-from mptrain.precision.fallback import is_norm_module, run_module_in_fp32
+from mptrain.precision.fallback import half_params_fp32_norms
 from mptrain.precision.fused_step import take_over_step
 from mptrain.precision.plugin import MptrainPrecision
 
@@ -70,19 +68,7 @@ class StochasticRoundingPrecision(MptrainPrecision):
         if id(module) in self._converted:
             return module  # validate/test after fit set the module up again
         self._converted.add(id(module))
-        for m in module.modules():
-            if is_norm_module(m):
-                m.float()
-                self._hooks += run_module_in_fp32(m)
-                continue
-            for p in m.parameters(recurse=False):
-                if p.is_floating_point() and p.dtype not in HALF_DTYPES:
-                    p.data = p.data.to(self.param_dtype)
-            for name, b in m.named_buffers(recurse=False):
-                # Non-persistent buffers are constants derived from the config (RoPE's inv_freq): they keep
-                # their dtype, as in the master modes.
-                if b.is_floating_point() and name not in compat.non_persistent_buffer_names(m):
-                    setattr(m, name, b.to(self.param_dtype))
+        self._hooks += half_params_fp32_norms(module, self.param_dtype)
         return module
 
     def promote_module(self, module: nn.Module) -> None:
