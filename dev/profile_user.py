@@ -58,31 +58,13 @@ class Prof(L.Callback):
             self.prof.__exit__(None, None, None)
 
 
-def patch(name):
-    """Lab variants of the product, applied for one case (undone after it)."""
-    import mptrain.precision.fallback as fb
-    if name == "ce":  # the fallback's cross_entropy traced as logsumexp - picked (compiled_cross_entropy)
-        from mptrain.precision.compiled_cross_entropy import compiled_cross_entropy
-        old = fb.lean_cross_entropy
-
-        def both(func, args, kwargs):
-            out = compiled_cross_entropy(func, args, kwargs)
-            return old(func, args, kwargs) if out is None else out
-        fb.lean_cross_entropy = both
-        return lambda: setattr(fb, "lean_cross_entropy", old)
-    raise ValueError(f"unknown patch {name!r}")
-
-
 def parse_case(text):
     name, *opts = text.split("|")
-    extra, patches = {}, []
+    extra = {}
     for o in opts:
-        if o.startswith("@"):
-            patches.append(o[1:])
-            continue
         k, _, v = o.partition("=")
         extra[k] = ast.literal_eval(v)
-    return name, extra, patches
+    return name, extra
 
 
 def kernel_times(ka, steps):
@@ -116,8 +98,7 @@ def gemm_shapes(prof, steps, rows=12):
 
 
 def run(model, text, warmup, steps, rows, timed=10):
-    name, extra, patches = parse_case(text)
-    undo = [patch(p) for p in patches]
+    name, extra = parse_case(text)
     spec = e2e.USER_CASES[name]
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -146,8 +127,6 @@ def run(model, text, warmup, steps, rows, timed=10):
     for k, t in sorted(kt.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"  {t:8.3f} ms  {k[:110]}")
     gemm_shapes(prof.prof, steps)
-    for u in undo:
-        u()
     module = trainer = batches = None
     return kt, prof.wall_ms
 
