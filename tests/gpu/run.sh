@@ -37,8 +37,8 @@ export MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 STAGES=${*:-info build tests kernels host}
 for s in $STAGES; do
-  case $s in info | build | tests | kernels | host | e2e | user | fp8 | sr | multi) ;;
-  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e user fp8 sr multi" >&2; exit 2 ;;
+  case $s in info | build | tests | kernels | host | e2e | user | speed | fp8 | sr | multi) ;;
+  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e user speed fp8 sr multi" >&2; exit 2 ;;
   esac
 done
 summary=()
