@@ -56,6 +56,9 @@ class Trainer(pl.Trainer):
         channels_last: Convert the module and every 4-D input batch to ``torch.channels_last``.
         seed: ``seed_everything(seed, workers=True)`` at the start of ``fit``.
         compile: ``True`` or a dict of ``torch.compile`` arguments: compile the LightningModule's ``model``.
+        sdpa: The ``scaled_dot_product_attention`` back end every forward prefers: ``"auto"`` (mptrain's measured
+            order for the GPU, :mod:`mptrain.precision.sdpa_backend`), ``"torch"`` (torch's own order) or a list
+            of ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"`` in priority order.
 
     With ``strategy="fsdp"`` the plugin is a :class:`~mptrain.precision.sharded.ShardedPrecision`
     (``*-true`` half modes, ``fp32_finetune_*``, ``auto_fp32_fallback`` and ``cuda_graphs`` are refused).
@@ -66,7 +69,8 @@ class Trainer(pl.Trainer):
                  fp32_fallback: Union[str, list[str]] = "default", auto_fp32_fallback: bool = False,
                  fused: Union[str, bool] = "auto", fuse_modules: Union[str, bool] = "auto", cuda_graphs: bool = False,
                  checkpoint_every_n_steps: Optional[int] = None, channels_last: bool = False,
-                 seed: Optional[int] = None, compile: Union[bool, dict[str, Any]] = False, plugins: Any = None,
+                 seed: Optional[int] = None, compile: Union[bool, dict[str, Any]] = False, sdpa: Any = "auto",
+                 plugins: Any = None,
                  callbacks: Any = None, **kwargs: Any) -> None:
         check_finetune(fp32_finetune_epochs, fp32_finetune_steps, kwargs)
         check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback)
@@ -79,16 +83,16 @@ class Trainer(pl.Trainer):
                                      cuda_graphs)
         user_plugin = next((p for p in plugins if isinstance(p, Precision)), None)
         if user_plugin is not None:
-            check_user_plugin(precision, loss_scaler, fp32_fallback, fused)
+            check_user_plugin(precision, loss_scaler, fp32_fallback, fused, sdpa)
             check_sharded_plugin(strategy, sharded, user_plugin)
         elif is_lightning_precision(precision):  # a mode mptrain does not run (64-true, transformer-engine)
-            check_lightning_precision(precision, loss_scaler, fp32_fallback, fused)
+            check_lightning_precision(precision, loss_scaler, fp32_fallback, fused, sdpa)
             kwargs["precision"] = precision  # Lightning picks its own plugin, as lightning.Trainer does
         else:
             name = normalize_precision("32-true" if precision is None else precision)
             check_mode_for_strategy(strategy, sharded, name)
             plugins.append(precision_plugin(name, sharded=sharded, loss_scaler=loss_scaler,
-                                            fp32_fallback=fp32_fallback, fused=fused))
+                                            fp32_fallback=fp32_fallback, fused=fused, sdpa=sdpa))
         io = next((p for p in plugins if isinstance(p, CheckpointIO)), None)
         if io is None:
             plugins.append(AtomicCheckpointIO())

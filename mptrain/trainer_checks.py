@@ -86,9 +86,10 @@ def _name(strategy) -> str:
     return strategy if isinstance(strategy, str) else type(strategy).__name__
 
 
-def check_user_plugin(precision, loss_scaler, fp32_fallback, fused) -> None:
+def check_user_plugin(precision, loss_scaler, fp32_fallback, fused, sdpa="auto") -> None:
     given = [f"{k}={v!r}" for k, v, default in (("precision", precision, None), ("loss_scaler", loss_scaler, None),
-                                               ("fp32_fallback", fp32_fallback, "default"), ("fused", fused, "auto"))
+                                               ("fp32_fallback", fp32_fallback, "default"), ("fused", fused, "auto"),
+                                               ("sdpa", sdpa, "auto"))
              if v != default]
     if given:
         raise ValueError(f"plugins= holds a precision plugin, so {', '.join(given)} would be ignored: configure the "
@@ -110,9 +111,10 @@ def is_lightning_precision(precision) -> bool:
     return False
 
 
-def check_lightning_precision(precision, loss_scaler, fp32_fallback, fused) -> None:
+def check_lightning_precision(precision, loss_scaler, fp32_fallback, fused, sdpa="auto") -> None:
     given = [f"{k}={v!r}" for k, v, default in (("loss_scaler", loss_scaler, None),
-                                               ("fp32_fallback", fp32_fallback, "default"), ("fused", fused, "auto"))
+                                               ("fp32_fallback", fp32_fallback, "default"), ("fused", fused, "auto"),
+                                               ("sdpa", sdpa, "auto"))
              if v != default]
     if given:
         raise ValueError(f"precision={precision!r} is Lightning's own mode, run by Lightning's plugin, so "

@@ -29,6 +29,9 @@ from mptrain.precision.fallback import AutoFallback, Fp32Fallback, run_module_in
 from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
 from mptrain.precision.mode_change import check_mode_change, saved_mode
 from mptrain.precision.nonfinite import NonFiniteGuard
+from mptrain.precision.sdpa_backend import parse_sdpa
+from mptrain.precision.sdpa_backend import priority_context as sdpa_priority_context
+from mptrain.precision.sdpa_backend import resolve as sdpa_resolve
 
 log = logging.getLogger("mptrain")
 
@@ -76,6 +79,8 @@ class MptrainPrecision(_LightningPrecision):
         fused: mptrain's kernels where available (``"auto"``), required (``True``) or off (``False``).
         max_consecutive_skips: skipped steps in a row before :class:`NonFiniteError`;
             ``None``: the scaler's setting, else 100.
+        sdpa: which ``scaled_dot_product_attention`` back end the forward prefers: ``"auto"`` (mptrain's measured
+            order for the GPU), ``"torch"`` (torch's own) or a list of back-end names (:mod:`.sdpa_backend`).
     """
 
     MODES: dict[str, torch.dtype] = {}
@@ -85,7 +90,8 @@ class MptrainPrecision(_LightningPrecision):
     has_master_weights = False
 
     def __init__(self, precision: str, *, loss_scaler: Any = None, fp32_fallback: Any = "default",
-                 fused: Union[str, bool] = "auto", max_consecutive_skips: Optional[int] = None):
+                 fused: Union[str, bool] = "auto", max_consecutive_skips: Optional[int] = None,
+                 sdpa: Any = "auto"):
         if precision not in self.MODES:
             raise ValueError(f"{type(self).__name__}(precision={precision!r}) is not supported. "
                              f"Valid values: {', '.join(map(repr, self.MODES))}")
@@ -94,6 +100,8 @@ class MptrainPrecision(_LightningPrecision):
         self.param_dtype = torch.float32 if self.FP32_PARAMS else dtype
         self.autocast_dtype: Optional[torch.dtype] = dtype if precision.endswith("-mixed") else None
         self.fused = check_fused(type(self).__name__, fused)
+        self.sdpa = parse_sdpa(sdpa)
+        self._sdpa_order: dict[torch.device, Optional[tuple[str, ...]]] = {}
         self.loss_scaler = self._build_scaler(loss_scaler)
         fallback = Fp32Fallback(fp32_fallback)  # checks the list in every mode
         self.fallback: Optional[Fp32Fallback] = fallback if dtype in HALF_DTYPES else None
@@ -155,10 +163,15 @@ class MptrainPrecision(_LightningPrecision):
         return apply_to_collection(data, torch.Tensor, convert_fp_tensor, self.param_dtype)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        """Autocast (``*-mixed``) and the fp32 fallback of listed ops, around every forward."""
+        """Autocast (``*-mixed``), the fp32 fallback of listed ops and the attention back-end priority, around
+        every forward."""
         stack = contextlib.ExitStack()
+        device = self._device()
         if self.autocast_dtype is not None:
-            stack.enter_context(torch.autocast(self._device().type, dtype=self.autocast_dtype))
+            stack.enter_context(torch.autocast(device.type, dtype=self.autocast_dtype))
+        if device not in self._sdpa_order:
+            self._sdpa_order[device] = sdpa_resolve(self.sdpa, device)
+        stack.enter_context(sdpa_priority_context(self._sdpa_order[device]))
         if self.fallback is not None:
             stack.enter_context(self.fallback.context())
         return stack
