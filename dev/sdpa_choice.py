@@ -56,14 +56,17 @@ def step(model, batch):
     model.zero_grad(set_to_none=True)
 
 
-def measure(kind, layers, order_name, compiled, iters=6):
+def measure(kind, layers, order_name, compiled, masks="transformers", iters=6):
+    from mptrain.nn.sdpa_masks import skip_trivial_masks
+
     torch._dynamo.reset()
     model, batch, flops = build(kind, layers)
     run = torch.compile(model) if compiled else model
     order = ORDERS[order_name]
     ctx = (lambda: sdpa_kernel(order, set_priority=True)) if order else contextlib.nullcontext
+    mask_ctx = skip_trivial_masks if masks == "mptrain" else contextlib.nullcontext
     try:
-        with ctx():
+        with ctx(), mask_ctx():
             for _ in range(3):
                 step(run, batch)
             torch.cuda.synchronize()
@@ -77,14 +80,16 @@ def measure(kind, layers, order_name, compiled, iters=6):
                     step(run, batch)
                 torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - a back end refusing the call is a result
-        print(f"{kind} {order_name} {'compiled' if compiled else 'eager'}: {type(e).__name__}: {str(e)[:200]}")
+        print(f"{kind} {order_name} {'compiled' if compiled else 'eager'} masks={masks}: {type(e).__name__}: "
+              f"{str(e)[:200]}")
         return
     names = {}
     for e in p.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA and any(f in e.key.lower() for f in ATTN):
             names[e.key] = names.get(e.key, 0.0) + getattr(e, "self_device_time_total", 0.0) / 2 / 1e3
     attn_ms = sum(names.values())
-    print(f"{kind} layers={layers} {order_name:9s} {'compiled' if compiled else 'eager   '}: step {ms:7.2f} ms, "
+    print(f"{kind} layers={layers} {order_name:9s} {'compiled' if compiled else 'eager   '} masks={masks:12s}: "
+          f"step {ms:7.2f} ms, "
           f"attention-ish kernels {attn_ms:6.2f} ms = {flops / max(attn_ms, 1e-9) / 1e9:6.1f} TFLOP/s", flush=True)
     for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:6]:
         print(f"      {v:7.3f} ms  {k[:110]}")
@@ -96,12 +101,15 @@ def main(argv=None):
     p.add_argument("--models", default="bert,llama")
     p.add_argument("--orders", default="default,cudnn,flash,efficient")
     p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--masks", default="transformers,mptrain", help="transformers: its own masks; mptrain: inside "
+                                                                   "mptrain.nn.sdpa_masks.skip_trivial_masks()")
     a = p.parse_args(argv)
     print(torch.cuda.get_device_name(), torch.__version__)
     for kind in a.models.split(","):
         for order in a.orders.split(","):
             for mode in a.modes.split(","):
-                measure(kind, a.layers, order, mode == "compiled")
+                for masks in a.masks.split(",") if mode == "compiled" else ["transformers"]:
+                    measure(kind, a.layers, order, mode == "compiled", masks)
     return 0
 
 

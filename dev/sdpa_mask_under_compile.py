@@ -1,12 +1,18 @@
 """What a transformers model hands ``scaled_dot_product_attention`` eagerly and under ``torch.compile``: a mask
 tensor or ``is_causal`` (lab tool, not shipped; runs on the CPU).
 
-    python3 dev/sdpa_mask_under_compile.py
+    python3 dev/sdpa_mask_under_compile.py            # as transformers makes the masks
+    python3 dev/sdpa_mask_under_compile.py --mptrain  # inside mptrain.nn.sdpa_masks.skip_trivial_masks()
 
 A mask tensor rules out the flash back end and costs the others a read of the mask; a model without padding
 needs none.  Prints, per model and mode, each SDPA call's mask (shape, dtype) and is_causal.
 """
 from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +39,20 @@ def models():
                                                 vocab_size=1000)), 1000
 
 
+def skip_context():
+    """mptrain.nn.sdpa_masks loaded from its file (it imports nothing of mptrain), so that this runs in a venv
+    with only torch and transformers."""
+    path = Path(__file__).resolve().parents[1] / "mptrain" / "nn" / "sdpa_masks.py"
+    spec = importlib.util.spec_from_file_location("sdpa_masks", path)
+    mod = sys.modules["sdpa_masks"] = importlib.util.module_from_spec(spec)  # dynamo looks the module up
+    spec.loader.exec_module(mod)
+    return mod.skip_trivial_masks()
+
+
 def main():
     import transformers
-    print("torch", torch.__version__, "transformers", transformers.__version__)
+    ours = "--mptrain" in sys.argv
+    print("torch", torch.__version__, "transformers", transformers.__version__, "(mptrain's masks)" if ours else "")
     for name, model, vocab in models():
         ids = torch.randint(0, vocab, (2, 16))
         eager = []
@@ -47,12 +64,14 @@ def main():
 
         F.scaled_dot_product_attention = spy
         try:
-            model(input_ids=ids)
+            with skip_context() if ours else contextlib.nullcontext():
+                model(input_ids=ids)
         finally:
             F.scaled_dot_product_attention = real
         compiled = []
         torch._dynamo.reset()
-        torch.compile(model, backend=_record(compiled))(input_ids=ids)
+        with skip_context() if ours else contextlib.nullcontext():
+            torch.compile(model, backend=_record(compiled))(input_ids=ids)
         for mode, mask, causal in eager + compiled:
             print(f"{name:6s} {mode:9s} attn_mask={mask} is_causal={causal}")
 

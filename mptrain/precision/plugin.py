@@ -25,6 +25,7 @@ from mptrain.compat.lightning import after_closure, convert_fp_tensor
 from mptrain.ops.dispatch import check_fused
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
+from mptrain.nn.sdpa_masks import skip_trivial_masks
 from mptrain.precision.fallback import AutoFallback, Fp32Fallback, run_module_in_fp32
 from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
 from mptrain.precision.mode_change import check_mode_change, saved_mode
@@ -172,6 +173,8 @@ class MptrainPrecision(_LightningPrecision):
         if device not in self._sdpa_order:
             self._sdpa_order[device] = sdpa_resolve(self.sdpa, device)
         stack.enter_context(sdpa_priority_context(self._sdpa_order[device]))
+        if self.sdpa != "torch":
+            stack.enter_context(skip_trivial_masks())
         if self.fallback is not None:
             stack.enter_context(self.fallback.context())
         return stack
