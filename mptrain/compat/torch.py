@@ -272,6 +272,17 @@ def compile_call(module: nn.Module, **compile_kwargs: Any) -> None:
     setattr(module, COMPILED_CALL_ATTR, torch.compile(compiled, **compile_kwargs))
 
 
+def is_traced(tensor: Any) -> bool:
+    """Whether code runs to be traced into a graph rather than to compute: under dynamo, or on the fake tensors
+    AOT autograd traces with (dynamo puts some callables in its graph as one opaque call, e.g. the
+    ``F.cross_entropy`` it substitutes for ``nn.CrossEntropyLoss``, and AOT runs those outside dynamo, where
+    ``torch.compiler.is_compiling()`` is False).  Missing public API: a "tracing" query covering AOT autograd."""
+    if torch.compiler.is_compiling():
+        return True
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(tensor, torch.Tensor) and fake.is_fake(tensor)
+
+
 def is_optimized_module(module: Any) -> bool:
     """Whether ``module`` is the wrapper ``torch.compile(module)`` returns (never, while dynamo is not imported).
     Missing public API: the wrapper's class."""

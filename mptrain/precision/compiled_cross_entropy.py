@@ -17,13 +17,14 @@ from typing import Optional
 
 import torch
 
+from mptrain.compat import torch as compat
 from mptrain.precision.lean_cross_entropy import class_index_call
 
 
 def compiled_cross_entropy(func, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     """The fp32 loss of a ``F.cross_entropy`` call on half logits as traced code, or None where the plain path
     must run (eager mode, another spelling, a case this form does not cover)."""
-    if not torch.compiler.is_compiling():
+    if not compat.is_traced(args[0] if args else kwargs.get("input")):
         return None
     call = class_index_call(func, args, kwargs)
     if call is None:

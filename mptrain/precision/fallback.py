@@ -154,7 +154,7 @@ def push_half_saving(pairs: list) -> bool:
     before.  False (nothing pushed) when compiling (the graph decides what it saves), when saved-tensor hooks are
     disabled, or on a torch that cannot show the hooks in force.  A True return must be followed by
     :func:`pop_half_saving` once the op has run."""
-    if not pairs or _top_hooks is None or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
+    if not pairs or _top_hooks is None or not torch.is_grad_enabled() or compat.is_traced(pairs[0][1]) \
             or not compat.saved_tensors_hooks_enabled():
         return False
     outer = _top_hooks() or (None, None)

@@ -58,7 +58,7 @@ def class_index_call(func, args: tuple, kwargs: dict) -> Optional[dict]:
 def lean_cross_entropy(func, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     """The fp32 loss of a ``F.cross_entropy`` call on half logits by blocks, or None where the plain path
     must run (another spelling, a case the blocks do not cover, compiling)."""
-    if torch.compiler.is_compiling():
+    if compat.is_traced(args[0] if args else kwargs.get("input")):
         return None
     call = class_index_call(func, args, kwargs)
     if call is None or call["input"].numel() < MIN_ELEMENTS:

@@ -74,3 +74,37 @@ def test_inductor_compiles_it_and_matches():
     ref.backward()
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a.grad, b.grad)
+
+
+def _aten_ops(fn, *args):
+    """The aten ops of the forward and backward graphs AOT autograd traces for ``fn`` inside the fp32 fallback."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from mptrain.precision.factory import precision_plugin
+
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    plugin = precision_plugin("bf16-master")
+    plugin.convert_module(torch.nn.Linear(2, 2))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=aot_autograd(fw_compiler=grab, bw_compiler=grab))
+    with plugin.forward_context():
+        compiled(*args).backward()
+    return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("spelling", ["functional", "module built in the forward", "module"])
+def test_every_spelling_is_traced_as_logsumexp(spelling):
+    """transformers' BertForMaskedLM builds ``nn.CrossEntropyLoss()`` inside its forward; dynamo (torch 2.11)
+    replaces that by one opaque ``F.cross_entropy`` call in its graph, which AOT autograd traces outside dynamo."""
+    loss = torch.nn.CrossEntropyLoss()
+    fns = {"functional": lambda x, t: F.cross_entropy(x, t),
+           "module built in the forward": lambda x, t: torch.nn.CrossEntropyLoss()(x, t),
+           "module": lambda x, t: loss(x, t)}
+    x = torch.randn(32, 1000, dtype=torch.bfloat16, requires_grad=True)
+    ops = _aten_ops(fns[spelling], x, torch.randint(0, 1000, (32,)))
+    assert "aten.logsumexp.default" in ops and not any("nll_loss" in o or "log_softmax" in o for o in ops), ops
