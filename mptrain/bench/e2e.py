@@ -15,7 +15,8 @@ modules (mptrain.nn, and ResNet's stem conv padded to 4 channels in fp16).
     mptrain bench e2e --models bert --repeat 3   # each case 3 times, alternating order: median
     mptrain bench e2e --quick          # tiny models on the CPU: checks the harness only
 
-The user models (``--models user_resnet50,user_bert``) are what a plain Lightning user trains: torchvision's
+The user models (``--models user_resnet50,user_bert``, and ``user_llama``: transformers' LlamaForCausalLM at the
+1.2B widths, batch 8 x 2048, a call of its own on the GPU) are what a plain Lightning user trains: torchvision's
 ResNet-50 (channels_last, batch 256, ``SGD(lr=0.1, momentum=0.9, fused=True)``) and transformers'
 ``BertForMaskedLM(BertConfig(attn_implementation="sdpa"))`` (batch 128 x 128, ``AdamW(fused=True)``) in a
 LightningModule of their own (mptrain.bench.user_models), with their own optimizer, run in USER_CASES:

@@ -181,12 +181,12 @@ def test_quick_user_models_write_throughput_and_memory_fields(tmp_path, capsys):
     """The plain-Lightning user models train 2 steps a case on the CPU: each case has its throughput and
     the memory fields (None on the CPU), a refused feature its reason, and the summary its two targets."""
     out = tmp_path / "user.json"
-    rc = e2e.main(["--quick", "--models", "user_resnet50,user_bert", "--cases", ",".join(USER_QUICK_CASES),
+    rc = e2e.main(["--quick", "--models", ",".join(e2e.USER_MODELS), "--cases", ",".join(USER_QUICK_CASES),
                    "--warmup", "1", "--steps", "1", "--out", str(out)])
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     results = {(r["model"], r["case"]): r for r in data["results"]}
-    assert set(results) == {(m, c) for m in ("user_resnet50", "user_bert") for c in USER_QUICK_CASES}
+    assert set(results) == {(m, c) for m in e2e.USER_MODELS for c in USER_QUICK_CASES}
     errors = {k: r["message"] for k, r in results.items() if r["status"] == "error"}
     assert not errors and rc == 0, errors
     for key, r in results.items():
@@ -198,7 +198,7 @@ def test_quick_user_models_write_throughput_and_memory_fields(tmp_path, capsys):
             assert r["status"] == "ok" and r["samples_per_s"] > 0 and r["step_ms"] > 0, key
             assert r["peak_mem_gb"] is None and r["mem_phases"] is None  # CUDA-only measurements
     assert results[("user_resnet50", "mptrain:bf16-master")]["batch"] == 2
-    for model in ("user_resnet50", "user_bert"):
+    for model in e2e.USER_MODELS:
         summary = data["summary"][model]
         assert summary["ratios"]["mptrain_best / lightning_compile_best"] > 0
         assert summary["ratios"]["peak mptrain:bf16-master / lightning:bf16-mixed"] is None  # no CUDA peak
