@@ -22,7 +22,7 @@ from mptrain.cli.class_paths import check_class_paths
 from mptrain.cli.errors import CONSTRUCTION_ERRORS, ConfigError, explain_parse_error, innermost_error, one_line, \
     parser_keys, refusal
 from mptrain.cli.run_dir import RunConfigCallback, RunFiles, keep_wandb_files_in_the_run, place_run_under_root, \
-    run_folder, run_roots
+    run_folder, run_own_paths, run_roots
 from mptrain.cli.tools import TOOLS, tool_parser
 from mptrain.cli.trainer_values import check_ckpt_path, check_trainer_values
 from mptrain.cli.vocab import fill_vocab_size
@@ -121,7 +121,7 @@ class MptrainCLI(LightningCLI):
                 raise
             _finish_wandb(trainer)
             if files is not None and not started.value:
-                files.remove_new()
+                files.remove_new(*run_own_paths(trainer))
             where = f"during {subcommand} setup: " if not started.value and isinstance(e, CONSTRUCTION_ERRORS) else ""
             if isinstance(e, CheckpointError) and self.config_init[subcommand].get("ckpt_path"):
                 message = f"{subcommand} --ckpt_path={self.config_init[subcommand]['ckpt_path']!r}: {message}. " \

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from jsonargparse import Namespace
 from lightning.fabric.utilities.cloud_io import get_filesystem
@@ -149,10 +149,29 @@ def run_roots(trainer: Any) -> list[str]:
     return [str(r) for r in roots if isinstance(r, (str, os.PathLike))]
 
 
+def run_own_paths(trainer: Any) -> tuple[list[str], list[str]]:
+    """(the run's own folders, the ids naming its W&B run folders): ``trainer.log_dir``, each logger's
+    ``log_dir``, and each W&B logger's run id."""
+    dirs, ids = [], []
+    for value in [getattr(trainer, "log_dir", None)] + [getattr(lg, "log_dir", None) for lg in trainer.loggers]:
+        if isinstance(value, (str, os.PathLike)):
+            dirs.append(str(value))
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            version = logger.version
+            if isinstance(version, str):
+                ids.append(version)
+    return dirs, ids
+
+
 class RunFiles:
     """The files and folders that exist under a run's roots, so that a refused run can take back what it created
-    (the saved config, a logger's version folder, W&B's offline run); what existed before is never touched.  Roots
-    holding more than ``limit`` entries are not scanned (then nothing is removed)."""
+    (the saved config, a logger's version folder, W&B's offline run); what existed before is never touched, nor
+    what another run writes meanwhile under the same roots: only paths inside the run's own folders (and W&B
+    run folders named with the run's id) are removed, and the new folders above them when empty.  Roots holding
+    more than ``limit`` entries are not scanned (then nothing is removed)."""
 
     def __init__(self, roots: list[str], limit: int = 50_000) -> None:
         self.roots, self.limit = sorted({os.path.abspath(r) for r in roots}), limit
@@ -176,25 +195,46 @@ class RunFiles:
                     return None
         return seen
 
-    def remove_new(self) -> list[str]:
-        """Remove what was created under the roots since this object was made (a folder only when it is empty
-        then); returns the removed paths."""
+    def remove_new(self, own_dirs: list[str], own_ids: list[str] = ()) -> list[str]:
+        """Remove what was created since this object was made inside ``own_dirs`` (the run's folders) or in a
+        folder whose name holds one of ``own_ids`` (W&B's ``offline-run-<time>-<id>``), then the new folders
+        above those that are empty; returns the removed paths."""
         after = self._scan() if self.before is not None else None
         if after is None:
             return []
+        own_dirs = [os.path.abspath(d) for d in own_dirs]
+        ids = [i for i in own_ids if i]
+
+        def owned(path: str) -> bool:
+            if any(path == d or path.startswith(d + os.sep) for d in own_dirs):
+                return True
+            return any(part.endswith(f"-{i}") for part in path.split(os.sep) for i in ids)
+
+        new = after - self.before
+        mine = {p for p in new if owned(p)}
+        above = {parent for p in mine for parent in _parents(p) if parent in new}  # emptied folders we made
         removed = []
-        for path in sorted(after - self.before, key=lambda p: (p.count(os.sep), p), reverse=True):  # deepest first
+        for path in sorted(mine | above, key=lambda p: (p.count(os.sep), p), reverse=True):  # deepest first
             try:
-                if os.path.islink(path) or os.path.isfile(path):
+                if path in mine and (os.path.islink(path) or os.path.isfile(path)):
                     os.unlink(path)
                 elif os.path.isdir(path):
-                    os.rmdir(path)
+                    os.rmdir(path)  # only when empty: another run's files in it are kept
                 else:
                     continue
                 removed.append(path)
             except OSError:
                 pass
         return removed
+
+
+def _parents(path: str) -> Iterator[str]:
+    while True:
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        yield parent
+        path = parent
 
 
 def keep_wandb_files_in_the_run(trainer: Any) -> None:
