@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from mptrain.bench.common import bench_parser, device_meta, fmt, parse_csv, write_json
 from mptrain.bench.e2e import QUICK_COMPILE, StepTimer, fused_kernel_status
 from mptrain.bench.e2e_models import DeviceBatches, make_trainer
+from mptrain.precision.fp8 import is_float8_linear
 
 LR = 3e-4
 SYNC_STEPS = 2
@@ -258,7 +259,7 @@ def run_case(model: str, name: str, shape: LlamaShape, warmup: int, steps: int, 
         trainer = _trainer(case, timer, timer.total, device, compile_args, fused)
         trainer.fit(module, train_dataloaders=token_batches(shape, timer.total, device))
         _record(res, timer, shape)
-        res.fp8_linears = sum(type(m).__name__ == "Float8Linear" for m in module.modules())
+        res.fp8_linears = sum(is_float8_linear(m) for m in module.modules())
     except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
         if refusal is not None and str(e) == refusal and timer.count == 0:  # fp8-master refused at setup, as due
             res.status, res.message = "refused", refusal

@@ -28,7 +28,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from mptrain.numerics.layerwise import _call, _model_device, _short
-from mptrain.precision.fp8 import RECIPES, _torchao_float8
+from mptrain.precision.fp8 import RECIPES, _torchao_float8, is_float8_linear
 from mptrain.precision.fp8_policy import plan_fp8_layers, resolve_keep_list
 from mptrain.precision.list_grammar import is_edit_list
 
@@ -305,8 +305,7 @@ def _fp8_master_status(model: nn.Module, keep: tuple[str, ...]) -> dict[str, str
     """Per linear layer: ``"fp8"`` when fp8-master with this keep list converts it, else ``"kept: <why>"``."""
     convert, kept = plan_fp8_layers(model, keep)
     status = {**{n: "fp8" for n in convert}, **{n: f"kept: {why}" for n, why in kept.items()}}
-    status.update({n: "fp8: already a Float8Linear" for n, m in model.named_modules()
-                   if type(m).__name__ == "Float8Linear"})
+    status.update({n: "fp8: already a Float8Linear" for n, m in model.named_modules() if is_float8_linear(m)})
     return status
 
 

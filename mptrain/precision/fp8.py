@@ -22,6 +22,7 @@ from typing import Any, Iterable, Union
 import torch
 from torch import nn
 
+from mptrain.precision.fp8_linear import use_single_casts
 from mptrain.precision.fp8_policy import plan_fp8_layers, resolve_keep_list
 from mptrain.precision.master import MasterPrecision
 from mptrain.precision.plugin import check_device_supports
@@ -83,9 +84,11 @@ class Fp8Precision(MasterPrecision):
         config = float8.Float8LinearConfig.from_recipe_name(RECIPES[self.recipe])
         chosen = set(convert)
         float8.convert_to_float8_training(module, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+        single = use_single_casts(module)  # tensorwise: each operand cast once (the same bits as torchao's)
         self.fp8_layers, self.kept_layers = convert, kept
-        log.info("fp8-master (%s): %d linear layers in fp8, %d kept in bf16%s", self.recipe, len(convert),
-                 len(kept), "".join(f"\n  {n}: {r}" for n, r in kept.items()))
+        log.info("fp8-master (%s): %d linear layers in fp8 (%d casting each operand once), %d kept in bf16%s",
+                 self.recipe, len(convert), len(single), len(kept),
+                 "".join(f"\n  {n}: {r}" for n, r in kept.items()))
 
     def switch_to_fp32(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.phase != "fp32":
@@ -104,10 +107,15 @@ def unswap_fp8_linears(module: nn.Module) -> list[str]:
     """Turn torchao's float8 linears inside ``module`` back into ``nn.Linear`` in place (same Parameters)."""
     names = []
     for name, m in module.named_modules():
-        if type(m).__name__ == "Float8Linear" and isinstance(m, nn.Linear):
+        if is_float8_linear(m):
             m.__class__ = nn.Linear
             names.append(name)
     return names
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """torchao's ``Float8Linear`` or mptrain's :class:`~mptrain.precision.fp8_linear.Fp8Linear` built on it."""
+    return isinstance(module, nn.Linear) and any(c.__name__ == "Float8Linear" for c in type(module).__mro__)
 
 
 def _torchao_float8():

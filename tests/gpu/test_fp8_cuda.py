@@ -75,7 +75,9 @@ def _fit(precision_or_plugin, steps=24, **kw):
 
 
 def _fp8_names(model):
-    return [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    from mptrain.precision.fp8 import is_float8_linear
+
+    return [n for n, m in model.named_modules() if is_float8_linear(m)]
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
