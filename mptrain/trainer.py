@@ -70,8 +70,7 @@ class Trainer(pl.Trainer):
                  fused: Union[str, bool] = "auto", fuse_modules: Union[str, bool] = "auto", cuda_graphs: bool = False,
                  checkpoint_every_n_steps: Optional[int] = None, channels_last: bool = False,
                  seed: Optional[int] = None, compile: Union[bool, dict[str, Any]] = False, sdpa: Any = "auto",
-                 plugins: Any = None,
-                 callbacks: Any = None, **kwargs: Any) -> None:
+                 plugins: Any = None, callbacks: Any = None, **kwargs: Any) -> None:
         check_finetune(fp32_finetune_epochs, fp32_finetune_steps, kwargs)
         check_arguments(cuda_graphs, checkpoint_every_n_steps, channels_last, seed, compile, auto_fp32_fallback)
         check_fuse_modules(fuse_modules, fused)

@@ -52,7 +52,7 @@ def trivial(kwargs: dict) -> bool:
     if kwargs.get("allow_is_bidirectional_skip", False):
         return True
     q_length = kwargs.get("q_length")
-    if q_length is None and kwargs.get("cache_position") is not None:  # transformers < 5.10 names the queries so
+    if q_length is None and kwargs.get("cache_position") is not None:  # transformers 4.x passes the positions
         q_length = kwargs["cache_position"].shape[0]
     return bool(kwargs.get("allow_is_causal_skip", True)) and q_length is not None and (
         q_length == 1 or q_length == kv_length)

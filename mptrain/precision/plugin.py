@@ -22,10 +22,10 @@ from torch import nn
 
 from mptrain import ops
 from mptrain.compat.lightning import after_closure, convert_fp_tensor
+from mptrain.nn.sdpa_masks import skip_trivial_masks
 from mptrain.ops.dispatch import check_fused
 from mptrain.ops.dtypes import HALF_DTYPES
 from mptrain.precision import grads as G
-from mptrain.nn.sdpa_masks import skip_trivial_masks
 from mptrain.precision.fallback import AutoFallback, Fp32Fallback, run_module_in_fp32
 from mptrain.precision.loss_scaler import DynamicLossScaler, NonFiniteError
 from mptrain.precision.mode_change import check_mode_change, saved_mode
