@@ -10,6 +10,10 @@ AdamW with ``fused=True``) and fp32 masters and moments in every case:
   torchao-tensorwise   torchao.float8.convert_to_float8_training(model, Float8LinearConfig.from_recipe_name(
                        "tensorwise"), every linear but lm_head) before fit, then Trainer(precision="bf16-master")
   fp8-master           Trainer(precision="fp8-master") (tensorwise, the default keep list: lm_head in bf16)
+  lightning-torchao-mixed, lightning-torchao-true   the peers: torchao's tensorwise float8 linears (every linear
+                       but lm_head) under plain ``lightning.Trainer(precision="bf16-mixed")`` (fp32 parameters
+                       and moments) and ``"bf16-true"`` (bf16 parameters and moments, no masters), compiled as
+                       Lightning's docs do, ``fit(torch.compile(module))``: how a Lightning user applies torchao
   torchao-rowwise, fp8-master-rowwise   the same with the rowwise recipe (--rowwise, or by name in --cases)
 
 Models: llama1b (the recipe's: hidden 2048, 16 layers, FFN 8192, 16 heads, vocabulary 32000; batch 8 x 2048
@@ -23,7 +27,7 @@ mptrain's one-pass master-weight kernel in every case; the CUDA extension is loa
 cold), before the first case, and if it cannot be, every case runs ``fused=False`` (said in the output).
 ``--fused=off``: the generic master path (fp32 grads copied up, torch's fused AdamW, params copied down).
 
-    python -m mptrain.bench.fp8 --out fp8.json          # both models x 3 cases: about 8 minutes on an H200
+    python -m mptrain.bench.fp8 --models llama1b --out fp8.json   # 5 cases, about 5 minutes; a call per model
     python -m mptrain.bench.fp8 --models llama1b --rowwise
     python -m mptrain.bench.fp8 --quick     # a tiny Llama on the CPU: the harness (fp8-master refused, as it
                                             # should be; torchao's linears emulated)
@@ -46,7 +50,7 @@ import torch.nn.functional as F
 
 from mptrain.bench.common import bench_parser, device_meta, fmt, parse_csv, write_json
 from mptrain.bench.e2e import QUICK_COMPILE, StepTimer, fused_kernel_status
-from mptrain.bench.e2e_models import DeviceBatches, make_trainer
+from mptrain.bench.e2e_models import DeviceBatches, compile_lightning_module, make_trainer
 from mptrain.precision.fp8 import is_float8_linear
 
 LR = 3e-4
@@ -79,6 +83,7 @@ class Case:
     precision: str  # the Trainer's mode
     recipe: Optional[str] = None  # the fp8 scaling recipe (fp8-master's, or torchao's swapped in)
     torchao: bool = False  # torchao's float8 linears swapped in before fit
+    trainer: str = "mptrain"  # "lightning": plain lightning.Trainer, the module compiled as Lightning's docs do
 
     @property
     def fp8(self) -> bool:
@@ -91,11 +96,15 @@ CASES = {
     "fp8-master": Case("fp8-master", "tensorwise"),
     "torchao-rowwise": Case("bf16-master", "rowwise", torchao=True),
     "fp8-master-rowwise": Case("fp8-master", "rowwise"),
+    "lightning-torchao-mixed": Case("bf16-mixed", "tensorwise", torchao=True, trainer="lightning"),
+    "lightning-torchao-true": Case("bf16-true", "tensorwise", torchao=True, trainer="lightning"),
 }
-DEFAULT_CASES = ("bf16-master", "torchao-tensorwise", "fp8-master")
+DEFAULT_CASES = ("bf16-master", "torchao-tensorwise", "fp8-master", "lightning-torchao-mixed",
+                 "lightning-torchao-true")
 ROWWISE_CASES = ("torchao-rowwise", "fp8-master-rowwise")
 #: the comparisons printed and written: (numerator, denominator)
-RATIOS = (("fp8-master", "torchao-tensorwise"), ("fp8-master", "bf16-master"), ("torchao-tensorwise", "bf16-master"),
+RATIOS = (("fp8-master", "lightning-torchao-mixed"), ("fp8-master", "lightning-torchao-true"),
+          ("fp8-master", "torchao-tensorwise"), ("fp8-master", "bf16-master"), ("torchao-tensorwise", "bf16-master"),
           ("fp8-master-rowwise", "torchao-rowwise"), ("fp8-master-rowwise", "bf16-master"))
 
 
@@ -222,6 +231,9 @@ def fp8_refusal(name: str, case: Case, device: str) -> Optional[str]:
 
 
 def _trainer(case: Case, timer: StepTimes, total: int, device: str, compile_args, fused):
+    if case.trainer == "lightning":
+        return make_trainer("lightning", case.precision, timer, total, {},
+                            accelerator="cuda" if device == "cuda" else "cpu", devices=1)
     ours = {"compile": compile_args}
     plugins = []
     if case.precision == "fp8-master" and case.recipe != "tensorwise":
@@ -256,6 +268,8 @@ def run_case(model: str, name: str, shape: LlamaShape, warmup: int, steps: int, 
     timer = StepTimes(warmup, steps, cuda, start)
     try:
         module = CausalLM(build_model(shape, device, case))
+        if case.trainer == "lightning":
+            module = compile_lightning_module(module, **({} if compile_args is True else compile_args))
         trainer = _trainer(case, timer, timer.total, device, compile_args, fused)
         trainer.fit(module, train_dataloaders=token_batches(shape, timer.total, device))
         _record(res, timer, shape)
@@ -307,11 +321,11 @@ _fmt = partial(fmt, none="-")
 
 
 def format_table(results: list[Result]) -> str:
-    head = (f"{'model':<15} {'case':<19} {'batch':>9} {'ms/step':>8} {'min-max':>13} {'mean':>8} {'tokens/s':>9} "
+    head = (f"{'model':<15} {'case':<23} {'batch':>9} {'ms/step':>8} {'min-max':>13} {'mean':>8} {'tokens/s':>9} "
             f"{'vs bf16':>7} {'peak GB':>7} {'steps GB':>8} {'fp8 lin':>7} {'syncs':>5} {'1st s':>6} {'case s':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
-        prefix = f"{r.model:<15} {r.case:<19} {f'{r.batch}x{r.seq}':>9}"
+        prefix = f"{r.model:<15} {r.case:<23} {f'{r.batch}x{r.seq}':>9}"
         if r.status != "ok":
             lines.append(f"{prefix} {r.status.upper()}: {r.message.splitlines()[0][:150]}")
             continue

@@ -23,9 +23,10 @@ def test_quick_run_prints_the_table_and_ratios_and_writes_json(tmp_path, capsys)
     data = json.loads(out.read_text())
     results = {r["case"]: r for r in data["results"]}
     assert rc == 0, [r["message"] for r in results.values() if r["status"] == "error"]
-    assert list(results) == ["bf16-master", "torchao-tensorwise", "fp8-master"]
+    assert list(results) == ["bf16-master", "torchao-tensorwise", "fp8-master", "lightning-torchao-mixed",
+                             "lightning-torchao-true"]
     shape = fp8.QUICK
-    for case in ("bf16-master", "torchao-tensorwise"):
+    for case in ("bf16-master", "torchao-tensorwise", "lightning-torchao-mixed", "lightning-torchao-true"):
         r = results[case]
         assert r["status"] == "ok", r["message"]
         assert r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"] and r["step_ms"] > 0
@@ -33,12 +34,14 @@ def test_quick_run_prints_the_table_and_ratios_and_writes_json(tmp_path, capsys)
         assert r["peak_mem_gb"] is None and r["syncs_per_step"] is None  # CUDA-only measurements
         assert r["first_step_s"] <= r["wall_s"]
     assert results["bf16-master"]["fp8_linears"] == 0
-    assert results["torchao-tensorwise"]["fp8_linears"] == shape.layers * 7  # q k v o gate up down; not lm_head
+    for case in ("torchao-tensorwise", "lightning-torchao-mixed", "lightning-torchao-true"):
+        assert results[case]["fp8_linears"] == shape.layers * 7  # q k v o gate up down; not lm_head
     refused = results["fp8-master"]
     assert refused["status"] == "refused" and refused["tokens_per_s"] is None
     assert "fp8 tensor cores" in refused["message"] and "'cpu'" in refused["message"]
     speed = data["summary"]["llama1b"]["speed"]
     assert speed["fp8-master / torchao-tensorwise"] is None and speed["fp8-master / bf16-master"] is None
+    assert speed["fp8-master / lightning-torchao-mixed"] is None and speed["fp8-master / lightning-torchao-true"] is None
     assert speed["torchao-tensorwise / bf16-master"] == pytest.approx(
         results["torchao-tensorwise"]["tokens_per_s"] / results["bf16-master"]["tokens_per_s"])
     assert "fp8-master-rowwise / torchao-rowwise" not in speed  # only the cases that ran are compared

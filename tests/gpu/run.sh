@@ -14,7 +14,8 @@
 #   (tests/gpu/run.sh build user; 5 compiles a model, about 400 s; USER_ARGS adds flags).  multi needs two GPUs
 #   (nvidia-h200-x2): tests/gpu/run.sh info build multi -- DDP scaling of both models, then the FSDP
 #   BERT-large test against DDP (tests marked multi_gpu; the tests stage leaves them out).  fp8 takes a call of its
-#   own (tests/gpu/run.sh fp8): compiled Llama steps, bf16-master vs torchao float8 vs fp8-master, two models.
+#   own (tests/gpu/run.sh fp8): compiled Llama steps, bf16-master vs torchao float8 (under mptrain, and under plain
+#   Lightning bf16-mixed and bf16-true) vs fp8-master, the 1.2B model; FP8_ARGS="--models llama8b_layers" the other.
 #   sr (tests/gpu/run.sh build sr, about 5 minutes): bf16-sr vs bf16-master on the 1.2B Llama (step time, peak
 #   memory) and the SR AdamW step alone vs torchao's (SR_ARGS adds flags, e.g. SR_ARGS="--optim-only").
 #   speed (tests/gpu/run.sh build speed, about 5 minutes): the tests marked slow (compiled bf16-master never
@@ -78,8 +79,9 @@ stage user 450 python3 -m mptrain.bench.e2e --models user_resnet50,user_bert --w
   --out "$OUT/user.json" ${USER_ARGS:-}
 stage speed 420 python3 -m pytest tests/gpu -q -s -rfE --timeout=400 -p no:cacheprovider -o addopts="" \
   -m "slow and not multi_gpu"
-# shellcheck disable=SC2086  # FP8_ARGS: extra flags, e.g. FP8_ARGS="--models llama1b --rowwise"
-stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --out "$OUT/fp8.json" ${FP8_ARGS:-}
+# shellcheck disable=SC2086  # FP8_ARGS: extra flags, e.g. FP8_ARGS="--models llama8b_layers" (the last --models wins;
+# five cases a model, a call each)
+stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --models llama1b --out "$OUT/fp8.json" ${FP8_ARGS:-}
 # shellcheck disable=SC2086  # SR_ARGS: extra flags, e.g. SR_ARGS="--optim-only"
 stage sr 400 python3 -m mptrain.bench.sr --out "$OUT/sr.json" ${SR_ARGS:-}
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
