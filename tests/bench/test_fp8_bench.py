@@ -47,7 +47,8 @@ def test_quick_run_prints_the_table_and_ratios_and_writes_json(tmp_path, capsys)
     assert "fp8-master-rowwise / torchao-rowwise" not in speed  # only the cases that ran are compared
     assert data["meta"]["quick"] and data["meta"]["models"]["llama1b"]["hidden"] == shape.hidden
     assert "REFUSED: precision='fp8-master' needs" in printed
-    assert "llama1b: speed (tokens/s) fp8-master / torchao-tensorwise = -" in printed
+    assert "llama1b: speed (tokens/s) fp8-master / lightning-torchao-mixed = -" in printed
+    assert "fp8-master / torchao-tensorwise = -" in printed
     assert "peak memory GB" in printed
 
 
