@@ -58,8 +58,11 @@ class _Fp8Matmul(torch.autograd.Function):
         shape = grad_output.shape
         g = _cast(T, grad_output.reshape(-1, shape[-1]), ctx.config.cast_config_grad_output.target_dtype,
                   ctx.mm_config, T.GemmInputRole.GRAD_OUTPUT)
-        grad_input = torch.mm(g, w_t.t()).reshape(*ctx.input_shape[:-1], -1)
-        grad_weight = torch.mm(g.t(), x)
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_input = torch.mm(g, w_t.t()).reshape(*ctx.input_shape[:-1], -1)
+        if ctx.needs_input_grad[1]:  # a frozen weight: no GEMM for it
+            grad_weight = torch.mm(g.t(), x)
         return grad_input, grad_weight, None, None
 
 

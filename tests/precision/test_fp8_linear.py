@@ -28,7 +28,7 @@ def _step(model, x):
     x = x.clone().requires_grad_()
     y = model(x)
     (y.float() ** 2).sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     for p in model.parameters():
         p.grad = None
     return y.detach(), x.grad, grads
@@ -36,7 +36,7 @@ def _step(model, x):
 
 def _assert_same(a, b):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert all(torch.equal(u, v) for u, v in zip(a[2], b[2]))
+    assert all(u is v is None or torch.equal(u, v) for u, v in zip(a[2], b[2]))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -111,3 +111,13 @@ def test_unswap_turns_it_back_into_a_linear_with_the_same_parameters():
     assert is_float8_linear(ours[0])
     assert unswap_fp8_linears(ours) == ["0", "2"]
     assert type(ours[0]) is nn.Linear and ours[0].weight is w and not is_float8_linear(ours[0])
+
+
+def test_a_frozen_weight_gets_no_gradient_and_the_input_still_does():
+    theirs, ours, _ = _pair()
+    for model in (theirs, ours):
+        model[0].weight.requires_grad_(False)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    a, b = _step(theirs[0], x), _step(ours[0], x)
+    _assert_same(a, b)
+    assert b[2][0] is None and b[2][1] is not None  # the weight's none, the bias's as torchao
