@@ -82,7 +82,8 @@ def recipe_casts(recipe: str) -> list[Cast]:
 
     In each GEMM torchao casts the 2-D operands along the reduction dimension: ``output = x @ W^T`` (x per row,
     W per row), ``grad_input = dY @ W`` (dY per row, W per column), ``grad_weight = dY^T @ x`` (both per
-    column).  Tensorwise casts of one operand are identical whatever the GEMM: they are listed once."""
+    column).  Tensorwise casts of one operand are identical whatever the GEMM: they are listed once, and fp8-master
+    makes them once (:class:`~mptrain.precision.fp8_linear.Fp8Linear`)."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe={recipe!r} is not an fp8-master recipe. "
                          f"Valid values: {', '.join(map(repr, RECIPES))}")
