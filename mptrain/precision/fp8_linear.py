@@ -15,6 +15,7 @@ tensor and its transpose, so there the second casts are not redundant and torcha
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -66,22 +67,36 @@ class _Fp8Matmul(torch.autograd.Function):
         return grad_input, grad_weight, None, None
 
 
-def _base() -> type:
+@functools.lru_cache(maxsize=None)
+def fp8_linear_class() -> Optional[type]:
+    """:class:`Fp8Linear`, made on first use: torchao is imported only by a run that converts layers (``import
+    mptrain`` stays without it); None when this torchao does not have the parts it builds on."""
     T = _torchao()
-    return T.Float8Linear if T is not None else nn.Linear
+    if T is None:
+        return None
+
+    class Fp8Linear(T.Float8Linear):
+        """torchao's ``Float8Linear`` (its config, mm config, Parameters and state-dict keys) with the forward of
+        :class:`_Fp8Matmul`.  Made from a converted layer by :func:`use_single_casts` (a class change in place)."""
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            if torch.is_autocast_enabled():  # as torchao's forward: the output in autocast's dtype
+                input = input.to(torch.get_autocast_gpu_dtype())
+            out = _Fp8Matmul.apply(input, self.weight, self.linear_mm_config, self.config)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out
+
+    Fp8Linear.__module__, Fp8Linear.__qualname__ = __name__, "Fp8Linear"  # pickled by name: __getattr__ below
+    return Fp8Linear
 
 
-class Fp8Linear(_base()):  # type: ignore[misc]
-    """torchao's ``Float8Linear`` (its config, mm config, Parameters and state-dict keys) with the forward of
-    :class:`_Fp8Matmul`.  Made from a converted layer by :func:`use_single_casts` (a class change in place)."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled():  # as torchao's forward: the output in autocast's dtype
-            input = input.to(torch.get_autocast_gpu_dtype())
-        out = _Fp8Matmul.apply(input, self.weight, self.linear_mm_config, self.config)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out
+def __getattr__(name: str) -> Any:
+    if name == "Fp8Linear":
+        cls = fp8_linear_class()
+        if cls is not None:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def single_casts_apply(config: Any) -> Optional[str]:
@@ -111,6 +126,6 @@ def use_single_casts(module: nn.Module) -> list[str]:
     names = []
     for name, m in module.named_modules():
         if type(m) is T.Float8Linear and single_casts_apply(m.config) is None:
-            m.__class__ = Fp8Linear
+            m.__class__ = fp8_linear_class()
             names.append(name)
     return names

@@ -121,3 +121,21 @@ def test_a_frozen_weight_gets_no_gradient_and_the_input_still_does():
     a, b = _step(theirs[0], x), _step(ours[0], x)
     _assert_same(a, b)
     assert b[2][0] is None and b[2][1] is not None  # the weight's none, the bias's as torchao
+
+
+def test_import_mptrain_does_not_import_torchao():
+    """torchao is imported by a run that converts layers, not by ``import mptrain`` (it costs a quarter second)."""
+    import subprocess
+    import sys
+
+    code = "import sys, mptrain, mptrain.precision.fp8_linear; print('torchao' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_the_class_pickles_by_name():
+    import pickle
+
+    _, ours, _ = _pair()
+    again = pickle.loads(pickle.dumps(ours))
+    assert type(again[0]) is Fp8Linear
