@@ -86,11 +86,17 @@ def _name(strategy) -> str:
     return strategy if isinstance(strategy, str) else type(strategy).__name__
 
 
-def check_user_plugin(precision, loss_scaler, fp32_fallback, fused, sdpa="auto") -> None:
-    given = [f"{k}={v!r}" for k, v, default in (("precision", precision, None), ("loss_scaler", loss_scaler, None),
+def _given(precision, loss_scaler, fp32_fallback, fused, sdpa) -> list[str]:
+    """``name=value`` of the plugin-building arguments set away from their defaults (``precision=None`` left
+    out by passing it as None)."""
+    return [f"{k}={v!r}" for k, v, default in (("precision", precision, None), ("loss_scaler", loss_scaler, None),
                                                ("fp32_fallback", fp32_fallback, "default"), ("fused", fused, "auto"),
                                                ("sdpa", sdpa, "auto"))
-             if v != default]
+            if v != default]
+
+
+def check_user_plugin(precision, loss_scaler, fp32_fallback, fused, sdpa="auto") -> None:
+    given = _given(precision, loss_scaler, fp32_fallback, fused, sdpa)
     if given:
         raise ValueError(f"plugins= holds a precision plugin, so {', '.join(given)} would be ignored: configure the "
                          f"plugin itself, or drop it from plugins and pass these arguments")
@@ -112,10 +118,7 @@ def is_lightning_precision(precision) -> bool:
 
 
 def check_lightning_precision(precision, loss_scaler, fp32_fallback, fused, sdpa="auto") -> None:
-    given = [f"{k}={v!r}" for k, v, default in (("loss_scaler", loss_scaler, None),
-                                               ("fp32_fallback", fp32_fallback, "default"), ("fused", fused, "auto"),
-                                               ("sdpa", sdpa, "auto"))
-             if v != default]
+    given = _given(None, loss_scaler, fp32_fallback, fused, sdpa)  # the precision itself is Lightning's to run
     if given:
         raise ValueError(f"precision={precision!r} is Lightning's own mode, run by Lightning's plugin, so "
                          f"{', '.join(given)} would be ignored: drop them, or pick one of mptrain's modes")

@@ -181,14 +181,7 @@ class RunFiles:
         """Every existing path under the roots, the roots and their ancestors."""
         seen: set[str] = set()
         for root in self.roots:
-            path = root
-            while True:
-                if os.path.exists(path):
-                    seen.add(path)
-                parent = os.path.dirname(path)
-                if parent == path:
-                    break
-                path = parent
+            seen.update(p for p in (root, *_parents(root)) if os.path.exists(p))
             for dirpath, dirnames, filenames in os.walk(root):
                 seen.update(os.path.join(dirpath, n) for n in dirnames + filenames)
                 if len(seen) > self.limit:

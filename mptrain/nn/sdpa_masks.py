@@ -27,16 +27,22 @@ import sys
 from typing import Any, Callable, Iterator, Optional
 
 
+_interface: list = []  # transformers' mask interface once found (every forward asks)
+
+
 def _mask_interface() -> Optional[Any]:
     """transformers' mask interface, when transformers (>= 4.53, with ``masking_utils``) is already imported: a
     model of it is then in the process; otherwise None (importing transformers here would cost seconds for
     nothing)."""
+    if _interface:
+        return _interface[0]
     if "transformers" not in sys.modules:
         return None
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     except ImportError:
         return None
+    _interface.append(ALL_MASK_ATTENTION_FUNCTIONS)
     return ALL_MASK_ATTENTION_FUNCTIONS
 
 

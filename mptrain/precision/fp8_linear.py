@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 
+@functools.lru_cache(maxsize=None)
 def _torchao():
     """torchao's float8 linear module (its names: the class, the cast, the roles), or None when this torchao
-    spells them otherwise (then fp8-master keeps torchao's own linear)."""
+    spells them otherwise (then fp8-master keeps torchao's own linear).  Looked up once: every layer's forward
+    and backward asks."""
     try:
         from torchao.float8 import float8_linear as T
     except ImportError:
