@@ -133,6 +133,16 @@ void adam_master_launch(const std::vector<std::vector<at::Tensor>>& lists, const
   multi_tensor_apply_queue<6>(lists, 1u << 4, AdamOp<T, T, float, true, 1, 8>{a}, name);
 }
 
+AdamArgs adam_args(const at::Device& device, double lr, const std::optional<at::Tensor>& lr_tensor, double beta1,
+                   double beta2, double eps, double weight_decay, bool decoupled, bool maximize,
+                   const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                   const char* name) {
+  AdamArgs a;
+  fill_moment_args(a, name, device, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, grad_scale, found_inf);
+  a.decoupled = decoupled;
+  return a;
+}
+
 void multi_tensor_adam(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
                        const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                        const std::vector<at::Tensor>& steps, const std::vector<at::Tensor>& masters, double lr,
@@ -141,10 +151,8 @@ void multi_tensor_adam(const std::vector<at::Tensor>& grads, const std::vector<a
                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   static const char* name = "multi_tensor_adam";
   if (params.empty()) return;
-  AdamArgs a;
-  fill_moment_args(a, name, params[0].device(), lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, grad_scale,
-                   found_inf);
-  a.decoupled = decoupled;
+  const AdamArgs a = adam_args(params[0].device(), lr, lr_tensor, beta1, beta2, eps, weight_decay, decoupled, maximize,
+                               grad_scale, found_inf, name);
   const at::ScalarType pt = params[0].scalar_type();
   if (!check_moment_lists(grads, params, exp_avgs, exp_avg_sqs, steps, masters, name)) {
     MPT_DISPATCH_FLOAT_HALF_BF16(pt, name, T,
@@ -168,10 +176,8 @@ void multi_tensor_adam_sr(const std::vector<at::Tensor>& grads, const std::vecto
                           int64_t seed, int64_t tensor_offset) {
   static const char* name = "multi_tensor_adam_sr";
   if (params.empty()) return;
-  AdamArgs a;
-  fill_moment_args(a, name, params[0].device(), lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, grad_scale,
-                   found_inf);
-  a.decoupled = decoupled;
+  const AdamArgs a = adam_args(params[0].device(), lr, lr_tensor, beta1, beta2, eps, weight_decay, decoupled, maximize,
+                               grad_scale, found_inf, name);
   check_sr_lists(grads, params, exp_avgs, exp_avg_sqs, steps, tensor_offset, name);
   const mpt_sr::SrArgs sr{static_cast<uint64_t>(seed), static_cast<uint32_t>(tensor_offset)};
   // The master step's launch shape (adam_master_launch: the same dtype mix of streams, one stream fewer):

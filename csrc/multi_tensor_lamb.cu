@@ -119,18 +119,35 @@ struct LambStage2Op {
   }
 };
 
+// Stage 1 (the fp32 updates from the moments) and the per-tensor norms stage 2 scales by.
+struct LambStage1 {
+  std::vector<at::Tensor> updates;
+  at::Tensor w_norm, u_norm;
+};
+
+template <typename G, typename W, typename S>
+LambStage1 lamb_stage1(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& weights,
+                       const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                       const std::vector<at::Tensor>& steps, const LambArgs& a, const char* name) {
+  LambStage1 r;
+  r.updates.reserve(weights.size());
+  for (const auto& w : weights) r.updates.push_back(at::empty_like(w, w.options().dtype(at::kFloat)));
+  multi_tensor_apply<6>({grads, weights, exp_avgs, exp_avg_sqs, steps, r.updates}, 1u << 4,
+                        LambStage1Op<G, W, S>{a}, name);
+  r.w_norm = multi_tensor_l2norm(weights, true)[1];
+  r.u_norm = multi_tensor_l2norm(r.updates, true)[1];
+  return r;
+}
+
 template <typename G, typename W, typename S, typename P, bool MASTER>
 void lamb_impl(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& weights,
                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                const std::vector<at::Tensor>& steps, const std::vector<at::Tensor>& params, const LambArgs& a,
                const char* name) {
-  std::vector<at::Tensor> updates;
-  updates.reserve(weights.size());
-  for (const auto& w : weights) updates.push_back(at::empty_like(w, w.options().dtype(at::kFloat)));
-  multi_tensor_apply<6>({grads, weights, exp_avgs, exp_avg_sqs, steps, updates}, 1u << 4,
-                        LambStage1Op<G, W, S>{a}, name);
-  const at::Tensor w_norm = multi_tensor_l2norm(weights, true)[1];
-  const at::Tensor u_norm = multi_tensor_l2norm(updates, true)[1];
+  const LambStage1 s1 = lamb_stage1<G, W, S>(grads, weights, exp_avgs, exp_avg_sqs, steps, a, name);
+  const std::vector<at::Tensor>& updates = s1.updates;
+  const at::Tensor& w_norm = s1.w_norm;
+  const at::Tensor& u_norm = s1.u_norm;
   if (MASTER)
     multi_tensor_apply<3>({weights, updates, params}, 0,
                           LambStage2Op<W, P, true>{a, w_norm.data_ptr<float>(), u_norm.data_ptr<float>()}, name);
@@ -145,15 +162,10 @@ void lamb_sr_impl(const std::vector<at::Tensor>& grads, const std::vector<at::Te
                   const std::vector<at::Tensor>& steps, const LambArgs& a, const mpt_sr::SrArgs& sr,
                   const char* name) {
   using BF = at::BFloat16;
-  std::vector<at::Tensor> updates;
-  updates.reserve(params.size());
-  for (const auto& w : params) updates.push_back(at::empty_like(w, w.options().dtype(at::kFloat)));
-  multi_tensor_apply<6>({grads, params, exp_avgs, exp_avg_sqs, steps, updates}, 1u << 4,
-                        LambStage1Op<BF, BF, float>{a}, name);
-  const at::Tensor w_norm = multi_tensor_l2norm(params, true)[1];
-  const at::Tensor u_norm = multi_tensor_l2norm(updates, true)[1];
-  multi_tensor_apply<3>({params, updates, steps}, 1u << 2,
-                        LambStage2Op<BF, BF, false, true>{a, w_norm.data_ptr<float>(), u_norm.data_ptr<float>(), sr},
+  const LambStage1 s1 = lamb_stage1<BF, BF, float>(grads, params, exp_avgs, exp_avg_sqs, steps, a, name);
+  multi_tensor_apply<3>({params, s1.updates, steps}, 1u << 2,
+                        LambStage2Op<BF, BF, false, true>{a, s1.w_norm.data_ptr<float>(), s1.u_norm.data_ptr<float>(),
+                                                          sr},
                         name);
 }
 

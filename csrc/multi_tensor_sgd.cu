@@ -104,14 +104,10 @@ struct SgdOp {
   }
 };
 
-void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
-                      const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& steps,
-                      const std::vector<at::Tensor>& masters, double lr, const std::optional<at::Tensor>& lr_tensor,
-                      double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
-                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  static const char* name = "multi_tensor_sgd";
-  if (params.empty()) return;
-  const at::Device device = params[0].device();
+SgdArgs sgd_args(const at::Device& device, double lr, const std::optional<at::Tensor>& lr_tensor, double momentum,
+                 double dampening, double weight_decay, bool nesterov, bool maximize,
+                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                 const char* name) {
   SgdArgs a;
   a.lr = static_cast<float>(lr);
   a.lr_ptr = scalar_ptr(lr_tensor, device, name, "lr");
@@ -123,6 +119,18 @@ void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at
   a.maximize = maximize;
   a.grad_scale = scalar_ptr(grad_scale, device, name, "grad_scale");
   a.found_inf = scalar_ptr(found_inf, device, name, "found_inf");
+  return a;
+}
+
+void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                      const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& steps,
+                      const std::vector<at::Tensor>& masters, double lr, const std::optional<at::Tensor>& lr_tensor,
+                      double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
+                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  static const char* name = "multi_tensor_sgd";
+  if (params.empty()) return;
+  const SgdArgs a = sgd_args(params[0].device(), lr, lr_tensor, momentum, dampening, weight_decay, nesterov, maximize,
+                             grad_scale, found_inf, name);
   const at::ScalarType pt = params[0].scalar_type();
   const bool master = !masters.empty();
   check_dtype(grads, pt, name, "grads");
@@ -153,24 +161,6 @@ void multi_tensor_sgd(const std::vector<at::Tensor>& grads, const std::vector<at
                             SgdOp<at::BFloat16, at::BFloat16, float, true>{a}, name);
   }
   step_increment(steps, a.found_inf, name);
-}
-
-SgdArgs sgd_args(const at::Device& device, double lr, const std::optional<at::Tensor>& lr_tensor, double momentum,
-                 double dampening, double weight_decay, bool nesterov, bool maximize,
-                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-                 const char* name) {
-  SgdArgs a;
-  a.lr = static_cast<float>(lr);
-  a.lr_ptr = scalar_ptr(lr_tensor, device, name, "lr");
-  a.momentum = static_cast<float>(momentum);
-  a.one_minus_dampening = static_cast<float>(1.0 - dampening);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.has_momentum = momentum != 0.0;
-  a.nesterov = nesterov;
-  a.maximize = maximize;
-  a.grad_scale = scalar_ptr(grad_scale, device, name, "grad_scale");
-  a.found_inf = scalar_ptr(found_inf, device, name, "found_inf");
-  return a;
 }
 
 // bf16 params and grads, fp32 momentum buffers, no master: the weight is written with stochastic rounding.
