@@ -84,6 +84,7 @@ class Batches:
 
 
 def category(name: str) -> str:
+    """The issue's columns: GEMMs (fp8 / bf16), attention, fp8 casts and amax, norms, optimizer, other."""
     n = name.lower()
     if "flash" in n or "fmha" in n or "attention" in n or "sdpa" in n or "cudnn" in n and "mha" in n:
         return "attention"
@@ -95,11 +96,26 @@ def category(name: str) -> str:
     if "adam" in n or "foreach" in n or "multi_tensor" in n:
         return "optimizer"
     if "triton" in n:
-        return "triton (fused elementwise, casts, amax, norms)"
+        # inductor names a kernel after the ops it fused: an fp8 cast clamps to the format's range, an amax
+        # reduces abs values; a norm takes a mean of squares (RMSNorm) or a variance (LayerNorm) and a rsqrt
+        if "amax" in n or "clamp" in n or "float8" in n:
+            return "fp8 casts and amax (inductor)"
+        if "rsqrt" in n or "var_mean" in n:
+            return "norms (inductor)"
+        return "other inductor kernels (RoPE, SiLU x mul, residuals, loss)"
     return "other"
 
 
-def run(case: str, cfg: dict, warmup: int, steps: int, prof_steps: int) -> dict:
+def attention_tflop(cfg: dict) -> float:
+    """Causal attention's matmul work of one step, forward and backward (TFLOP): 4 B S^2 H D forward, halved by
+    the causal mask, times 3.5 (backward: 2.5x forward)."""
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg["hidden_size"] // heads
+    fwd = 4 * cfg["batch"] * SEQ * SEQ * heads * head_dim / 2
+    return 3.5 * fwd * cfg["num_hidden_layers"] / 1e12
+
+
+def run(case: str, cfg: dict, warmup: int, steps: int, prof_steps: int, fused) -> dict:
     from mptrain import Trainer
     torch._dynamo.reset()
     gc.collect()
@@ -113,7 +129,7 @@ def run(case: str, cfg: dict, warmup: int, steps: int, prof_steps: int) -> dict:
     probe = Probe(warmup, steps, prof_steps)
     precision = "fp8-master" if case == "fp8-master" else "bf16-master"
     trainer = Trainer(precision=precision, compile=True, max_steps=total, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], fused=False)
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], fused=fused)
     t = time.perf_counter()
     trainer.fit(model, loader)
     cats = collections.Counter()
@@ -123,7 +139,9 @@ def run(case: str, cfg: dict, warmup: int, steps: int, prof_steps: int) -> dict:
             us = e.self_device_time_total / prof_steps / 1e3
             cats[category(e.key)] += us
             top[e.key[:90]] += us
+    att = cats.get("attention")
     out = dict(case=case, ms=probe.ms, peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+               attention_tflops=attention_tflop(cfg) / (att / 1e3) if att else None,
                wall_s=time.perf_counter() - t, categories_ms=dict(cats.most_common()),
                top_ms=dict(top.most_common(25)))
     del trainer, model, data, loader
@@ -138,11 +156,13 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prof-steps", type=int, default=2)
     p.add_argument("--out", default=None)
+    p.add_argument("--fused", default="off", choices=("auto", "off"),
+                   help="the Trainer's fused= (auto: mptrain's one-pass master AdamW, as mptrain.bench.fp8 runs)")
     a = p.parse_args()
     results = []
     for case in a.cases.split(","):
         try:
-            r = run(case, CONFIGS[a.config], a.warmup, a.steps, a.prof_steps)
+            r = run(case, CONFIGS[a.config], a.warmup, a.steps, a.prof_steps, "auto" if a.fused == "auto" else False)
         except Exception as e:  # a lab tool: record and go on to the next case
             r = dict(case=case, error=f"{type(e).__name__}: {e}"[:2000])
         results.append(r)
@@ -150,7 +170,9 @@ def main():
     base = next((r["ms"] for r in results if r.get("case") == "bf16-master" and "ms" in r), None)
     for r in results:
         if "ms" in r:
-            print(f"{a.config} {r['case']:>12}: {r['ms']:.1f} ms/step  peak {r['peak_gb']:.1f} GB"
+            print(f"{a.config} {r['case']:>12}: {r['ms']:.1f} ms/step  peak {r['peak_gb']:.1f} GB  "
+                  + "  ".join(f"{k} {v:.1f}" for k, v in r["categories_ms"].items())
+                  + (f"  attention {r['attention_tflops']:.0f} TFLOP/s" if r.get("attention_tflops") else "")
                   + (f"  {base / r['ms']:.3f}x bf16-master" if base else ""))
     if a.out:
         json.dump(results, open(a.out, "w"), indent=1)
