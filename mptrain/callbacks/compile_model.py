@@ -16,8 +16,11 @@ class CompileModel(Callback):
     it in place (not ``torch.compile(model)``, whose wrapper would register as the child and prefix
     every state-dict key with ``_orig_mod.``) keeps checkpoints identical to an eager run's.
 
-    The precision's fp32 fallback needs nothing here: dynamo inlines the wrapped ops of the forward
-    context, so the graph holds their upcasts and the compiled code runs without Python in between.
+    The precision's fp32 fallback: dynamo inlines the wrapped ops of the forward context, so the graph holds
+    their upcasts and the compiled code runs without Python in between.  A loss the ``training_step`` computes
+    on the model's output stays outside the graph; the fallback is told to compile large cross-entropies there
+    (``Fp32Fallback.compile_losses``).  The ``training_step`` itself is not compiled: dynamo would recompile it,
+    the model inlined, for each value of a Python int it reads (``self.global_step``, ``batch_idx``).
     """
 
     def __init__(self, **compile_kwargs: Any) -> None:
@@ -34,6 +37,18 @@ class CompileModel(Callback):
             )
         if compat.compiled_call(model) is None and not compat.is_optimized_module(model):
             compile_in_place(model, **self.compile_kwargs)
+        fallback = getattr(getattr(getattr(trainer, "strategy", None), "precision_plugin", None), "fallback", None)
+        if fallback is not None:  # a loss the training_step computes on the model's output: compiled too
+            fallback.compile_losses(loss_compile_kwargs(self.compile_kwargs))
+
+
+#: the ``torch.compile`` arguments a loss outside the model shares with the model's compile: the back end and its
+#: options; not ``mode`` (its CUDA graphs belong to the model) nor ``fullgraph`` (the loss is one graph anyway)
+_LOSS_COMPILE_KEYS = ("backend", "options", "dynamic")
+
+
+def loss_compile_kwargs(compile_kwargs: dict) -> dict:
+    return {k: v for k, v in compile_kwargs.items() if k in _LOSS_COMPILE_KEYS}
 
 
 def compile_in_place(model: torch.nn.Module, **compile_kwargs: Any) -> None:

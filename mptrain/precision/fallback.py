@@ -10,7 +10,8 @@
   ops, ...) keeps the half tensor an fp32 upcast was made from, not the upcast, and backward upcasts it again
   (exact): 2 bytes an element where the upcast costs 4, the same values (compiled graphs choose what they save);
   cross_entropy on large half logits runs by blocks of rows (:mod:`.lean_cross_entropy`); under torch.compile
-  cross_entropy on half logits is traced as ``logsumexp - picked logit`` (:mod:`.compiled_cross_entropy`);
+  cross_entropy on half logits is traced as ``logsumexp - picked logit`` (:mod:`.compiled_cross_entropy`), and
+  in a run that compiles its model, large logits' cross_entropy in eager code runs that form compiled;
 * **CPU RNN policy**: torch's oneDNN bf16 LSTM crashes on CPUs without native bf16, so there
   ``torch.lstm`` / ``torch.lstm_cell`` run in fp32 on CPU tensors (GPU tensors untouched);
 * **automatic promotion** (``auto_fp32_fallback``): leaf modules' outputs are checked for inf/NaN on
@@ -30,7 +31,7 @@ from torch import nn
 
 from mptrain.compat import torch as compat
 from mptrain.ops.dtypes import HALF_DTYPES
-from mptrain.precision.compiled_cross_entropy import compiled_cross_entropy
+from mptrain.precision.compiled_cross_entropy import compiled_cross_entropy, eager_compiled_cross_entropy
 from mptrain.precision.lean_cross_entropy import lean_cross_entropy
 from mptrain.precision.list_grammar import ListGrammar
 
@@ -270,6 +271,9 @@ class PatchedOps:
     def __init__(self, names: Iterable[str]):
         self.names = frozenset(names)
         self.spots = [spot for name in sorted(self.names) for spot in _spots(name)]
+        #: torch.compile's arguments for large losses computed in eager code (None: the eager paths); see
+        #: :meth:`Fp32Fallback.compile_losses`
+        self.loss_compile: Optional[dict] = None
 
     def __enter__(self):
         with _lock:
@@ -282,11 +286,13 @@ class PatchedOps:
                     setattr(owner, attr, _wrappers[key][1])
                     _installed[key] = [held, 0]
                 _installed[key][1] += 1
-        _local.prev, _local.ops = (getattr(_local, "ops", None), getattr(_local, "prev", None)), self.names
+        _local.prev = (getattr(_local, "ops", None), getattr(_local, "loss_compile", None),
+                       getattr(_local, "prev", None))
+        _local.ops, _local.loss_compile = self.names, self.loss_compile
         return self
 
     def __exit__(self, *exc):
-        _local.ops, _local.prev = _local.prev
+        _local.ops, _local.loss_compile, _local.prev = _local.prev
         with _lock:
             for owner, attr, _ in self.spots:
                 entry = _installed[(id(owner), attr)]
@@ -303,8 +309,11 @@ def _fp32_call(name: str, func, args, kwargs):
     """``func`` on fp32 copies of its half tensors, the result in the first one's dtype."""
     if name == "batch_norm":
         return _batch_norm_fp32(func, args, kwargs)
-    if name == "cross_entropy":  # half logits: traced as logsumexp - picked when compiling, by blocks in eager
-        loss = compiled_cross_entropy(func, args, kwargs)
+    if name == "cross_entropy":  # traced as logsumexp - picked when compiling; in eager, large logits compiled
+        loss = compiled_cross_entropy(func, args, kwargs)  # so in a compiling run, else by blocks
+        loss_compile = getattr(_local, "loss_compile", None)
+        if loss is None and loss_compile is not None:
+            loss = eager_compiled_cross_entropy(func, args, kwargs, loss_compile)
         if loss is None:
             loss = lean_cross_entropy(func, args, kwargs)
         if loss is not None:
@@ -332,6 +341,7 @@ class Fp32Fallback:
         self.cpu_rnn = cpu_lacks_native_bf16() if cpu_rnn is None else cpu_rnn
         self.names = self.ops + (CPU_RNN_OPS if self.cpu_rnn else ())  # what the context wraps
         self._patched: Optional[PatchedOps] = None  # made at first use, then reused
+        self.loss_compile: Optional[dict] = None  # compile_losses
 
     def __getstate__(self) -> dict:  # copies and pickles (ddp_spawn) make their own: it holds torch's modules
         return {**self.__dict__, "_patched": None}
@@ -342,7 +352,14 @@ class Fp32Fallback:
             return contextlib.nullcontext()
         if self._patched is None:
             self._patched = PatchedOps(self.names)
+        self._patched.loss_compile = self.loss_compile
         return self._patched
+
+    def compile_losses(self, compile_kwargs: Optional[dict]) -> None:
+        """In a run that compiles its model (``compile=True``): cross_entropy on large logits called from eager code
+        (a ``training_step``'s loss on the model's output) runs compiled with ``compile_kwargs``
+        (:mod:`.compiled_cross_entropy`); None: the eager paths."""
+        self.loss_compile = compile_kwargs if "cross_entropy" in self.names else None
 
     def __repr__(self) -> str:
         return f"Fp32Fallback({list(self.ops)})"

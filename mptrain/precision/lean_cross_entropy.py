@@ -35,10 +35,10 @@ _REDUCTIONS = ("none", "mean", "sum")  # in the order of aten's reduction enum
 _F_CROSS_ENTROPY = F.cross_entropy  # before any wrapping
 
 
-def class_index_call(func, args: tuple, kwargs: dict) -> Optional[dict]:
-    """A ``F.cross_entropy`` call's arguments by name where they are the case both rewrites cover: 2-D half
-    logits, 1-D class-index targets (one a row), no class weights, no label smoothing, no legacy reduction
-    flags; None for anything else (another spelling included)."""
+def class_index_call(func, args: tuple, kwargs: dict, dtypes: tuple = HALF_DTYPES) -> Optional[dict]:
+    """A ``F.cross_entropy`` call's arguments by name where they are the case the rewrites cover: 2-D logits of
+    one of ``dtypes`` (half by default), 1-D class-index targets (one a row), no class weights, no label
+    smoothing, no legacy reduction flags; None for anything else (another spelling included)."""
     names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
     if func is not _F_CROSS_ENTROPY or len(args) > len(names) or any(k not in names for k in kwargs):
         return None
@@ -46,7 +46,7 @@ def class_index_call(func, args: tuple, kwargs: dict) -> Optional[dict]:
             "label_smoothing": 0.0, **dict(zip(names, args)), **kwargs}
     x, target = call.get("input"), call.get("target")
     if not (isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.dim() == 2
-            and x.dtype in HALF_DTYPES and target.dim() == 1 and not target.is_floating_point()
+            and x.dtype in dtypes and target.dim() == 1 and not target.is_floating_point()
             and target.shape[0] == x.shape[0]
             and call["weight"] is None and call["size_average"] is None and call["reduce"] is None
             and call["label_smoothing"] == 0.0 and call["reduction"] in _REDUCTIONS
