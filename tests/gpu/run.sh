@@ -49,7 +49,7 @@ stage() {  # stage NAME TIMEOUT_S CMD...
   case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
   echo "=== [$name] $(date +%T) (timeout ${limit}s) $*"
   local t0=$SECONDS
-  # -k: Lightning's trainer takes SIGTERM as a request to stop gracefully and runs on; SIGKILL 15 s later ends it
+  # -k: a benchmark in the middle of a compile ran on past SIGTERM; SIGKILL 15 s later ends it
   timeout -k 15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
   summary+=("$name rc=$rc $((SECONDS - t0))s")
