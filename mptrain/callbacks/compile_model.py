@@ -37,9 +37,19 @@ class CompileModel(Callback):
             )
         if compat.compiled_call(model) is None and not compat.is_optimized_module(model):
             compile_in_place(model, **self.compile_kwargs)
-        fallback = getattr(getattr(getattr(trainer, "strategy", None), "precision_plugin", None), "fallback", None)
+        fallback = _fallback(trainer)
         if fallback is not None:  # a loss the training_step computes on the model's output: compiled too
             fallback.compile_losses(loss_compile_kwargs(self.compile_kwargs))
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        fallback = _fallback(trainer)  # a plugin reused by a run that does not compile computes losses eagerly
+        if fallback is not None:
+            fallback.compile_losses(None)
+
+
+def _fallback(trainer):
+    """The fp32 fallback of the run's precision plugin (mptrain's half modes), or None."""
+    return getattr(getattr(getattr(trainer, "strategy", None), "precision_plugin", None), "fallback", None)
 
 
 #: the ``torch.compile`` arguments a loss outside the model shares with the model's compile: the back end and its

@@ -192,8 +192,10 @@ def test_a_compiling_run_compiles_the_training_steps_loss_on_the_models_output()
     runs = {}
     for compile_arg in ({"backend": backend}, False):
         module = LM()
-        Trainer(compile=compile_arg, **common).fit(module, torch.utils.data.DataLoader(data, batch_size=520))
+        trainer = Trainer(compile=compile_arg, **common)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=520))
         runs[bool(compile_arg)] = [p.detach().clone() for p in module.parameters()]
+        assert trainer.precision_plugin.fallback.loss_compile is None  # reset at teardown
     loss_graphs = [gm for gm in graphs if any("logsumexp" in str(n.target) for n in gm.graph.nodes)]
     assert len(loss_graphs) == 1 and len(graphs) == 2  # the model's graph and the loss's, each traced once
     for p, q in zip(runs[True], runs[False]):
