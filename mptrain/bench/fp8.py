@@ -20,7 +20,9 @@ Models: llama1b (the recipe's: hidden 2048, 16 layers, FFN 8192, 16 heads, vocab
 tokens) and llama8b_layers (Llama-3-8B's layer widths: hidden 4096, FFN 14336, 32 heads, 8 KV heads; 8 layers,
 vocabulary 32000; batch 4 x 2048).  Per case: ms/step, the median of the per-step times (CUDA events at each
 step's end) over --steps steps after --warmup; tokens/s from it; peak memory (max_memory_allocated from the case's
-start, and over the timed steps alone); host syncs per step over 2 more steps; the seconds to the first step's end
+start, and over the timed steps alone), and the memory of the step after the timed window by phase (allocated at
+its start, the peak of the forward with the loss, of backward and of the optimizer step); host syncs per step
+over 2 more steps; the seconds to the first step's end
 (model build, setup and compile).  Each case starts from a fresh dynamo and with the last case's memory freed.
 With ``--fused=auto`` (the default: the Trainer's default) the master modes step torch's fused AdamW through
 mptrain's one-pass master-weight kernel in every case; the CUDA extension is loaded, or built (about a minute
@@ -49,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.bench.common import bench_parser, device_meta, fmt, parse_csv, write_json
-from mptrain.bench.e2e import QUICK_COMPILE, StepTimer, fused_kernel_status
+from mptrain.bench.e2e import QUICK_COMPILE, MemoryPhases, StepTimer, format_phases, fused_kernel_status
 from mptrain.bench.e2e_models import DeviceBatches, compile_lightning_module, make_trainer
 from mptrain.precision.fp8 import is_float8_linear
 
@@ -124,6 +126,7 @@ class Result:
     tokens_per_s: Optional[float] = None
     peak_mem_gb: Optional[float] = None  # max_memory_allocated from the case's start (setup, compile, steps)
     steps_peak_mem_gb: Optional[float] = None  # over the timed steps (and the sync count's) alone
+    mem_phases: Optional[dict] = None  # one steady-state step after the timed window: GB by phase (MemoryPhases)
     fp8_linears: Optional[int] = None  # torchao Float8Linear modules in the trained model
     syncs_per_step: Optional[float] = None
     first_step_s: Optional[float] = None  # from the case's start to the first step's end: build, setup, compile
@@ -230,9 +233,9 @@ def fp8_refusal(name: str, case: Case, device: str) -> Optional[str]:
     return None
 
 
-def _trainer(case: Case, timer: StepTimes, total: int, device: str, compile_args, fused):
+def _trainer(case: Case, callbacks: list, total: int, device: str, compile_args, fused):
     if case.trainer == "lightning":
-        return make_trainer("lightning", case.precision, timer, total, {},
+        return make_trainer("lightning", case.precision, callbacks, total, {},
                             accelerator="cuda" if device == "cuda" else "cpu", devices=1)
     ours = {"compile": compile_args}
     plugins = []
@@ -242,7 +245,7 @@ def _trainer(case: Case, timer: StepTimes, total: int, device: str, compile_args
         plugins.append(Fp8Precision(case.precision, recipe=case.recipe, fused=fused))
     else:
         ours["fused"] = fused  # the precision string: mptrain's defaults, fp8-master's tensorwise
-    return make_trainer("mptrain", None if plugins else case.precision, timer, total, ours, plugins=plugins,
+    return make_trainer("mptrain", None if plugins else case.precision, callbacks, total, ours, plugins=plugins,
                         accelerator="cuda" if device == "cuda" else "cpu", devices=1)
 
 
@@ -266,13 +269,14 @@ def run_case(model: str, name: str, shape: LlamaShape, warmup: int, steps: int, 
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     timer = StepTimes(warmup, steps, cuda, start)
+    phases = MemoryPhases(warmup + steps + 1, cuda)  # the first step after the timed window: where the peak is
     try:
         module = CausalLM(build_model(shape, device, case))
         if case.trainer == "lightning":
             module = compile_lightning_module(module, **({} if compile_args is True else compile_args))
-        trainer = _trainer(case, timer, timer.total, device, compile_args, fused)
+        trainer = _trainer(case, [timer, phases], timer.total, device, compile_args, fused)
         trainer.fit(module, train_dataloaders=token_batches(shape, timer.total, device))
-        _record(res, timer, shape)
+        _record(res, timer, shape, phases)
         res.fp8_linears = sum(is_float8_linear(m) for m in module.modules())
     except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
         if refusal is not None and str(e) == refusal and timer.count == 0:  # fp8-master refused at setup, as due
@@ -285,7 +289,7 @@ def run_case(model: str, name: str, shape: LlamaShape, warmup: int, steps: int, 
     return res
 
 
-def _record(res: Result, timer: StepTimes, shape: LlamaShape) -> None:
+def _record(res: Result, timer: StepTimes, shape: LlamaShape, phases: MemoryPhases) -> None:
     if timer.t1 is None or (timer.cuda and timer.syncs is None):
         raise RuntimeError(f"only {timer.count} steps ran; expected {timer.total}")
     per_step = timer.step_ms()
@@ -295,10 +299,11 @@ def _record(res: Result, timer: StepTimes, shape: LlamaShape) -> None:
     res.tokens_per_s = shape.batch * shape.seq * 1e3 / res.step_ms
     res.first_step_s = timer.first_step_s
     res.syncs_per_step = None if timer.syncs is None else timer.syncs / timer.sync_steps
-    if timer.cuda:
-        steps_peak = torch.cuda.max_memory_allocated()
+    if timer.cuda:  # the phases reset the peak statistic after the window: their peak() keeps what came before
+        steps_peak = max(torch.cuda.max_memory_allocated(), phases.peak())
         res.steps_peak_mem_gb = steps_peak / 2**30
         res.peak_mem_gb = max(steps_peak, timer.before_peak) / 2**30
+        res.mem_phases = phases.gb or None
 
 
 def summarize(results: list[Result], model: str) -> dict:
@@ -427,6 +432,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 write_json(args.out, {"meta": meta, "summary": {m: summarize(results, m) for m in args.models},
                                       "results": [asdict(r) for r in results]})
     print(format_table(results))
+    if format_phases(results):
+        print(format_phases(results))
     for model in args.models:
         print(format_summary(model, summarize(results, model)))
     return 1 if any(r.status == "error" for r in results) else 0
