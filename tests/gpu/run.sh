@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: build the extension, run the CUDA tests and the benchmarks on the GPU
 # machine.  Usage: tests/gpu/run.sh [stage ...]
-#   stages: info build tests kernels host e2e user speed fp8 sr multi
+#   stages: info build tests kernels host e2e user speed fp8 fp8prof sr multi
 #   default: info build tests kernels host (about 4-5 minutes on an H200 with 16 cores:
 #   info 16 s, build 60 s, tests 118 s, kernels 40 s; each stage's timeout below keeps the
 #   default call under 9 minutes: 30 + 150 + 170 + 130 + 60 s).  e2e takes a call of its
@@ -38,8 +38,9 @@ export MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 STAGES=${*:-info build tests kernels host}
 for s in $STAGES; do
-  case $s in info | build | tests | kernels | host | e2e | user | speed | fp8 | sr | multi) ;;
-  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e user speed fp8 sr multi" >&2; exit 2 ;;
+  case $s in info | build | tests | kernels | host | e2e | user | speed | fp8 | fp8prof | sr | multi) ;;
+  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e user speed fp8 fp8prof sr multi" >&2
+     exit 2 ;;
   esac
 done
 summary=()
@@ -83,6 +84,11 @@ stage speed 420 python3 -m pytest tests/gpu -q -s -rfE --timeout=400 -p no:cache
 # shellcheck disable=SC2086  # FP8_ARGS: extra flags, e.g. FP8_ARGS="--models llama8b_layers" (the last --models wins;
 # five cases a model, a call each)
 stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --models llama1b --out "$OUT/fp8.json" ${FP8_ARGS:-}
+# where the 1.2B step's time goes (docs/fp8.md's table), kernel time by category from the profiler: bf16-master,
+# torchao's linears under bf16-master, fp8-master (about 4 minutes; PROF_ARGS adds flags, e.g. --config 8b_layers)
+# shellcheck disable=SC2086
+stage fp8prof 400 python3 dev/fp8_llama_profile.py --config 1b --cases bf16-master,torchao,fp8-master --fused auto \
+  --warmup 4 --steps 6 --out "$OUT/fp8prof.json" ${PROF_ARGS:-}
 # shellcheck disable=SC2086  # SR_ARGS: extra flags, e.g. SR_ARGS="--optim-only"
 stage sr 400 python3 -m mptrain.bench.sr --out "$OUT/sr.json" ${SR_ARGS:-}
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
