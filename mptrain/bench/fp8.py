@@ -289,7 +289,7 @@ def run_case(model: str, name: str, shape: LlamaShape, warmup: int, steps: int, 
     return res
 
 
-def _record(res: Result, timer: StepTimes, shape: LlamaShape, phases: MemoryPhases) -> None:
+def _record(res: Result, timer: StepTimes, shape: LlamaShape, phases: Optional[MemoryPhases] = None) -> None:
     if timer.t1 is None or (timer.cuda and timer.syncs is None):
         raise RuntimeError(f"only {timer.count} steps ran; expected {timer.total}")
     per_step = timer.step_ms()
@@ -300,10 +300,11 @@ def _record(res: Result, timer: StepTimes, shape: LlamaShape, phases: MemoryPhas
     res.first_step_s = timer.first_step_s
     res.syncs_per_step = None if timer.syncs is None else timer.syncs / timer.sync_steps
     if timer.cuda:  # the phases reset the peak statistic after the window: their peak() keeps what came before
-        steps_peak = max(torch.cuda.max_memory_allocated(), phases.peak())
+        steps_peak = max(torch.cuda.max_memory_allocated(), phases.peak() if phases is not None else 0)
         res.steps_peak_mem_gb = steps_peak / 2**30
         res.peak_mem_gb = max(steps_peak, timer.before_peak) / 2**30
-        res.mem_phases = phases.gb or None
+        if phases is not None:
+            res.mem_phases = phases.gb or None
 
 
 def summarize(results: list[Result], model: str) -> dict:
