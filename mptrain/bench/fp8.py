@@ -300,7 +300,7 @@ def _record(res: Result, timer: StepTimes, shape: LlamaShape, phases: Optional[M
     res.first_step_s = timer.first_step_s
     res.syncs_per_step = None if timer.syncs is None else timer.syncs / timer.sync_steps
     if timer.cuda:  # the phases reset the peak statistic after the window: their peak() keeps what came before
-        steps_peak = max(torch.cuda.max_memory_allocated(), phases.peak() if phases is not None else 0)
+        steps_peak = phases.peak() if phases is not None else torch.cuda.max_memory_allocated()
         res.steps_peak_mem_gb = steps_peak / 2**30
         res.peak_mem_gb = max(steps_peak, timer.before_peak) / 2**30
         if phases is not None:
@@ -433,8 +433,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 write_json(args.out, {"meta": meta, "summary": {m: summarize(results, m) for m in args.models},
                                       "results": [asdict(r) for r in results]})
     print(format_table(results))
-    if format_phases(results):
-        print(format_phases(results))
+    phase_table = format_phases(results)
+    if phase_table:
+        print(phase_table)
     for model in args.models:
         print(format_summary(model, summarize(results, model)))
     return 1 if any(r.status == "error" for r in results) else 0

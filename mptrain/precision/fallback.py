@@ -309,8 +309,8 @@ def _fp32_call(name: str, func, args, kwargs):
     """``func`` on fp32 copies of its half tensors, the result in the first one's dtype."""
     if name == "batch_norm":
         return _batch_norm_fp32(func, args, kwargs)
-    if name == "cross_entropy":  # traced as logsumexp - picked when compiling; in eager, large logits compiled
-        loss = compiled_cross_entropy(func, args, kwargs)  # so in a compiling run, else by blocks
+    if name == "cross_entropy":  # traced: logsumexp - picked; eager: large logits compiled so in a compiling run,
+        loss = compiled_cross_entropy(func, args, kwargs)  # else by blocks
         loss_compile = getattr(_local, "loss_compile", None)
         if loss is None and loss_compile is not None:
             loss = eager_compiled_cross_entropy(func, args, kwargs, loss_compile)
