@@ -121,6 +121,21 @@ def test_no_whole_fp32_copy_of_the_logits_exists(small_blocks):
     assert peaks[0] <= 2 * x0.nbytes + 4 * 3 * 1000 * 4 + 64 * 1024 < peaks[1] / 2
 
 
+def test_backward_holds_one_blocks_fp32_tensors_at_a_time(monkeypatch):
+    """A block's log-softmax, nll_loss's gradient and log-softmax's: three fp32 blocks live at once in backward,
+    not the previous block's two beside the next one's (on a small model's logits the blocks are most of them)."""
+    monkeypatch.setattr(lean_cross_entropy, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(lean_cross_entropy, "BLOCK_ELEMENTS", 30 * 1000)
+    x, t = _logits(n=300)
+    x.requires_grad_()
+    loss = _fallback_ce(x, t)
+    with _LivePeak() as watch:
+        loss.backward()
+    block = 30 * 1000 * 4
+    # x's gradient (and the copy .grad accumulation may make), three blocks, the targets' small tensors
+    assert watch.peak <= 2 * x.nbytes + 3 * block + 16 * 1024 < 2 * x.nbytes + 4 * block, watch.peak
+
+
 def test_a_master_model_with_an_lm_head_takes_the_blocks(small_blocks):
     """nn.CrossEntropyLoss on a bf16-master model's logits reaches the block path; its grads are the plain
     fp32 computation's."""
