@@ -103,3 +103,23 @@ def test_resume_from_a_checkpoint(tmp_path):
     t2 = quiet_trainer(plugins=[MasterPrecision("bf16-master")], max_steps=5)
     t2.fit(again, torch.utils.data.DataLoader(classification_data(128), batch_size=32), ckpt_path=tmp_path / "a.ckpt")
     assert t2.global_step == 5 and type(t2.optimizers[0]) is FusedAdamW
+
+
+def test_the_consumed_grads_go_at_the_step_not_after_the_next_forward():
+    """Lightning zero_grads after the next training_step: the fused step's half grads are gone before it (they
+    would sit through its forward's peak), while an accumulation window's first micro-batch keeps them for the next."""
+    import lightning as L
+
+    seen = []
+
+    class Grads(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(sum(p.grad is not None for p in pl_module.parameters()))
+
+    model = Model(adamw)
+    plugin = MasterPrecision("bf16-master")
+    trainer = quiet_trainer(plugins=[plugin], max_steps=3, accumulate_grad_batches=2, callbacks=[Grads()])
+    trainer.fit(model, torch.utils.data.DataLoader(classification_data(256), batch_size=32))
+    assert type(trainer.optimizers[0]) is FusedAdamW
+    n = sum(1 for _ in model.parameters())
+    assert seen == [0, n, 0, n, 0, n], seen  # after each step: none; inside a window: the first micro-batch's
