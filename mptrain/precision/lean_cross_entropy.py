@@ -29,9 +29,9 @@ from mptrain.ops.dtypes import HALF_DTYPES
 
 #: logits smaller than this run the plain path (their memory is small; the blocks cost launches)
 MIN_ELEMENTS = 1 << 24
-#: rows a block: about this many fp32 elements (64 MB) of each of a block's three fp32 tensors.  Larger blocks save
-#: no measurable time (a block's kernels take about 50 us on an H100 against a few us to launch) and raise the peak:
-#: at 2^26 a small model's logits (4096 x 30522) were under two blocks, whose fp32 copies outweighed the saving
+#: a block's rows hold about this many elements: each of its three fp32 tensors is about 64 MB.  Smaller blocks cost
+#: more launches (a few us each, against tens of us of memory traffic a block); larger ones raise the peak: at 2^26
+#: a small BERT's 4096 x 30522 logits made under two blocks, whose fp32 tensors outweighed the logits themselves
 BLOCK_ELEMENTS = 1 << 24
 _REDUCTIONS = ("none", "mean", "sum")  # in the order of aten's reduction enum
 _F_CROSS_ENTROPY = F.cross_entropy  # before any wrapping
