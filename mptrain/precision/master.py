@@ -31,6 +31,7 @@ class MasterPrecision(MptrainPrecision):
     MODES = {"16-master": torch.float16, "bf16-master": torch.bfloat16}
     SCALER_BY_DEFAULT = ("16-master",)
     has_master_weights = True
+    RELEASES_CONSUMED_GRADS = True
 
     def __init__(self, precision: str = "bf16-master", **kwargs: Any):
         super().__init__(precision, **kwargs)
@@ -246,15 +247,6 @@ class MasterPrecision(MptrainPrecision):
             # next zero_grad, which Lightning calls after the next forward (the fp32 set would sit through it).
             for p, m in zip(*pair):
                 p.grad = m.grad = None
-        if self.phase == "low" and G.is_mptrain_fused(optimizer) and self.step_runner is None:
-            # The fused step consumed the half grads: they go now too.  Lightning's zero_grad comes after the next
-            # training_step, so they would sit through its forward, where a compiled Llama step peaks (the fp8
-            # benchmark's 8-layer model at Llama-3-8B widths: 3.7 GiB of bf16 grads in a 41.3 GiB forward peak,
-            # against 37.6 GiB in backward).  Not under cuda_graphs=True, whose captured step reads the grads from
-            # the same tensors every replay.
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
         self._fused_norm.pop(id(optimizer), None)
         self._fused_clip.pop(id(optimizer), None)  # a step that ended without stepping leaves none behind
         self._fused_unscaled.discard(id(optimizer))

@@ -54,6 +54,7 @@ class StochasticRoundingPrecision(MptrainPrecision):
 
     MODES = {"bf16-sr": torch.bfloat16}
     SCALER_ALLOWED = False
+    RELEASES_CONSUMED_GRADS = True
 
     def __init__(self, precision: str = "bf16-sr", *, seed: Optional[int] = None, **kwargs: Any):
         super().__init__(precision, **kwargs)

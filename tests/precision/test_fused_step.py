@@ -105,10 +105,13 @@ def test_resume_from_a_checkpoint(tmp_path):
     assert t2.global_step == 5 and type(t2.optimizers[0]) is FusedAdamW
 
 
-def test_the_consumed_grads_go_at_the_step_not_after_the_next_forward():
+@pytest.mark.parametrize("mode", ["bf16-master", "bf16-sr"])
+def test_the_consumed_grads_go_at_the_step_not_after_the_next_forward(mode):
     """Lightning zero_grads after the next training_step: the fused step's half grads are gone before it (they
     would sit through its forward's peak), while an accumulation window's first micro-batch keeps them for the next."""
     import lightning as L
+
+    from mptrain.precision.sr import StochasticRoundingPrecision
 
     seen = []
 
@@ -117,9 +120,9 @@ def test_the_consumed_grads_go_at_the_step_not_after_the_next_forward():
             seen.append(sum(p.grad is not None for p in pl_module.parameters()))
 
     model = Model(adamw)
-    plugin = MasterPrecision("bf16-master")
+    plugin = MasterPrecision(mode) if mode == "bf16-master" else StochasticRoundingPrecision(mode, seed=0)
     trainer = quiet_trainer(plugins=[plugin], max_steps=3, accumulate_grad_batches=2, callbacks=[Grads()])
     trainer.fit(model, torch.utils.data.DataLoader(classification_data(256), batch_size=32))
-    assert type(trainer.optimizers[0]) is FusedAdamW
+    assert isinstance(trainer.optimizers[0], FusedAdamW)
     n = sum(1 for _ in model.parameters())
     assert seen == [0, n, 0, n, 0, n], seen  # after each step: none; inside a window: the first micro-batch's
