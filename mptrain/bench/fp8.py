@@ -15,6 +15,7 @@ AdamW with ``fused=True``) and fp32 masters and moments in every case:
                        and moments) and ``"bf16-true"`` (bf16 parameters and moments, no masters), compiled as
                        Lightning's docs do, ``fit(torch.compile(module))``: how a Lightning user applies torchao
   torchao-rowwise, fp8-master-rowwise   the same with the rowwise recipe (--rowwise, or by name in --cases)
+  fp8-master-delayed   Trainer(plugins=[Fp8Precision(recipe="delayed")]) (--delayed, or by name in --cases)
 
 Models: llama1b (the recipe's: hidden 2048, 16 layers, FFN 8192, 16 heads, vocabulary 32000; batch 8 x 2048
 tokens) and llama8b_layers (Llama-3-8B's layer widths: hidden 4096, FFN 14336, 32 heads, 8 KV heads; 8 layers,
@@ -98,16 +99,21 @@ CASES = {
     "fp8-master": Case("fp8-master", "tensorwise"),
     "torchao-rowwise": Case("bf16-master", "rowwise", torchao=True),
     "fp8-master-rowwise": Case("fp8-master", "rowwise"),
+    "fp8-master-delayed": Case("fp8-master", "delayed"),
     "lightning-torchao-mixed": Case("bf16-mixed", "tensorwise", torchao=True, trainer="lightning"),
     "lightning-torchao-true": Case("bf16-true", "tensorwise", torchao=True, trainer="lightning"),
 }
 DEFAULT_CASES = ("bf16-master", "torchao-tensorwise", "fp8-master", "lightning-torchao-mixed",
                  "lightning-torchao-true")
 ROWWISE_CASES = ("torchao-rowwise", "fp8-master-rowwise")
+#: --delayed adds it: fp8-master with delayed scales (fp8_delayed)
+DELAYED_CASES = ("fp8-master-delayed",)
 #: the comparisons printed and written: (numerator, denominator)
 RATIOS = (("fp8-master", "lightning-torchao-mixed"), ("fp8-master", "lightning-torchao-true"),
           ("fp8-master", "torchao-tensorwise"), ("fp8-master", "bf16-master"), ("torchao-tensorwise", "bf16-master"),
-          ("fp8-master-rowwise", "torchao-rowwise"), ("fp8-master-rowwise", "bf16-master"))
+          ("fp8-master-rowwise", "torchao-rowwise"), ("fp8-master-rowwise", "bf16-master"),
+          ("fp8-master-delayed", "bf16-master"), ("fp8-master-delayed", "fp8-master"),
+          ("fp8-master-delayed", "lightning-torchao-mixed"), ("fp8-master-delayed", "lightning-torchao-true"))
 
 
 @dataclass
@@ -359,6 +365,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cases", default=",".join(DEFAULT_CASES),
                    help=f"comma list of {', '.join(CASES)} (default: {', '.join(DEFAULT_CASES)})")
     p.add_argument("--rowwise", action="store_true", help=f"also run {', '.join(ROWWISE_CASES)}")
+    p.add_argument("--delayed", action="store_true", help=f"also run {', '.join(DELAYED_CASES)}")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per case (the compile happens in the first)")
     p.add_argument("--steps", type=int, default=15, help="timed steps per case")
     p.add_argument("--fused", choices=("auto", "off"), default="auto",
@@ -372,6 +379,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.cases = parse_csv(p, args.cases, tuple(CASES), "--cases")
     if args.rowwise:
         args.cases += [c for c in ROWWISE_CASES if c not in args.cases]
+    if args.delayed:
+        args.cases += [c for c in DELAYED_CASES if c not in args.cases]
     if args.warmup < 1 or args.steps < 2:
         p.error(f"--warmup {args.warmup} / --steps {args.steps}: need --warmup >= 1 and --steps >= 2")
     return args

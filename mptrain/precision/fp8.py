@@ -17,11 +17,12 @@ compile into fused amax/scale/cast kernels under ``torch.compile``, which is how
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import nn
 
+from mptrain.precision.fp8_delayed import DelayedScaling, use_delayed_scaling
 from mptrain.precision.fp8_linear import use_single_casts
 from mptrain.precision.fp8_policy import plan_fp8_layers, resolve_keep_list
 from mptrain.precision.master import MasterPrecision
@@ -29,8 +30,9 @@ from mptrain.precision.plugin import check_device_supports
 
 log = logging.getLogger("mptrain")
 
-#: ``recipe=`` -> torchao's recipe name
-RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise"}
+#: ``recipe=`` -> torchao's recipe name (``delayed``: tensorwise casts at scales from the amax history,
+#: :mod:`.fp8_delayed`)
+RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise", "delayed": "tensorwise"}
 
 
 class Fp8Precision(MasterPrecision):
@@ -38,8 +40,9 @@ class Fp8Precision(MasterPrecision):
 
     Args:
         precision: ``"fp8-master"``.
-        recipe: ``"tensorwise"`` (one current scale per tensor; the fastest) or ``"rowwise"`` (power-of-2
-            scales per row, more accurate for activations with outlier rows).
+        recipe: ``"tensorwise"`` (one current scale per tensor), ``"delayed"`` (one scale per tensor from the
+            last steps' amaxes: the casts fuse into the kernels that produce the tensors; :mod:`.fp8_delayed`)
+            or ``"rowwise"`` (power-of-2 scales per row, more accurate for activations with outlier rows).
         keep_bf16: which linear layers stay in bf16: ``"default"``, a list of name patterns and rules
             (``"+x"`` / ``"-x"`` edit the default list) or ``[]``; see :mod:`mptrain.precision.fp8_policy`.
         **kwargs: as :class:`~mptrain.precision.master.MasterPrecision` (``loss_scaler``, ``fp32_fallback``,
@@ -59,6 +62,8 @@ class Fp8Precision(MasterPrecision):
         self.recipe = recipe
         self.fp8_layers: list[str] = []  # qualified names of the layers running in fp8
         self.kept_layers: dict[str, str] = {}  # qualified name of each linear kept in bf16 -> why
+        self._delayed: Optional[DelayedScaling] = None  # recipe="delayed": the layers' amax histories and scales
+        self._delayed_saved: Optional[dict] = None  # a checkpoint's, until the layers are on their device
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.precision!r}, recipe={self.recipe!r})"
@@ -90,8 +95,23 @@ class Fp8Precision(MasterPrecision):
                  self.recipe, len(convert), len(single), len(kept),
                  "".join(f"\n  {n}: {r}" for n, r in kept.items()))
 
+    def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        super()._setup_optimizer(optimizer)
+        if self.recipe == "delayed" and self._delayed is None and self.phase == "low" and self._module is not None:
+            # the layers are on their device now: their scales and amaxes are made there
+            self._delayed = use_delayed_scaling(self._module, self._device())
+            if self._delayed_saved is not None:
+                self._delayed.load_state_dict(self._delayed_saved)
+                self._delayed_saved = None
+
+    def end_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().end_step(optimizer)
+        if self._delayed is not None and self.phase == "low":
+            self._delayed.update()  # the step's amaxes into the history, the next step's scales out of it
+
     def switch_to_fp32(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.phase != "fp32":
+            self._delayed = None
             unswap_fp8_linears(self._module or model)
         super().switch_to_fp32(model, optimizers)
 
@@ -100,7 +120,20 @@ class Fp8Precision(MasterPrecision):
         super().promote_module(module)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "fp8_recipe": self.recipe, "fp8_layers": list(self.fp8_layers)}
+        state = {**super().state_dict(), "fp8_recipe": self.recipe, "fp8_layers": list(self.fp8_layers)}
+        if self._delayed is not None:
+            state["fp8_delayed"] = self._delayed.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        saved = state_dict.get("fp8_delayed")
+        if saved is None or self.recipe != "delayed":
+            return
+        if self._delayed is None:
+            self._delayed_saved = saved
+        else:
+            self._delayed.load_state_dict(saved)
 
 
 def unswap_fp8_linears(module: nn.Module) -> list[str]:

@@ -1,0 +1,219 @@
+"""``fp8-master``'s delayed recipe: activation and gradient scales known before the step, so casts fuse.
+
+Under tensorwise *current* scaling (``recipe="tensorwise"``) each cast of an activation or an output gradient
+needs that tensor's amax first: a reduction over the whole tensor, then a second pass that scales and casts.
+Under ``torch.compile`` the two passes stay two kernels (the cast cannot start before the reduction has seen
+the last element), and the producer of the tensor (an RMSNorm, the SwiGLU, attention's output) runs before
+them as a third.  With *delayed* scaling (Transformer Engine's recipe; torchao had it until 0.9) the scale of
+step ``t`` comes from the amaxes recorded over the steps before it: the cast is a pointwise function of the
+producer's output that inductor fuses into the producer's kernel, and this step's amax, recorded for the next
+steps, is a reduction over the same elements that inductor can compute in that same kernel.
+
+What this module keeps per fp8 linear (:class:`DelayedFp8Linear`):
+
+- the input's scale and the output gradient's scale (0-d fp32 tensors, read by the compiled graph);
+- the input's amax over the current optimizer step (a running max, written by the forward);
+- a 0-d *sink*: a leaf tensor that the backward hands the output gradient's amax to as its "gradient", so the
+  amax leaves the compiled backward as an ordinary gradient (no mutation inside a backward graph);
+- a history of the last ``HISTORY`` steps' amaxes per role, held by :class:`DelayedScaling` for all layers in
+  one tensor: at the end of each optimizer step it rolls in the step's amaxes and sets every scale to
+  ``fp8_max / max(history)`` in a few kernels (device-side: no host sync).
+
+The weight keeps current scaling: it is read whole by the cast anyway, and a weight's amax moves little.
+
+The first optimizer step has no history: it runs with current scaling (``ready`` False: the tensorwise path,
+amaxes recorded), and the delayed path starts at the second step.  Under ``torch.compile`` that is one
+recompile.  A cast whose scale has fallen behind a growing tensor saturates at the fp8 format's largest value
+(torchao's saturated cast); the history's max makes that rare, and ``mptrain numerics --fp8`` reports the
+casts' saturation.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from mptrain.precision.fp8_linear import _cast, _torchao, fp8_linear_class
+
+#: steps of amax history per tensor; the scale follows the largest amax among them
+HISTORY = 16
+
+
+def _cast_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, mm_config: Any, role: Any):
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+
+    return hp_tensor_and_scale_to_float8(x, scale, dtype, mm_config, role)
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().abs().amax().float()
+
+
+class _DelayedFp8Matmul(torch.autograd.Function):
+    """``input @ weight.t()`` with the input and the output gradient cast at the given scales; the output
+    gradient's amax comes back as the gradient of ``grad_amax_sink``."""
+
+    @staticmethod
+    def forward(ctx, input_hp, weight_hp, input_scale, grad_scale, grad_amax_sink, mm_config, config):
+        T = _torchao()
+        shape = input_hp.shape
+        x = _cast_with_scale(input_hp.reshape(-1, shape[-1]), input_scale, config.cast_config_input.target_dtype,
+                             mm_config, T.GemmInputRole.INPUT)
+        w_t = _cast(T, weight_hp.t(), config.cast_config_weight.target_dtype, mm_config, T.GemmInputRole.WEIGHT)
+        ctx.save_for_backward(x, w_t, grad_scale)
+        ctx.mm_config, ctx.config, ctx.input_shape = mm_config, config, shape
+        out = torch.mm(x, w_t)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        T = _torchao()
+        x, w_t, grad_scale = ctx.saved_tensors
+        g_hp = grad_output.reshape(-1, grad_output.shape[-1])
+        g = _cast_with_scale(g_hp, grad_scale, ctx.config.cast_config_grad_output.target_dtype, ctx.mm_config,
+                             T.GemmInputRole.GRAD_OUTPUT)
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_input = torch.mm(g, w_t.t()).reshape(*ctx.input_shape[:-1], -1)
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.mm(g.t(), x)
+        return grad_input, grad_weight, None, None, _amax(g_hp), None, None
+
+
+class _RecordGradAmax(torch.autograd.Function):
+    """Identity forward; the backward hands the output gradient's amax to ``sink`` (the first step's path)."""
+
+    @staticmethod
+    def forward(ctx, x, sink):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, _amax(grad)
+
+
+@functools.lru_cache(maxsize=None)
+def delayed_fp8_linear_class() -> Optional[type]:
+    """:class:`DelayedFp8Linear`, made on first use (torchao is imported only by a run that converts layers)."""
+    base = fp8_linear_class()
+    if base is None:
+        return None
+
+    class DelayedFp8Linear(base):
+        """An :class:`~mptrain.precision.fp8_linear.Fp8Linear` whose input and output-gradient casts use delayed
+        scales (module docstring).  Its state is attached by :class:`DelayedScaling` on the layer's device."""
+
+        fp8_ready: bool = False  # False: current scaling (no history yet), amaxes recorded all the same
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            if torch.is_autocast_enabled():
+                input = input.to(torch.get_autocast_gpu_dtype())
+            if torch.is_grad_enabled():  # training: this step's input amax, for the next steps' scales
+                self.fp8_input_amax.copy_(torch.maximum(self.fp8_input_amax, _amax(input)))
+            if self.fp8_ready:
+                out = _DelayedFp8Matmul.apply(input, self.weight, self.fp8_input_scale, self.fp8_grad_scale,
+                                              self.fp8_grad_amax, self.linear_mm_config, self.config)
+            else:
+                out = base.forward(self, input)
+                if torch.is_grad_enabled():
+                    out = _RecordGradAmax.apply(out, self.fp8_grad_amax)
+            if self.bias is not None and self.fp8_ready:
+                out = out + self.bias.to(out.dtype)
+            return out
+
+    DelayedFp8Linear.__module__, DelayedFp8Linear.__qualname__ = __name__, "DelayedFp8Linear"
+    return DelayedFp8Linear
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DelayedFp8Linear":
+        cls = delayed_fp8_linear_class()
+        if cls is not None:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class DelayedScaling:
+    """The amax histories and scales of a model's :class:`DelayedFp8Linear` layers, updated once per optimizer
+    step by the fp8-master plugin (``end_step``).  ``layers``: qualified name -> layer."""
+
+    def __init__(self, layers: dict[str, nn.Module], device: torch.device):
+        self.names = list(layers)
+        self.layers = [layers[n] for n in self.names]
+        n = len(self.layers)
+        # rows: each layer's input, then each layer's output gradient; columns: steps, newest first
+        self.history = torch.zeros(2 * n, HISTORY, device=device)
+        f8 = [(m.config.cast_config_input.target_dtype, m.config.cast_config_grad_output.target_dtype)
+              for m in self.layers]
+        self.fp8_max = torch.tensor([torch.finfo(a).max for a, _ in f8] + [torch.finfo(b).max for _, b in f8],
+                                    device=device)
+        for m in self.layers:
+            m.fp8_input_amax = torch.zeros((), device=device)
+            m.fp8_input_scale = torch.ones((), device=device)
+            m.fp8_grad_scale = torch.ones((), device=device)
+            m.fp8_grad_amax = torch.zeros((), device=device, requires_grad=True)  # the sink: a leaf
+            m.fp8_ready = False
+        self.steps = 0
+
+    def _scales(self) -> list[torch.Tensor]:
+        return [m.fp8_input_scale for m in self.layers] + [m.fp8_grad_scale for m in self.layers]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """End of an optimizer step: roll in the step's amaxes (a non-finite one as 0: a skipped step's
+        overflow must not wipe the scales for ``HISTORY`` steps), recompute every scale, clear the amaxes."""
+        sinks = [m.fp8_grad_amax for m in self.layers]
+        grads = [torch.zeros_like(s) if s.grad is None else s.grad for s in sinks]
+        now = torch.stack([m.fp8_input_amax for m in self.layers] + grads)
+        now = torch.where(torch.isfinite(now), now, torch.zeros_like(now))
+        self.history = torch.cat([now[:, None], self.history[:, :-1]], dim=1)
+        top = self.history.amax(dim=1)
+        # a tensor never seen above 0 (an all-zero input) keeps scale 1
+        scales = torch.where(top > 0, self.fp8_max / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+        torch._foreach_copy_(self._scales(), list(scales.unbind()))
+        torch._foreach_zero_([m.fp8_input_amax for m in self.layers])
+        for s in sinks:
+            s.grad = None
+        self.steps += 1
+        if self.steps == 1:
+            for m in self.layers:
+                m.fp8_ready = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"names": list(self.names), "history": self.history.cpu(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if list(state["names"]) != self.names:
+            raise ValueError("the checkpoint's fp8 delayed-scaling state names other layers than this model's "
+                             f"({len(state['names'])} vs {len(self.names)}): resume with the model it was saved from")
+        self.history = state["history"].to(self.history.device)
+        self.steps = 0
+        if state["steps"] > 0:
+            # the scales follow from the history alone: recompute them with nothing new rolled in
+            top = self.history.amax(dim=1)
+            scales = torch.where(top > 0, self.fp8_max / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+            torch._foreach_copy_(self._scales(), list(scales.unbind()))
+            self.steps = state["steps"]
+            for m in self.layers:
+                m.fp8_ready = True
+
+
+def use_delayed_scaling(module: nn.Module, device: torch.device) -> DelayedScaling:
+    """Every :class:`~mptrain.precision.fp8_linear.Fp8Linear` inside ``module`` becomes a
+    :class:`DelayedFp8Linear` in place (same Parameters); returns their scaling state."""
+    single, delayed = fp8_linear_class(), delayed_fp8_linear_class()
+    layers = {}
+    for name, m in module.named_modules():
+        if type(m) in (single, delayed):
+            m.__class__ = delayed
+            layers[name] = m
+    return DelayedScaling(layers, device)
+
+
+def undo_delayed_scaling(layers: Iterable[nn.Module]) -> None:
+    """Drop the delayed state (the layers are turned into ``nn.Linear`` by the caller)."""
+    for m in layers:
+        for a in ("fp8_input_amax", "fp8_input_scale", "fp8_grad_scale", "fp8_grad_amax", "fp8_ready"):
+            m.__dict__.pop(a, None)

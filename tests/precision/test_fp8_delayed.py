@@ -1,0 +1,127 @@
+"""fp8-master's delayed recipe: scales from the amax history, the first step at current scales, the same bits as
+the tensorwise linear when the history holds this step's amaxes, the state in checkpoints."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+float8 = pytest.importorskip("torchao.float8")
+
+from mptrain.precision.fp8 import Fp8Precision  # noqa: E402
+from mptrain.precision.fp8_delayed import HISTORY, DelayedFp8Linear, use_delayed_scaling  # noqa: E402
+from mptrain.precision.fp8_linear import use_single_casts  # noqa: E402
+
+from _models import Classifier, classification_data, quiet_trainer  # noqa: E402
+from test_fp8 import Blocks, fp8_on_cpu  # noqa: E402,F401
+
+
+def _pair():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32, bias=False)).bfloat16()
+    config = float8.Float8LinearConfig.from_recipe_name("tensorwise")
+    single, delayed = copy.deepcopy(base), copy.deepcopy(base)
+    for m in (single, delayed):
+        float8.convert_to_float8_training(m, config=config)
+        use_single_casts(m)
+    return single, delayed, use_delayed_scaling(delayed, torch.device("cpu"))
+
+
+def _step(model, x):
+    x = x.clone().requires_grad_()
+    y = model(x)
+    (y.float() ** 2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return y.detach(), x.grad, grads
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and all(torch.equal(u, v) for u, v in zip(a[2], b[2]))
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_with_this_steps_amaxes_it_equals_the_tensorwise_linear_bit_for_bit(backend):
+    single, delayed, scaling = _pair()
+    assert [type(m) for m in scaling.layers] == [DelayedFp8Linear, DelayedFp8Linear]
+    run = delayed if backend is None else torch.compile(delayed, backend=backend, fullgraph=True)
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    ref = _step(single, x)
+    assert _same(ref, _step(run, x))  # the first step: current scales, amaxes recorded
+    scaling.update()
+    assert all(m.fp8_ready for m in scaling.layers)
+    assert _same(ref, _step(run, x))  # the same input again: the delayed scales are this step's own
+    x2 = 3 * x  # a larger input than the history has seen: the casts use the old scales and differ
+    assert not _same(_step(single, x2), _step(run, x2))
+
+
+def test_scales_follow_the_largest_amax_of_the_history_and_skip_non_finite_ones():
+    _, delayed, scaling = _pair()
+    first = delayed[0]
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    for amax in (2.0, float("inf"), 0.5):
+        first.fp8_input_amax.fill_(amax)
+        scaling.update()
+    assert float(first.fp8_input_scale) == pytest.approx(fmax / 2.0)  # inf went in as 0; 2.0 is still there
+    assert float(first.fp8_input_amax) == 0.0  # cleared for the next step
+    for _ in range(HISTORY - 3):  # 2.0 went in 2 updates ago: it stays for HISTORY updates in all
+        first.fp8_input_amax.fill_(0.5)
+        scaling.update()
+    assert float(first.fp8_input_scale) == pytest.approx(fmax / 2.0)  # 2.0 is HISTORY - 1 steps old
+    first.fp8_input_amax.fill_(0.5)
+    scaling.update()
+    assert float(first.fp8_input_scale) == pytest.approx(fmax / 0.5)  # and now it has left the history
+    assert float(delayed[2].fp8_input_scale) == 1.0  # never saw anything above 0
+
+
+def test_the_output_gradients_amax_arrives_through_the_sink_and_sums_over_micro_batches():
+    single, delayed, scaling = _pair()
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    for _ in range(2):  # an accumulation window of two micro-batches
+        y = delayed(x)
+        (y.float() ** 2).sum().backward()
+    sink = delayed[2].fp8_grad_amax
+    expected = (2 * delayed(x).detach().float()).abs().amax()
+    assert sink.grad is not None and float(sink.grad) == pytest.approx(2 * float(expected), rel=1e-2)
+    scaling.update()
+    assert sink.grad is None
+    fmax = torch.finfo(torch.float8_e5m2).max
+    assert float(delayed[2].fp8_grad_scale) == pytest.approx(fmax / (2 * float(expected)), rel=1e-2)
+
+
+def _fit(steps: int, ckpt=None, **kw):
+    torch.manual_seed(0)
+    model = Classifier(Blocks(), lr=3e-3)
+    plugin = Fp8Precision(recipe="delayed", keep_bf16=["-<small>"])
+    trainer = quiet_trainer(plugins=[plugin], max_steps=steps, **kw)
+    loader = torch.utils.data.DataLoader(classification_data(256), batch_size=32)
+    trainer.fit(model, loader, ckpt_path=ckpt)
+    return model, plugin, trainer
+
+
+def test_the_plugin_trains_with_delayed_scales(fp8_on_cpu):
+    model, plugin, trainer = _fit(30)
+    layers = [m for m in model.net.modules() if type(m) is DelayedFp8Linear]
+    assert len(layers) == len(plugin.fp8_layers) == 4
+    assert plugin._delayed.steps == 30 and all(m.fp8_ready for m in layers)
+    assert all(float(m.fp8_input_scale) != 1.0 and float(m.fp8_grad_scale) != 1.0 for m in layers)
+    losses = torch.stack(model.losses).float()
+    assert losses[-5:].mean() < 0.7 * losses[:5].mean()
+
+
+def test_the_history_is_saved_and_resumed(fp8_on_cpu, tmp_path):
+    model, plugin, trainer = _fit(6)
+    path = tmp_path / "delayed.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)
+    saved = ckpt[type(plugin).__qualname__]["fp8_delayed"]
+    assert torch.equal(saved["history"], plugin._delayed.history) and saved["steps"] == 6
+    scales = [float(m.fp8_input_scale) for m in plugin._delayed.layers]
+    _, resumed, _ = _fit(7, ckpt=str(path))
+    assert resumed._delayed.steps == 7
+    # the resumed run's first step ran at the saved scales (its history holds the saved steps, shifted by one)
+    assert torch.equal(resumed._delayed.history[:, 1:], plugin._delayed.history[:, :-1])
+    assert scales != [1.0] * len(scales)
