@@ -2,7 +2,9 @@
 
 Runs mptrain.Trainer on transformers' LlamaForCausalLM (synthetic tokens), times the steps with CUDA events
 and profiles a few of them, summing GPU kernel time by category (fp8 GEMM, bf16 GEMM, attention, casts and
-amax, optimizer, other).  Cases: bf16-master; torchao tensorwise swapped inside bf16-master; fp8-master.
+amax, optimizer, other).  Cases: bf16-master; torchao tensorwise swapped inside bf16-master; fp8-master;
+fp8-master-delayed (recipe="delayed": casts fused into the kernels that produce their tensors, so those kernels
+count as casts here).
 
     python dev/fp8_llama_profile.py --config 1b --cases bf16-master,torchao,fp8-master
 """
@@ -127,9 +129,13 @@ def run(case: str, cfg: dict, warmup: int, steps: int, prof_steps: int, fused) -
     total = warmup + steps + prof_steps + 1
     loader = Batches(data, total)
     probe = Probe(warmup, steps, prof_steps)
-    precision = "fp8-master" if case == "fp8-master" else "bf16-master"
-    trainer = Trainer(precision=precision, compile=True, max_steps=total, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], fused=fused)
+    if case == "fp8-master-delayed":  # casts at scales from the amax history (mptrain.precision.fp8_delayed)
+        from mptrain import Fp8Precision
+        mode = dict(plugins=[Fp8Precision(recipe="delayed", fused=fused)])
+    else:
+        mode = dict(precision="fp8-master" if case == "fp8-master" else "bf16-master", fused=fused)
+    trainer = Trainer(**mode, compile=True, max_steps=total, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
     t = time.perf_counter()
     trainer.fit(model, loader)
     cats = collections.Counter()

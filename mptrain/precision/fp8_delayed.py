@@ -35,6 +35,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from mptrain.compat import torch as compat
 from mptrain.precision.fp8_linear import _cast, _torchao, fp8_linear_class
 
 #: steps of amax history per tensor; the scale follows the largest amax among them
@@ -157,25 +158,28 @@ class DelayedScaling:
             m.fp8_ready = False
         self.steps = 0
 
-    def _scales(self) -> list[torch.Tensor]:
-        return [m.fp8_input_scale for m in self.layers] + [m.fp8_grad_scale for m in self.layers]
+    def _set_scales(self) -> None:
+        """Every scale from its history: the largest amax maps to the format's largest value; a tensor never seen
+        above 0 (an all-zero input) keeps scale 1."""
+        top = self.history.amax(dim=1)
+        scales = torch.where(top > 0, self.fp8_max / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+        targets = [m.fp8_input_scale for m in self.layers] + [m.fp8_grad_scale for m in self.layers]
+        compat.foreach_copy_(targets, list(scales.unbind()))
 
     @torch.no_grad()
     def update(self) -> None:
         """End of an optimizer step: roll in the step's amaxes (a non-finite one as 0: a skipped step's
-        overflow must not wipe the scales for ``HISTORY`` steps), recompute every scale, clear the amaxes."""
+        overflow must not wipe the scales for ``HISTORY`` steps), recompute every scale, clear the amaxes (the
+        sinks' gradients sum over an accumulation window's micro-batches: at most ``k`` times the largest, a
+        scale at most ``log2(k)`` bits short of the range, never an overflow)."""
         sinks = [m.fp8_grad_amax for m in self.layers]
         grads = [torch.zeros_like(s) if s.grad is None else s.grad for s in sinks]
         now = torch.stack([m.fp8_input_amax for m in self.layers] + grads)
         now = torch.where(torch.isfinite(now), now, torch.zeros_like(now))
-        self.history = torch.cat([now[:, None], self.history[:, :-1]], dim=1)
-        top = self.history.amax(dim=1)
-        # a tensor never seen above 0 (an all-zero input) keeps scale 1
-        scales = torch.where(top > 0, self.fp8_max / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
-        torch._foreach_copy_(self._scales(), list(scales.unbind()))
-        torch._foreach_zero_([m.fp8_input_amax for m in self.layers])
-        for s in sinks:
-            s.grad = None
+        # in place, as every write here: a CUDA-graphed step keeps reading the tensors it captured
+        self.history.copy_(torch.cat([now[:, None], self.history[:, :-1]], dim=1))
+        self._set_scales()
+        torch._foreach_zero_([m.fp8_input_amax for m in self.layers] + [s.grad for s in sinks if s.grad is not None])
         self.steps += 1
         if self.steps == 1:
             for m in self.layers:
@@ -188,14 +192,10 @@ class DelayedScaling:
         if list(state["names"]) != self.names:
             raise ValueError("the checkpoint's fp8 delayed-scaling state names other layers than this model's "
                              f"({len(state['names'])} vs {len(self.names)}): resume with the model it was saved from")
-        self.history = state["history"].to(self.history.device)
-        self.steps = 0
-        if state["steps"] > 0:
-            # the scales follow from the history alone: recompute them with nothing new rolled in
-            top = self.history.amax(dim=1)
-            scales = torch.where(top > 0, self.fp8_max / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
-            torch._foreach_copy_(self._scales(), list(scales.unbind()))
-            self.steps = state["steps"]
+        self.history.copy_(state["history"])
+        self.steps = state["steps"]
+        if self.steps > 0:  # the scales follow from the history alone
+            self._set_scales()
             for m in self.layers:
                 m.fp8_ready = True
 

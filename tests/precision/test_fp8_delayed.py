@@ -87,7 +87,7 @@ def test_the_output_gradients_amax_arrives_through_the_sink_and_sums_over_micro_
     expected = (2 * delayed(x).detach().float()).abs().amax()
     assert sink.grad is not None and float(sink.grad) == pytest.approx(2 * float(expected), rel=1e-2)
     scaling.update()
-    assert sink.grad is None
+    assert float(sink.grad) == 0.0  # cleared in place
     fmax = torch.finfo(torch.float8_e5m2).max
     assert float(delayed[2].fp8_grad_scale) == pytest.approx(fmax / (2 * float(expected)), rel=1e-2)
 
