@@ -46,8 +46,8 @@ def numerics_parser():
     parser.add_argument("--json", type=Optional[str], default=None, help="write the report as JSON to this path")
     parser.add_argument("--fp8", type=bool, default=False, help="instead: what fp8-master's casts do to each linear "
                         "layer's input, weight and output grad over --steps forward+backward passes (docs/numerics.md)")
-    parser.add_argument("--fp8_recipe", type=Literal["tensorwise", "rowwise"], default="tensorwise",
-                        help="with --fp8: the fp8-master recipe")
+    parser.add_argument("--fp8_recipe", type=Literal["tensorwise", "delayed", "rowwise"], default="tensorwise",
+                        help="with --fp8: the fp8-master recipe (delayed: x and dY at scales from their amax history)")
     parser.add_argument("--fp8_scaling", type=Literal["current", "delayed"], default="current",
                         help="with --fp8: current (fp8-master's) or delayed (from the amax of the 16 previous calls)")
     parser.add_argument("--steps", type=int, default=4, help="with --fp8: training batches to run")
@@ -132,7 +132,7 @@ def fp8_main(parser, cfg) -> int:
                           f"backward in training mode on whole batches: drop --{layerwise[0]}")
     if cfg.steps < 1:
         raise bad_value("steps", cfg.steps, "an integer >= 1")
-    if cfg.fp8_scaling == "delayed" and cfg.fp8_recipe != "tensorwise":
+    if cfg.fp8_scaling == "delayed" and cfg.fp8_recipe == "rowwise":
         raise ConfigError("--fp8_scaling=delayed keeps one amax history per tensor: "
                           "use it with --fp8_recipe=tensorwise")
     model, data = build_model_and_data(parser, cfg)

@@ -29,6 +29,7 @@ from torch import nn
 
 from mptrain.numerics.layerwise import _call, _model_device, _short
 from mptrain.precision.fp8 import RECIPES, _torchao_float8, is_float8_linear
+from mptrain.precision.fp8_delayed import HISTORY as DELAYED_HISTORY
 from mptrain.precision.fp8_policy import plan_fp8_layers, resolve_keep_list
 from mptrain.precision.list_grammar import is_edit_list
 
@@ -206,9 +207,10 @@ def _scale_item(summary: list[float], cast: Cast) -> Union[float, dict]:
 class _LayerRecord:
     """Hooks of one linear layer: ``x`` and ``W`` when it runs, ``dY`` when its output's gradient arrives."""
 
-    def __init__(self, name: str, module: nn.Linear, casts: list[Cast], history_len: Optional[int]):
+    def __init__(self, name: str, module: nn.Linear, casts: list[Cast], history_len: Optional[int],
+                 current: tuple[str, ...] = ()):
         self.name, self.module, self.calls = name, module, 0
-        self.casts = [_CastRecord(c, history_len) for c in casts]
+        self.casts = [_CastRecord(c, None if c.operand in current else history_len) for c in casts]
 
     def operands(self, operand: str) -> list[_CastRecord]:
         return [r for r in self.casts if r.cast.operand == operand]
@@ -257,7 +259,9 @@ def fp8_report(model: nn.Module, batches: Iterable[Any], *, steps: Optional[int]
 
     Args:
         batches: an iterable of batches (a DataLoader, a list); ``steps`` caps how many are used.
-        recipe: ``"tensorwise"`` or ``"rowwise"``, as ``Fp8Precision(recipe=...)``.
+        recipe: ``"tensorwise"``, ``"delayed"`` or ``"rowwise"``, as ``Fp8Precision(recipe=...)``; ``"delayed"``
+            measures what that recipe casts: ``x`` and ``dY`` with delayed scales over its history
+            (``scaling`` and ``amax_history_len`` are then its own), ``W`` at current scale.
         scaling: ``"current"`` (the scale of each cast from its own amax: what fp8-master does) or
             ``"delayed"`` (tensorwise only: from the largest amax of the previous ``amax_history_len`` calls,
             Transformer Engine's classic recipe; the first call uses its own).  Delayed scales lag a growing
@@ -270,6 +274,9 @@ def fp8_report(model: nn.Module, batches: Iterable[Any], *, steps: Optional[int]
     """
     if scaling not in SCALINGS:
         raise ValueError(f"scaling={scaling!r} is not supported. Valid values: {', '.join(map(repr, SCALINGS))}")
+    current: tuple[str, ...] = ()
+    if recipe == "delayed":  # fp8-master's delayed recipe: x and dY from their history, W at its own amax
+        scaling, amax_history_len, current = "delayed", DELAYED_HISTORY, ("w",)
     casts = recipe_casts(recipe)
     if scaling == "delayed" and any(c.axis is not None for c in casts):
         raise ValueError(f"scaling='delayed' keeps one amax history per tensor; recipe={recipe!r} scales per row. "
@@ -279,7 +286,7 @@ def fp8_report(model: nn.Module, batches: Iterable[Any], *, steps: Optional[int]
     if keep_bf16 is not None and not isinstance(keep_bf16, str):
         keep_bf16 = list(keep_bf16)
     keep = resolve_keep_list(keep_bf16)
-    records = [_LayerRecord(name, m, casts, amax_history_len if scaling == "delayed" else None)
+    records = [_LayerRecord(name, m, casts, amax_history_len if scaling == "delayed" else None, current)
                for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not records:
         raise ValueError(f"fp8_report: {type(model).__name__} has no nn.Linear layer: fp8-master converts only those")

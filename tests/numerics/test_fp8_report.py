@@ -113,6 +113,16 @@ def test_current_scaling_never_saturates_delayed_scaling_lags_a_growing_tensor()
         fp8_report(_mlp(nn.Identity()), batches, loss_fn=_mse, recipe="rowwise", scaling="delayed")
 
 
+def test_the_delayed_recipe_lags_x_and_dy_and_keeps_w_at_its_own_amax():
+    batches = _batches(4, growth=4.0)
+    report = fp8_report(_mlp(nn.Identity()), batches, loss_fn=_mse, recipe="delayed")
+    assert report.scaling == "delayed" and report.amax_history_len == 16  # the recipe's own history
+    layer = _layer(report, "0")
+    x, w = _cast(layer, "x"), _cast(layer, "w")
+    assert x["scale_history"][1] == x["scale_history"][0] and x["saturated_frac"] > 0.01  # x lags the growth
+    assert w["saturated_frac"] == 0  # current scaling: never saturates
+
+
 def test_rowwise_scales_are_powers_of_two_per_row_and_never_saturate():
     report = fp8_report(_mlp(Squash()), _batches(2), loss_fn=_mse, recipe="rowwise")
     for la in report.layers:
