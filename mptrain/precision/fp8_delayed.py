@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from mptrain.compat import torch as compat
-from mptrain.precision.fp8_linear import _cast, _torchao, fp8_linear_class
+from mptrain.precision import fp8_linear
+from mptrain.precision.fp8_linear import _cast, fp8_linear_class
 
 #: steps of amax history per tensor; the scale follows the largest amax among them
 HISTORY = 16
@@ -58,7 +59,7 @@ class _DelayedFp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_hp, weight_hp, input_scale, grad_scale, grad_amax_sink, mm_config, config):
-        T = _torchao()
+        T = fp8_linear.torchao_linear
         shape = input_hp.shape
         x = _cast_with_scale(input_hp.reshape(-1, shape[-1]), input_scale, config.cast_config_input.target_dtype,
                              mm_config, T.GemmInputRole.INPUT)
@@ -70,7 +71,7 @@ class _DelayedFp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        T = _torchao()
+        T = fp8_linear.torchao_linear
         x, w_t, grad_scale = ctx.saved_tensors
         g_hp = grad_output.reshape(-1, grad_output.shape[-1])
         g = _cast_with_scale(g_hp, grad_scale, ctx.config.cast_config_grad_output.target_dtype, ctx.mm_config,

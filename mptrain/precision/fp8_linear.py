@@ -35,6 +35,11 @@ def _torchao():
     return T if all(hasattr(T, n) for n in needed) else None
 
 
+#: ``_torchao()``'s module once a layer class is made from it: the forwards and backwards read this global, which
+#: dynamo traces as a constant (it warns on an lru_cache call inside a compiled region)
+torchao_linear: Any = None
+
+
 def _cast(T, x: torch.Tensor, dtype: torch.dtype, mm_config: Any, role: Any) -> torch.Tensor:
     return T.hp_tensor_to_float8_dynamic(x, dtype, mm_config, gemm_input_role=role)
 
@@ -44,7 +49,7 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_hp: torch.Tensor, weight_hp: torch.Tensor, mm_config: Any, config: Any):
-        T = _torchao()
+        T = torchao_linear
         roles = T.GemmInputRole
         shape = input_hp.shape
         x = _cast(T, input_hp.reshape(-1, shape[-1]), config.cast_config_input.target_dtype, mm_config, roles.INPUT)
@@ -56,7 +61,7 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        T = _torchao()
+        T = torchao_linear
         x, w_t = ctx.saved_tensors
         shape = grad_output.shape
         g = _cast(T, grad_output.reshape(-1, shape[-1]), ctx.config.cast_config_grad_output.target_dtype,
@@ -73,9 +78,11 @@ class _Fp8Matmul(torch.autograd.Function):
 def fp8_linear_class() -> Optional[type]:
     """:class:`Fp8Linear`, made on first use: torchao is imported only by a run that converts layers (``import
     mptrain`` stays without it); None when this torchao does not have the parts it builds on."""
+    global torchao_linear
     T = _torchao()
     if T is None:
         return None
+    torchao_linear = T
 
     class Fp8Linear(T.Float8Linear):
         """torchao's ``Float8Linear`` (its config, mm config, Parameters and state-dict keys) with the forward of
