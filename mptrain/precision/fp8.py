@@ -16,6 +16,7 @@ compile into fused amax/scale/cast kernels under ``torch.compile``, which is how
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Iterable, Optional, Union
 
@@ -103,6 +104,14 @@ class Fp8Precision(MasterPrecision):
             if self._delayed_saved is not None:
                 self._delayed.load_state_dict(self._delayed_saved)
                 self._delayed_saved = None
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        stack = super().forward_context()
+        if self._delayed is not None and self._delayed.steps == 0 and self.phase == "low":
+            # The first step has no amax history and runs at current scales: eagerly, so that torch.compile traces
+            # only the delayed graph (a compiled first step would cost the model a second compile).
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        return stack
 
     def end_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().end_step(optimizer)

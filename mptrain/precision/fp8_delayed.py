@@ -21,9 +21,10 @@ What this module keeps per fp8 linear (:class:`DelayedFp8Linear`):
 
 The weight keeps current scaling: it is read whole by the cast anyway, and a weight's amax moves little.
 
-The first optimizer step has no history: it runs with current scaling (``ready`` False: the tensorwise path,
-amaxes recorded), and the delayed path starts at the second step.  Under ``torch.compile`` that is one
-recompile.  A cast whose scale has fallen behind a growing tensor saturates at the fp8 format's largest value
+The first optimizer step has no history: it runs with current scaling (``fp8_ready`` False: the tensorwise path,
+amaxes recorded), and the delayed path starts at the second step.  The plugin runs that first step eagerly
+(``torch.compiler.set_stance("force_eager")`` in its forward context), so ``torch.compile`` traces the model once,
+with delayed scales.  A cast whose scale has fallen behind a growing tensor saturates at the fp8 format's largest value
 (torchao's saturated cast); the history's max makes that rare, and ``mptrain numerics --fp8`` reports the
 casts' saturation.
 """

@@ -92,9 +92,17 @@ def test_the_output_gradients_amax_arrives_through_the_sink_and_sums_over_micro_
     assert float(delayed[2].fp8_grad_scale) == pytest.approx(fmax / (2 * float(expected)), rel=1e-2)
 
 
+class _Compilable(Classifier):
+    """``compile=True`` compiles ``self.model``: the same network under that name."""
+
+    def __init__(self):
+        super().__init__(Blocks(), lr=3e-3)
+        self.model = self.net
+
+
 def _fit(steps: int, ckpt=None, **kw):
     torch.manual_seed(0)
-    model = Classifier(Blocks(), lr=3e-3)
+    model = _Compilable() if kw.get("compile") else Classifier(Blocks(), lr=3e-3)
     plugin = Fp8Precision(recipe="delayed", keep_bf16=["-<small>"])
     trainer = quiet_trainer(plugins=[plugin], max_steps=steps, **kw)
     loader = torch.utils.data.DataLoader(classification_data(256), batch_size=32)
@@ -125,3 +133,18 @@ def test_the_history_is_saved_and_resumed(fp8_on_cpu, tmp_path):
     # the resumed run's first step ran at the saved scales (its history holds the saved steps, shifted by one)
     assert torch.equal(resumed._delayed.history[:, 1:], plugin._delayed.history[:, :-1])
     assert scales != [1.0] * len(scales)
+
+
+def test_under_compile_the_first_step_runs_eagerly_and_the_model_is_traced_once(fp8_on_cpu):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model, plugin, trainer = _fit(4, compile={"backend": backend})
+    assert plugin._delayed.steps == 4 and all(m.fp8_ready for m in plugin._delayed.layers)
+    # one graph, with the delayed casts (their scales are graph inputs, the amax sink's gradient an output)
+    assert len(graphs) == 1
+    losses = torch.stack(model.losses).float()
+    assert torch.isfinite(losses).all()
