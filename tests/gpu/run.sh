@@ -85,7 +85,7 @@ stage speed 420 python3 -m pytest tests/gpu -q -s -rfE --timeout=400 -p no:cache
   -m "slow and not multi_gpu"
 # shellcheck disable=SC2086  # FP8_ARGS: extra flags, e.g. FP8_ARGS="--models llama8b_layers" (the last --models wins;
 # five cases a model, a call each); the delayed recipe against bf16-master and tensorwise takes a call of its own:
-# FP8_ARGS="--cases bf16-master,fp8-master,fp8-master-delayed" (its compile alone took over 130 s on an H100)
+# FP8_ARGS="--cases bf16-master,fp8-master,fp8-master-delayed"
 stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --models llama1b --out "$OUT/fp8.json" ${FP8_ARGS:-}
 # where the 1.2B step's time goes (docs/fp8.md's table), kernel time by category from the profiler: bf16-master,
 # torchao's linears under bf16-master, fp8-master (about 4 minutes; PROF_ARGS adds flags, e.g. --config 8b_layers)
