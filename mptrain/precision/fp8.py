@@ -113,6 +113,16 @@ class Fp8Precision(MasterPrecision):
             stack.enter_context(torch.compiler.set_stance("force_eager"))
         return stack
 
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        if self._delayed is not None and self.phase == "low":
+            self._delayed.fold_grad_amaxes()  # a window's micro-batches: the largest output-gradient amax
+        return super().post_backward(tensor, module)
+
+    def fp8_saturated_steps(self) -> dict[str, dict[str, int]]:
+        """``recipe="delayed"``: per layer, in how many steps its input or output-gradient cast saturated (the
+        tensor outgrew its history's scale); empty otherwise.  One host read."""
+        return {} if self._delayed is None else self._delayed.saturated_steps()
+
     def end_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().end_step(optimizer)
         if self._delayed is not None and self.phase == "low":

@@ -158,6 +158,10 @@ class DelayedScaling:
             m.fp8_grad_scale = torch.ones((), device=device)
             m.fp8_grad_amax = torch.zeros((), device=device, requires_grad=True)  # the sink: a leaf
             m.fp8_ready = False
+        self._grad_amax = [torch.zeros((), device=device) for _ in self.layers]  # the window's, folded by backward
+        #: per row (as ``history``): in how many steps the cast at the step's scale saturated (the amax the step
+        #: recorded, times the scale it ran at, beyond the format's largest value)
+        self.saturated = torch.zeros(2 * n, dtype=torch.int64, device=device)
         self.steps = 0
 
     def _set_scales(self) -> None:
@@ -169,32 +173,63 @@ class DelayedScaling:
         compat.foreach_copy_(targets, list(scales.unbind()))
 
     @torch.no_grad()
+    def fold_grad_amaxes(self) -> None:
+        """After a backward: the sinks' amaxes into the window's running max, the sinks cleared (their gradients
+        would sum over an accumulation window's micro-batches)."""
+        pairs = [(r, s.grad) for r, s in zip(self._grad_amax, self._sinks()) if s.grad is not None]
+        if pairs:
+            running, grads = map(list, zip(*pairs))
+            torch._foreach_maximum_(running, grads)
+            torch._foreach_zero_(grads)
+
+    def _sinks(self) -> list[torch.Tensor]:
+        return [m.fp8_grad_amax for m in self.layers]
+
+    @torch.no_grad()
     def update(self) -> None:
-        """End of an optimizer step: roll in the step's amaxes (a non-finite one as 0: a skipped step's
-        overflow must not wipe the scales for ``HISTORY`` steps), recompute every scale, clear the amaxes (the
-        sinks' gradients sum over an accumulation window's micro-batches: at most ``k`` times the largest, a
-        scale at most ``log2(k)`` bits short of the range, never an overflow)."""
-        sinks = [m.fp8_grad_amax for m in self.layers]
-        grads = [torch.zeros_like(s) if s.grad is None else s.grad for s in sinks]
-        now = torch.stack([m.fp8_input_amax for m in self.layers] + grads)
+        """End of an optimizer step: count the casts that saturated, roll in the step's amaxes (a non-finite one as
+        0: a skipped step's overflow must not wipe the scales for ``HISTORY`` steps), recompute every scale, clear
+        the amaxes.  A backward not followed by :meth:`fold_grad_amaxes` (a CUDA-graphed step) leaves its amax in
+        the sink, where micro-batches sum: at most ``k`` times the largest, a scale at most ``log2(k)`` bits short
+        of the range, never an overflow."""
+        self.fold_grad_amaxes()
+        now = torch.stack([m.fp8_input_amax for m in self.layers] + self._grad_amax)
         now = torch.where(torch.isfinite(now), now, torch.zeros_like(now))
+        if self.steps > 0:  # this step ran at delayed scales
+            used = torch.stack([m.fp8_input_scale for m in self.layers] + [m.fp8_grad_scale for m in self.layers])
+            self.saturated += now * used > self.fp8_max
         # in place, as every write here: a CUDA-graphed step keeps reading the tensors it captured
         self.history.copy_(torch.cat([now[:, None], self.history[:, :-1]], dim=1))
         self._set_scales()
-        torch._foreach_zero_([m.fp8_input_amax for m in self.layers] + [s.grad for s in sinks if s.grad is not None])
+        torch._foreach_zero_([m.fp8_input_amax for m in self.layers] + self._grad_amax)
         self.steps += 1
         if self.steps == 1:
             for m in self.layers:
                 m.fp8_ready = True
 
+    def saturated_steps(self) -> dict[str, dict[str, int]]:
+        """``{layer: {"input": steps, "grad_output": steps}}`` for the casts that saturated in some step (one host
+        read)."""
+        counts = self.saturated.tolist()
+        n = len(self.layers)
+        out = {}
+        for i, name in enumerate(self.names):
+            row = {k: c for k, c in (("input", counts[i]), ("grad_output", counts[n + i])) if c}
+            if row:
+                out[name] = row
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        return {"names": list(self.names), "history": self.history.cpu(), "steps": self.steps}
+        return {"names": list(self.names), "history": self.history.cpu(), "steps": self.steps,
+                "saturated": self.saturated.cpu()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(state["names"]) != self.names:
             raise ValueError("the checkpoint's fp8 delayed-scaling state names other layers than this model's "
                              f"({len(state['names'])} vs {len(self.names)}): resume with the model it was saved from")
         self.history.copy_(state["history"])
+        if "saturated" in state:
+            self.saturated.copy_(state["saturated"])
         self.steps = state["steps"]
         if self.steps > 0:  # the scales follow from the history alone
             self._set_scales()

@@ -77,19 +77,35 @@ def test_scales_follow_the_largest_amax_of_the_history_and_skip_non_finite_ones(
     assert float(delayed[2].fp8_input_scale) == 1.0  # never saw anything above 0
 
 
-def test_the_output_gradients_amax_arrives_through_the_sink_and_sums_over_micro_batches():
+@pytest.mark.parametrize("fold", [True, False])
+def test_the_output_gradients_amax_arrives_through_the_sink_and_a_window_keeps_its_largest(fold):
     single, delayed, scaling = _pair()
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     for _ in range(2):  # an accumulation window of two micro-batches
         y = delayed(x)
         (y.float() ** 2).sum().backward()
+        if fold:  # what the plugin's post_backward does
+            scaling.fold_grad_amaxes()
     sink = delayed[2].fp8_grad_amax
-    expected = (2 * delayed(x).detach().float()).abs().amax()
-    assert sink.grad is not None and float(sink.grad) == pytest.approx(2 * float(expected), rel=1e-2)
+    expected = float((2 * delayed(x).detach().float()).abs().amax())
+    # folded: the largest micro-batch's amax; a graphed step that does not fold leaves the sum in the sink
+    window = expected if fold else 2 * expected
+    assert float(sink.grad) == pytest.approx(0.0 if fold else window, rel=1e-2)
     scaling.update()
     assert float(sink.grad) == 0.0  # cleared in place
     fmax = torch.finfo(torch.float8_e5m2).max
-    assert float(delayed[2].fp8_grad_scale) == pytest.approx(fmax / (2 * float(expected)), rel=1e-2)
+    assert float(delayed[2].fp8_grad_scale) == pytest.approx(fmax / window, rel=1e-2)
+
+
+def test_a_cast_that_outgrew_its_scale_is_counted_as_saturated():
+    _, delayed, scaling = _pair()
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    for scale in (1.0, 1.0, 4.0):  # the third step's input is 4x what the history has seen
+        delayed(scale * x)
+        scaling.update()
+    # both layers' inputs outgrew their scales in that one step (the second's input is the first's output)
+    assert scaling.saturated_steps() == {"0": {"input": 1}, "2": {"input": 1}}
+    assert int(scaling.state_dict()["saturated"].sum()) == 2
 
 
 class _Compilable(Classifier):
