@@ -23,7 +23,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from mptrain.precision.fp8_delayed import DelayedScaling, use_delayed_scaling
+from mptrain.precision.fp8_delayed import DelayedScaling, drop_delayed_state, use_delayed_scaling
 from mptrain.precision.fp8_linear import use_single_casts
 from mptrain.precision.fp8_policy import plan_fp8_layers, resolve_keep_list
 from mptrain.precision.master import MasterPrecision
@@ -130,7 +130,9 @@ class Fp8Precision(MasterPrecision):
 
     def switch_to_fp32(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.phase != "fp32":
-            self._delayed = None
+            if self._delayed is not None:
+                drop_delayed_state(self._delayed.layers)
+                self._delayed = None
             unswap_fp8_linears(self._module or model)
         super().switch_to_fp32(model, optimizers)
 

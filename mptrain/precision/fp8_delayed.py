@@ -111,20 +111,17 @@ def delayed_fp8_linear_class() -> Optional[type]:
         fp8_ready: bool = False  # False: current scaling (no history yet), amaxes recorded all the same
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            if torch.is_autocast_enabled():
+            if torch.is_autocast_enabled():  # as torchao's forward: the output in autocast's dtype
                 input = input.to(torch.get_autocast_gpu_dtype())
-            if torch.is_grad_enabled():  # training: this step's input amax, for the next steps' scales
+            training = torch.is_grad_enabled()
+            if training:  # this step's input amax, for the next steps' scales
                 self.fp8_input_amax.copy_(torch.maximum(self.fp8_input_amax, _amax(input)))
-            if self.fp8_ready:
-                out = _DelayedFp8Matmul.apply(input, self.weight, self.fp8_input_scale, self.fp8_grad_scale,
-                                              self.fp8_grad_amax, self.linear_mm_config, self.config)
-            else:
+            if not self.fp8_ready:  # no history yet: current scales, the output gradient's amax recorded
                 out = base.forward(self, input)
-                if torch.is_grad_enabled():
-                    out = _RecordGradAmax.apply(out, self.fp8_grad_amax)
-            if self.bias is not None and self.fp8_ready:
-                out = out + self.bias.to(out.dtype)
-            return out
+                return _RecordGradAmax.apply(out, self.fp8_grad_amax) if training else out
+            out = _DelayedFp8Matmul.apply(input, self.weight, self.fp8_input_scale, self.fp8_grad_scale,
+                                          self.fp8_grad_amax, self.linear_mm_config, self.config)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
 
     DelayedFp8Linear.__module__, DelayedFp8Linear.__qualname__ = __name__, "DelayedFp8Linear"
     return DelayedFp8Linear
@@ -249,8 +246,8 @@ def use_delayed_scaling(module: nn.Module, device: torch.device) -> DelayedScali
     return DelayedScaling(layers, device)
 
 
-def undo_delayed_scaling(layers: Iterable[nn.Module]) -> None:
-    """Drop the delayed state (the layers are turned into ``nn.Linear`` by the caller)."""
+def drop_delayed_state(layers: Iterable[nn.Module]) -> None:
+    """The layers' delayed-scaling attributes removed (the layers are turned into ``nn.Linear`` by the caller)."""
     for m in layers:
         for a in ("fp8_input_amax", "fp8_input_scale", "fp8_grad_scale", "fp8_grad_amax", "fp8_ready"):
             m.__dict__.pop(a, None)

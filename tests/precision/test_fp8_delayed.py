@@ -164,3 +164,14 @@ def test_under_compile_the_first_step_runs_eagerly_and_the_model_is_traced_once(
     assert len(graphs) == 1
     losses = torch.stack(model.losses).float()
     assert torch.isfinite(losses).all()
+
+
+def test_the_fp32_finetune_leaves_plain_linears_without_delayed_state(fp8_on_cpu):
+    torch.manual_seed(0)
+    model = Classifier(Blocks(), lr=3e-3)
+    plugin = Fp8Precision(recipe="delayed", keep_bf16=["-<small>"])
+    trainer = quiet_trainer(plugins=[plugin], max_epochs=2, fp32_finetune_epochs=1)
+    trainer.fit(model, torch.utils.data.DataLoader(classification_data(64), batch_size=32))
+    assert plugin.precision == "32-true" and plugin._delayed is None
+    linears = [m for m in model.net.modules() if isinstance(m, nn.Linear)]
+    assert all(type(m) is nn.Linear and not hasattr(m, "fp8_input_scale") for m in linears)
