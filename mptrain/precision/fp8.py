@@ -125,8 +125,10 @@ class Fp8Precision(MasterPrecision):
 
     def end_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().end_step(optimizer)
-        if self._delayed is not None and self.phase == "low":
-            self._delayed.update()  # the step's amaxes into the history, the next step's scales out of it
+        # the step's amaxes into the history, the next step's scales out of it: once a training step, however
+        # many optimizers it steps
+        if self._delayed is not None and self.phase == "low" and optimizer is self._optimizers[0]:
+            self._delayed.update()
 
     def switch_to_fp32(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.phase != "fp32":
