@@ -24,9 +24,10 @@ The weight keeps current scaling: it is read whole by the cast anyway, and a wei
 The first optimizer step has no history: it runs with current scaling (``fp8_ready`` False: the tensorwise path,
 amaxes recorded), and the delayed path starts at the second step.  The plugin runs that first step eagerly
 (``torch.compiler.set_stance("force_eager")`` in its forward context), so ``torch.compile`` traces the model once,
-with delayed scales.  A cast whose scale has fallen behind a growing tensor saturates at the fp8 format's largest value
-(torchao's saturated cast); the history's max makes that rare, and ``mptrain numerics --fp8`` reports the
-casts' saturation.
+with delayed scales.  A cast whose scale has fallen behind a growing tensor saturates at the fp8 format's largest
+value (torchao's saturated cast): the plugin counts the steps in which that happened per layer
+(``Fp8Precision.fp8_saturated_steps``), and ``mptrain numerics --fp8 true --fp8_recipe delayed`` measures it on a
+recipe's data before a run.
 """
 from __future__ import annotations
 
