@@ -187,16 +187,14 @@ class DelayedScaling:
     def update(self) -> None:
         """End of an optimizer step: count the casts that saturated, roll in the step's amaxes (a non-finite one as
         0: a skipped step's overflow must not wipe the scales for ``HISTORY`` steps), recompute every scale, clear
-        the amaxes.  A backward not followed by :meth:`fold_grad_amaxes` (a CUDA-graphed step) leaves its amax in
-        the sink, where micro-batches sum: at most ``k`` times the largest, a scale at most ``log2(k)`` bits short
-        of the range, never an overflow."""
+        the amaxes (what a backward left in the sinks is folded in first)."""
         self.fold_grad_amaxes()
         now = torch.stack([m.fp8_input_amax for m in self.layers] + self._grad_amax)
         now = torch.where(torch.isfinite(now), now, torch.zeros_like(now))
         if self.steps > 0:  # this step ran at delayed scales
             used = torch.stack([m.fp8_input_scale for m in self.layers] + [m.fp8_grad_scale for m in self.layers])
             self.saturated += now * used > self.fp8_max
-        # in place, as every write here: a CUDA-graphed step keeps reading the tensors it captured
+        # in place, as every write here: compiled graphs read these tensors as inputs
         self.history.copy_(torch.cat([now[:, None], self.history[:, :-1]], dim=1))
         self._set_scales()
         torch._foreach_zero_([m.fp8_input_amax for m in self.layers] + self._grad_amax)

@@ -88,7 +88,7 @@ def test_the_output_gradients_amax_arrives_through_the_sink_and_a_window_keeps_i
             scaling.fold_grad_amaxes()
     sink = delayed[2].fp8_grad_amax
     expected = float((2 * delayed(x).detach().float()).abs().amax())
-    # folded: the largest micro-batch's amax; a graphed step that does not fold leaves the sum in the sink
+    # folded: the largest micro-batch's amax; backwards run outside the plugin leave the sum in the sink
     window = expected if fold else 2 * expected
     assert float(sink.grad) == pytest.approx(0.0 if fold else window, rel=1e-2)
     scaling.update()
@@ -175,3 +175,12 @@ def test_the_fp32_finetune_leaves_plain_linears_without_delayed_state(fp8_on_cpu
     assert plugin.precision == "32-true" and plugin._delayed is None
     linears = [m for m in model.net.modules() if isinstance(m, nn.Linear)]
     assert all(type(m) is nn.Linear and not hasattr(m, "fp8_input_scale") for m in linears)
+
+
+def test_cuda_graphs_are_refused_before_any_step(fp8_on_cpu):
+    """The captured backward computes the parameters' gradients only: the output gradients' amaxes, which reach
+    the layers' sinks, would stop arriving, and the scales would fall back to 1 once the history ran out."""
+    from mptrain.precision.graph_capture import CudaGraphError
+
+    with pytest.raises(CudaGraphError, match=r"delayed recipe.*recipe='tensorwise'"):
+        _fit(2, cuda_graphs=True)
