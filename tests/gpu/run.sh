@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: build the extension, run the CUDA tests and the benchmarks on the GPU
 # machine.  Usage: tests/gpu/run.sh [stage ...]
-#   stages: info build tests kernels host e2e user speed fp8 fp8prof sr multi
+#   stages: info build tests kernels host e2e user speed fp8 fp8prof fp8mlp sr multi
 #   default: info build tests kernels host (about 4-5 minutes on an H200 with 16 cores:
 #   info 16 s, build 60 s, tests 118 s, kernels 40 s; each stage's timeout below keeps the
 #   default call under 9 minutes: 30 + 150 + 170 + 130 + 60 s).  e2e takes a call of its
@@ -38,8 +38,8 @@ export MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 STAGES=${*:-info build tests kernels host}
 for s in $STAGES; do
-  case $s in info | build | tests | kernels | host | e2e | user | speed | fp8 | fp8prof | sr | multi) ;;
-  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e user speed fp8 fp8prof sr multi" >&2
+  case $s in info | build | tests | kernels | host | e2e | user | speed | fp8 | fp8prof | fp8mlp | sr | multi) ;;
+  *) echo "run.sh: unknown stage '$s'; stages: info build tests kernels host e2e user speed fp8 fp8prof fp8mlp sr multi" >&2
      exit 2 ;;
   esac
 done
@@ -92,6 +92,9 @@ stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --models llama1b --out "
 # shellcheck disable=SC2086
 stage fp8prof 400 python3 dev/fp8_llama_profile.py --config 1b --cases bf16-master,torchao,fp8-master --fused auto \
   --warmup 4 --steps 6 --out "$OUT/fp8prof.json" ${PROF_ARGS:-}
+# one Llama MLP block at the 1.2B widths, compiled, in bf16 and fp8 with current and with delayed scales: do the
+# delayed casts fuse into their producers (kernels a step, time)?  Seconds of compile where the model takes minutes
+stage fp8mlp 150 python3 dev/fp8_mlp_fusion.py
 # shellcheck disable=SC2086  # SR_ARGS: extra flags, e.g. SR_ARGS="--optim-only"
 stage sr 400 python3 -m mptrain.bench.sr --out "$OUT/sr.json" ${SR_ARGS:-}
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";

@@ -1,0 +1,126 @@
+"""Do delayed fp8 scales let inductor fuse the casts into their producers?  One Llama MLP block, compiled (lab tool).
+
+A transformers ``LlamaRMSNorm`` + ``LlamaMLP`` at the 1.2B recipe's widths (hidden 2048, FFN 8192, 8 x 2048
+tokens), forward and backward, compiled, in three variants:
+
+  bf16        the block in bf16
+  tensorwise  its linears as fp8-master's ``Fp8Linear`` (current scales: an amax pass, then a cast pass)
+  delayed     the same as ``DelayedFp8Linear`` with a history (``recipe="delayed"``: casts at known scales)
+
+Per variant: ms per forward + backward (CUDA events, median of --steps), the number of GPU kernels per step and
+the kernels' time by name (profiler).  The full model's answer costs a 1.2B compile per case (over a minute each on
+an H100); this block compiles in seconds.  ``--device cpu --small`` checks the harness on the CPU (torch runs fp8
+``_scaled_mm`` there).
+
+    python3 dev/fp8_mlp_fusion.py                       # on the GPU machine, about a minute
+    python3 dev/fp8_mlp_fusion.py --device cpu --small  # the harness
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=ffn)
+        self.norm = LlamaRMSNorm(hidden)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def build(variant: str, hidden: int, ffn: int, device: str):
+    torch.manual_seed(0)
+    block = Block(hidden, ffn).to(device, torch.bfloat16)
+    scaling = None
+    if variant != "bf16":
+        import torchao.float8 as float8
+
+        from mptrain.precision.fp8_delayed import use_delayed_scaling
+        from mptrain.precision.fp8_linear import use_single_casts
+
+        float8.convert_to_float8_training(block, config=float8.Float8LinearConfig.from_recipe_name("tensorwise"))
+        use_single_casts(block)
+        if variant == "delayed":
+            scaling = use_delayed_scaling(block, torch.device(device))
+    return block, scaling
+
+
+def step(model, x):
+    y = model(x)
+    y.backward(torch.ones_like(y))
+
+
+def run(variant: str, args) -> dict:
+    torch._dynamo.reset()
+    block, scaling = build(variant, args.hidden, args.ffn, args.device)
+    x = torch.randn(args.tokens, args.hidden, device=args.device, dtype=torch.bfloat16, requires_grad=True)
+    if scaling is not None:  # the plugin's first step: current scales, eagerly; then the history is there
+        step(block, x)
+        scaling.update()
+    compiled = torch.compile(block)
+    for _ in range(3):
+        step(compiled, x)
+    cuda = args.device == "cuda"
+    times = []
+    for _ in range(args.steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(compiled, x)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            import time
+
+            t = time.perf_counter()
+            step(compiled, x)
+            times.append((time.perf_counter() - t) * 1e3)
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(2):
+            step(compiled, x)
+        if cuda:
+            torch.cuda.synchronize()
+    kernels = collections.Counter()
+    count = 0
+    for e in prof.key_averages():
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 2 / 1e3
+        kernels[e.key[:100]] += t
+        count += e.count / 2
+    return dict(variant=variant, ms=statistics.median(times), kernels_per_step=count, top=kernels.most_common(12))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true", help="hidden 64, FFN 256, 512 tokens")
+    p.add_argument("--variants", default="bf16,tensorwise,delayed")
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    args.hidden, args.ffn, args.tokens = (64, 256, 512) if args.small else (2048, 8192, 8 * 2048)
+    results = [run(v, args) for v in args.variants.split(",")]
+    for r in results:
+        print(f"\n{r['variant']}: {r['ms']:.3f} ms forward + backward, {r['kernels_per_step']:.0f} kernels a step")
+        for name, ms in r["top"]:
+            print(f"  {ms:8.3f} ms  {name}")
+    base = {r["variant"]: r["ms"] for r in results}
+    if "bf16" in base:
+        print("\n" + ", ".join(f"{v} {base['bf16'] / ms:.3f}x bf16" for v, ms in base.items()))
+
+
+if __name__ == "__main__":
+    main()
