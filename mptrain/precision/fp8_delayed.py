@@ -168,6 +168,7 @@ class DelayedScaling:
         top = self.history.amax(dim=1)
         scales = torch.where(top > 0, self.fp8_max / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
         targets = [m.fp8_input_scale for m in self.layers] + [m.fp8_grad_scale for m in self.layers]
+        # into the layers' own tensors: a compiled graph takes them as inputs, the same objects every step
         compat.foreach_copy_(targets, list(scales.unbind()))
 
     @torch.no_grad()
@@ -194,7 +195,6 @@ class DelayedScaling:
         if self.steps > 0:  # this step ran at delayed scales
             used = torch.stack([m.fp8_input_scale for m in self.layers] + [m.fp8_grad_scale for m in self.layers])
             self.saturated += now * used > self.fp8_max
-        # in place, as every write here: compiled graphs read these tensors as inputs
         self.history.copy_(torch.cat([now[:, None], self.history[:, :-1]], dim=1))
         self._set_scales()
         torch._foreach_zero_([m.fp8_input_amax for m in self.layers] + self._grad_amax)
