@@ -136,6 +136,22 @@ def test_the_plugin_trains_with_delayed_scales(fp8_on_cpu):
     assert losses[-5:].mean() < 0.7 * losses[:5].mean()
 
 
+def test_each_backward_of_an_accumulation_window_is_folded(fp8_on_cpu, monkeypatch):
+    from mptrain.precision.fp8_delayed import DelayedScaling
+
+    calls = []
+    fold = DelayedScaling.fold_grad_amaxes
+
+    def counting(self):
+        calls.append(self.steps)
+        fold(self)
+
+    monkeypatch.setattr(DelayedScaling, "fold_grad_amaxes", counting)
+    _, plugin, _ = _fit(3, accumulate_grad_batches=2)
+    # per optimizer step: one fold after each of the window's 2 backwards (the plugin's post_backward), one in update
+    assert calls == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
 def test_the_history_is_saved_and_resumed(fp8_on_cpu, tmp_path):
     model, plugin, trainer = _fit(6)
     path = tmp_path / "delayed.ckpt"
@@ -146,7 +162,7 @@ def test_the_history_is_saved_and_resumed(fp8_on_cpu, tmp_path):
     scales = [float(m.fp8_input_scale) for m in plugin._delayed.layers]
     _, resumed, _ = _fit(7, ckpt=str(path))
     assert resumed._delayed.steps == 7
-    # the resumed run's first step ran at the saved scales (its history holds the saved steps, shifted by one)
+    # the resumed run went on from the saved history (one step rolled in), with no first step at current scales
     assert torch.equal(resumed._delayed.history[:, 1:], plugin._delayed.history[:, :-1])
     assert scales != [1.0] * len(scales)
 
