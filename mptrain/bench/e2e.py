@@ -47,6 +47,7 @@ import lightning as L
 import torch
 
 from mptrain.bench.common import bench_parser, device_meta, fmt, parse_csv, write_json
+from mptrain.bench.compile_cache import CompileCache
 from mptrain.bench.e2e_models import MODELS, build, compile_lightning_module, make_trainer, use_optimizer
 from mptrain.bench.user_models import USER_MODELS, build_user
 from mptrain.precision.graph_capture import CudaGraphError
@@ -519,6 +520,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="runs of every case in alternating order: the median run of each; mixed-mode ratios by pass")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny models on the CPU: checks the harness, not speed")
+    p.add_argument("--compile-cache", default=None, metavar="FILE",
+                   help="torch.compile's portable cache: loaded before the first case, written after each "
+                        "(mptrain.bench.compile_cache)")
     args = p.parse_args(argv)
     args.models = parse_csv(p, args.models, ALL_MODELS, "--models")
     every = tuple(dict.fromkeys([*CASES, *USER_CASES]))
@@ -542,6 +546,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     kernels = fused_kernel_status(args.quick)
     print(f"[e2e] mptrain fused kernels: {kernels}", flush=True)
+    cache = CompileCache(args.compile_cache)
+    print(f"[e2e] compile cache: {cache.load()}", flush=True)
     runs: list[Result] = []  # every pass's run of every case
     for model in args.models:
         for order in case_orders(args.cases[model], args.repeat, cases_of(model)):
@@ -554,6 +560,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         else f"{res.status}: {res.message.splitlines()[0]}")
                 print(f"[e2e] {model} {name} ({precision}): {done} ({res.wall_s:.1f} s)", flush=True)
                 _write_json(args, runs, kernels)  # a run cut short keeps what it measured
+                saved = cache.save()
+                if saved:
+                    print(f"[e2e] compile cache: {saved}", flush=True)
     results = median_runs(runs)
     print(f"mptrain fused kernels: {kernels}")
     print(format_table(results))

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.bench.common import bench_parser, device_meta, fmt, parse_csv, write_json
+from mptrain.bench.compile_cache import CompileCache
 from mptrain.bench.e2e import QUICK_COMPILE, MemoryPhases, StepTimer, format_phases, fused_kernel_status
 from mptrain.bench.e2e_models import DeviceBatches, compile_lightning_module, make_trainer
 from mptrain.precision.fp8 import is_float8_linear
@@ -374,6 +375,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON (after each case)")
     p.add_argument("--quick", action="store_true",
                    help="a tiny Llama on the CPU, compiled with the eager backend: checks the harness, not speed")
+    p.add_argument("--compile-cache", default=None, metavar="FILE",
+                   help="torch.compile's portable cache: loaded before the first case, written after each "
+                        "(mptrain.bench.compile_cache)")
     args = p.parse_args(argv)
     args.models = parse_csv(p, args.models, tuple(MODELS), "--models")
     args.cases = parse_csv(p, args.cases, tuple(CASES), "--cases")
@@ -421,6 +425,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "quick": args.quick, "fused": kernels,
             "models": {m: asdict(QUICK if args.quick else MODELS[m]) for m in args.models}}
     print(f"[fp8] {meta}", flush=True)
+    cache = CompileCache(args.compile_cache)
+    print(f"[fp8] compile cache: {cache.load()}", flush=True)
     compile_args = QUICK_COMPILE if args.quick else True
     results: list[Result] = []
     t0 = time.perf_counter()
@@ -441,6 +447,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args.out:  # a run cut short keeps what it measured
                 write_json(args.out, {"meta": meta, "summary": {m: summarize(results, m) for m in args.models},
                                       "results": [asdict(r) for r in results]})
+            saved = cache.save()
+            if saved:
+                print(f"[fp8] compile cache: {saved}", flush=True)
     print(format_table(results))
     phase_table = format_phases(results)
     if phase_table:
