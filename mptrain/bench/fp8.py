@@ -32,6 +32,7 @@ cold), before the first case, and if it cannot be, every case runs ``fused=False
 
     python -m mptrain.bench.fp8 --models llama1b --out fp8.json   # 5 cases, about 5 minutes; a call per model
     python -m mptrain.bench.fp8 --models llama1b --rowwise
+    python -m mptrain.bench.fp8 --models llama1b --compile-cache cc.bin   # a later run skips inductor's compiles
     python -m mptrain.bench.fp8 --quick     # a tiny Llama on the CPU: the harness (fp8-master refused, as it
                                             # should be; torchao's linears emulated)
 """
