@@ -48,8 +48,9 @@ def numerics_parser():
                         "layer's input, weight and output grad over --steps forward+backward passes (docs/numerics.md)")
     parser.add_argument("--fp8_recipe", type=Literal["tensorwise", "delayed", "rowwise"], default="tensorwise",
                         help="with --fp8: the fp8-master recipe (delayed: x and dY at scales from their amax history)")
-    parser.add_argument("--fp8_scaling", type=Literal["current", "delayed"], default="current",
-                        help="with --fp8: current (fp8-master's) or delayed (from the amax of the 16 previous calls)")
+    parser.add_argument("--fp8_scaling", type=Optional[Literal["current", "delayed"]], default=None,
+                        help="with --fp8: current (the default: tensorwise's and rowwise's) or delayed (from the amax "
+                             "of the 16 previous calls; --fp8_recipe=delayed's own)")
     parser.add_argument("--steps", type=int, default=4, help="with --fp8: training batches to run")
     parser.add_argument("--rounding", type=bool, default=False,
                         help="instead: per parameter group, the share of one optimizer step's updates that bf16 "
@@ -135,6 +136,9 @@ def fp8_main(parser, cfg) -> int:
     if cfg.fp8_scaling == "delayed" and cfg.fp8_recipe == "rowwise":
         raise ConfigError("--fp8_scaling=delayed keeps one amax history per tensor: "
                           "use it with --fp8_recipe=tensorwise")
+    if cfg.fp8_scaling == "current" and cfg.fp8_recipe == "delayed":
+        raise ConfigError("--fp8_recipe=delayed casts with delayed scales: drop --fp8_scaling=current, or use "
+                          "--fp8_recipe=tensorwise")
     model, data = build_model_and_data(parser, cfg)
     if not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
         raise ConfigError(f"--fp8: {type(model).__name__} has no nn.Linear layer (fp8-master converts only those)")

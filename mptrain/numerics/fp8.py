@@ -245,7 +245,7 @@ class _LayerRecord:
 def fp8_report(model: nn.Module, batches: Iterable[Any], *, steps: Optional[int] = None,
                loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
                optimizer: Optional[torch.optim.Optimizer] = None, recipe: str = "tensorwise",
-               scaling: str = "current", amax_history_len: int = 16,
+               scaling: Optional[str] = None, amax_history_len: int = 16,
                keep_bf16: Union[str, Iterable[str], None] = "default",
                underflow_threshold: float = UNDERFLOW_THRESHOLD, saturation_threshold: float = SATURATION_THRESHOLD,
                rel_err_threshold: Optional[float] = None) -> "Fp8Report":
@@ -262,7 +262,8 @@ def fp8_report(model: nn.Module, batches: Iterable[Any], *, steps: Optional[int]
         recipe: ``"tensorwise"``, ``"delayed"`` or ``"rowwise"``, as ``Fp8Precision(recipe=...)``; ``"delayed"``
             measures what that recipe casts: ``x`` and ``dY`` with delayed scales over its history
             (``scaling`` and ``amax_history_len`` are then its own), ``W`` at current scale.
-        scaling: ``"current"`` (the scale of each cast from its own amax: what fp8-master does) or
+        scaling: ``"current"`` (the default but with ``recipe="delayed"``: the scale of each cast from its own
+            amax, what fp8-master's ``tensorwise`` and ``rowwise`` do) or
             ``"delayed"`` (tensorwise only: from the largest amax of the previous ``amax_history_len`` calls,
             Transformer Engine's classic recipe; the first call uses its own).  Delayed scales lag a growing
             tensor: that is where saturation shows.
@@ -272,11 +273,16 @@ def fp8_report(model: nn.Module, batches: Iterable[Any], *, steps: Optional[int]
             flushed to zero / saturated exceeds this; ``rel_err_threshold``: when the relative L2 error of a
             dequantized operand exceeds this (default: the format's unit roundoff, e4m3 2^-4, e5m2 2^-3).
     """
-    if scaling not in SCALINGS:
+    if scaling is not None and scaling not in SCALINGS:
         raise ValueError(f"scaling={scaling!r} is not supported. Valid values: {', '.join(map(repr, SCALINGS))}")
     current: tuple[str, ...] = ()
     if recipe == "delayed":  # fp8-master's delayed recipe: x and dY from their history, W at its own amax
-        scaling, amax_history_len, current = "delayed", DELAYED_HISTORY, ("w",)
+        if scaling == "current" or amax_history_len != DELAYED_HISTORY:
+            raise ValueError(f"recipe='delayed' is fp8-master's delayed recipe (delayed scales over "
+                             f"{DELAYED_HISTORY} steps); scaling={scaling!r}, amax_history_len={amax_history_len} "
+                             f"differ from it. Leave them unset, or use recipe='tensorwise' with them")
+        scaling, current = "delayed", ("w",)
+    scaling = scaling or "current"
     casts = recipe_casts(recipe)
     if scaling == "delayed" and any(c.axis is not None for c in casts):
         raise ValueError(f"scaling='delayed' keeps one amax history per tensor; recipe={recipe!r} scales per row. "

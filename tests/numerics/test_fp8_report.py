@@ -121,6 +121,9 @@ def test_the_delayed_recipe_lags_x_and_dy_and_keeps_w_at_its_own_amax():
     x, w = _cast(layer, "x"), _cast(layer, "w")
     assert x["scale_history"][1] == x["scale_history"][0] and x["saturated_frac"] > 0.01  # x lags the growth
     assert w["saturated_frac"] == 0  # current scaling: never saturates
+    for conflicting in (dict(scaling="current"), dict(amax_history_len=4)):  # not the recipe: said, not ignored
+        with pytest.raises(ValueError, match="fp8-master's delayed recipe"):
+            fp8_report(_mlp(nn.Identity()), batches, loss_fn=_mse, recipe="delayed", **conflicting)
 
 
 def test_rowwise_scales_are_powers_of_two_per_row_and_never_saturate():
@@ -223,6 +226,8 @@ def test_cli_fp8_on_the_quickstart_recipe(capsys, tmp_path):
     assert all(len(c["scale_history"]) == 2 for la in data["layers"] for c in la["casts"])
     assert main(["numerics", "--config", QUICK, "--fp8=true", "--fp8_recipe=rowwise", "--steps=1", "--top=1"]) == 0
     assert "x.col" in capsys.readouterr().out
+    assert main(["numerics", "--config", QUICK, "--fp8=true", "--fp8_recipe=delayed", "--steps=2", "--device=cpu"]) == 0
+    assert "recipe delayed (delayed scaling, amax history 16)" in capsys.readouterr().out
 
 
 def test_cli_fp8_refuses_layerwise_options(capsys):
@@ -230,4 +235,5 @@ def test_cli_fp8_refuses_layerwise_options(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--backward" in err[0]
     assert main(["numerics", "--config", QUICK, "--fp8=true", "--fp8_scaling=delayed", "--fp8_recipe=rowwise"]) == 2
+    assert main(["numerics", "--config", QUICK, "--fp8=true", "--fp8_scaling=current", "--fp8_recipe=delayed"]) == 2
     assert "tensorwise" in capsys.readouterr().err
