@@ -19,16 +19,21 @@ from typing import Optional
 import torch
 
 
+#: torch 2.6 has no portable compile cache (``save_cache_artifacts`` came with 2.7): the option then says so
+AVAILABLE = hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts")
+
+
 class CompileCache:
     """The portable compile cache behind ``--compile-cache``: :meth:`load` once, :meth:`save` after each case."""
 
     def __init__(self, path: Optional[str]):
-        self.path = Path(path) if path else None
+        self.path = Path(path) if path and AVAILABLE else None
+        self.asked = bool(path)
 
     def load(self) -> str:
         """Load FILE's artifacts into this process's caches; what was loaded, in words."""
         if self.path is None:
-            return "off"
+            return f"off (torch {torch.__version__} has no portable compile cache)" if self.asked else "off"
         if not self.path.exists():
             return f"{self.path}: none yet (written after each case)"
         blob = gzip.decompress(self.path.read_bytes())

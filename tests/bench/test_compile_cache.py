@@ -5,14 +5,29 @@ import subprocess
 import sys
 import textwrap
 
-from mptrain.bench.compile_cache import CompileCache
+import pytest
+
+from mptrain.bench.compile_cache import AVAILABLE, CompileCache
 
 
+needs_api = pytest.mark.skipif(not AVAILABLE, reason="torch < 2.7 has no portable compile cache")
+
+
+def test_without_the_api_the_option_says_so(monkeypatch, tmp_path):
+    import mptrain.bench.compile_cache as cc
+
+    monkeypatch.setattr(cc, "AVAILABLE", False)
+    cache = cc.CompileCache(str(tmp_path / "c.bin"))
+    assert "has no portable compile cache" in cache.load() and cache.save() is None
+
+
+@needs_api
 def test_a_missing_file_is_said_and_off_is_off(tmp_path):
     assert CompileCache(None).load() == "off" and CompileCache(None).save() is None
     assert "none yet" in CompileCache(str(tmp_path / "c.bin")).load()
 
 
+@needs_api
 def test_the_next_process_loads_what_this_one_compiled(tmp_path):
     path = tmp_path / "cache.bin"
     code = textwrap.dedent(f"""
