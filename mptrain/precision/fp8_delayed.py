@@ -45,10 +45,13 @@ from mptrain.precision.fp8_linear import _cast, fp8_linear_class
 HISTORY = 16
 
 
-def _cast_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, mm_config: Any, role: Any):
-    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+#: torchao's cast at a given scale, set when the layer class is made (read as a global in compiled code); its
+#: scaling-utils module has it under this name in every torchao the fp8 extra admits (its home module was renamed)
+_scale_and_cast: Any = None
 
-    return hp_tensor_and_scale_to_float8(x, scale, dtype, mm_config, role)
+
+def _cast_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, mm_config: Any, role: Any):
+    return _scale_and_cast(x, scale, dtype, mm_config, role)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -101,9 +104,13 @@ class _RecordGradAmax(torch.autograd.Function):
 @functools.lru_cache(maxsize=None)
 def delayed_fp8_linear_class() -> Optional[type]:
     """:class:`DelayedFp8Linear`, made on first use (torchao is imported only by a run that converts layers)."""
+    global _scale_and_cast
     base = fp8_linear_class()
     if base is None:
         return None
+    from torchao.float8.float8_scaling_utils import hp_tensor_and_scale_to_float8
+
+    _scale_and_cast = hp_tensor_and_scale_to_float8
 
     class DelayedFp8Linear(base):
         """An :class:`~mptrain.precision.fp8_linear.Fp8Linear` whose input and output-gradient casts use delayed
