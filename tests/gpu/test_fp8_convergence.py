@@ -1,6 +1,7 @@
 """fp8-master converges like bf16-master and fp32: a 4-layer Llama (mptrain.models.LlamaLM) trained through
 mptrain.Trainer on tokens of a fixed random first-order Markov chain, whose optimal cross-entropy (the chain's
-entropy rate) is known exactly, in 32-true, bf16-master and fp8-master (tensorwise and delayed scales) on the same tokens from the same init.
+entropy rate) is known exactly, in 32-true, bf16-master and fp8-master (tensorwise and delayed scales) on the same
+tokens from the same init.
 
 Every sequence starts from the chain's stationary distribution, so every position's best possible loss is the
 entropy rate sum_i pi_i H(P_i); the optimal predictor's loss on the very tokens of the last steps (the empirical
@@ -91,8 +92,8 @@ def train(precision: str, tokens: torch.Tensor) -> torch.Tensor:
                       enable_model_summary=False, limit_val_batches=0, callbacks=[losses])
     trainer.fit(model, train_dataloaders=batches)
     if fp8:
-        fp8 = trainer.precision_plugin.fp8_layers
-        assert len(fp8) == 4 * 7 and not any("lm_head" in n for n in fp8), fp8
+        layers = trainer.precision_plugin.fp8_layers
+        assert len(layers) == 4 * 7 and not any("lm_head" in n for n in layers), layers
     assert trainer.global_step == STEPS and trainer.skipped_steps == 0
     return torch.stack(losses.values).cpu()
 
