@@ -104,10 +104,9 @@ def check_trainer(trainer, pl_module, plugin) -> None:
         if any(isinstance(c, cls) for c in trainer.callbacks):
             raise _refuse(f"{arg} ({cls.__name__}) changes parameter dtypes during the run, which the captured "
                           "graphs cannot follow", f"Leave {arg} unset")
-    if getattr(plugin, "recipe", None) == "delayed":
-        raise _refuse("fp8-master's delayed recipe records each output gradient's amax as the gradient of a tensor "
-                      "that is not a parameter, and the captured backward computes the parameters' gradients only",
-                      "Use Fp8Precision(recipe='tensorwise')")
+    refusal = plugin.cuda_graphs_refusal()
+    if refusal is not None:
+        raise _refuse(*refusal)
     if plugin.auto is not None or plugin.precision != plugin.initial_precision:
         raise _refuse(f"the precision plugin has switched or promotes modules ({plugin!r})", "Start a fresh plugin")
     for c in trainer.callbacks:

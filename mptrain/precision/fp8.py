@@ -105,6 +105,13 @@ class Fp8Precision(MasterPrecision):
                 self._delayed.load_state_dict(self._delayed_saved)
                 self._delayed_saved = None
 
+    def cuda_graphs_refusal(self) -> Optional[tuple[str, str]]:
+        if self.recipe == "delayed":
+            return ("fp8-master's delayed recipe records each output gradient's amax as the gradient of a tensor "
+                    "that is not a parameter, and the captured backward computes the parameters' gradients only",
+                    "Use Fp8Precision(recipe='tensorwise')")
+        return None
+
     def forward_context(self) -> contextlib.AbstractContextManager:
         stack = super().forward_context()
         if self._delayed is not None and self._delayed.steps == 0 and self.phase == "low":

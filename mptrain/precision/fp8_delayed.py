@@ -47,11 +47,7 @@ HISTORY = 16
 
 #: torchao's cast at a given scale, set when the layer class is made (read as a global in compiled code); its
 #: scaling-utils module has it under this name in every torchao the fp8 extra admits (its home module was renamed)
-_scale_and_cast: Any = None
-
-
-def _cast_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, mm_config: Any, role: Any):
-    return _scale_and_cast(x, scale, dtype, mm_config, role)
+_cast_with_scale: Any = None
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -104,13 +100,13 @@ class _RecordGradAmax(torch.autograd.Function):
 @functools.lru_cache(maxsize=None)
 def delayed_fp8_linear_class() -> Optional[type]:
     """:class:`DelayedFp8Linear`, made on first use (torchao is imported only by a run that converts layers)."""
-    global _scale_and_cast
+    global _cast_with_scale
     base = fp8_linear_class()
     if base is None:
         return None
     from torchao.float8.float8_scaling_utils import hp_tensor_and_scale_to_float8
 
-    _scale_and_cast = hp_tensor_and_scale_to_float8
+    _cast_with_scale = hp_tensor_and_scale_to_float8
 
     class DelayedFp8Linear(base):
         """An :class:`~mptrain.precision.fp8_linear.Fp8Linear` whose input and output-gradient casts use delayed
@@ -174,9 +170,12 @@ class DelayedScaling:
         above 0 (an all-zero input) keeps scale 1."""
         top = self.history.amax(dim=1)
         scales = torch.where(top > 0, self.fp8_max / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
-        targets = [m.fp8_input_scale for m in self.layers] + [m.fp8_grad_scale for m in self.layers]
         # into the layers' own tensors: a compiled graph takes them as inputs, the same objects every step
-        compat.foreach_copy_(targets, list(scales.unbind()))
+        compat.foreach_copy_(self._scales(), list(scales.unbind()))
+
+    def _scales(self) -> list[torch.Tensor]:
+        """The layers' scale tensors, in ``history``'s row order."""
+        return [m.fp8_input_scale for m in self.layers] + [m.fp8_grad_scale for m in self.layers]
 
     @torch.no_grad()
     def fold_grad_amaxes(self) -> None:
@@ -200,8 +199,7 @@ class DelayedScaling:
         now = torch.stack([m.fp8_input_amax for m in self.layers] + self._grad_amax)
         now = torch.where(torch.isfinite(now), now, torch.zeros_like(now))
         if self.steps > 0:  # this step ran at delayed scales
-            used = torch.stack([m.fp8_input_scale for m in self.layers] + [m.fp8_grad_scale for m in self.layers])
-            self.saturated += now * used > self.fp8_max
+            self.saturated += now * torch.stack(self._scales()) > self.fp8_max
         self.history.copy_(torch.cat([now[:, None], self.history[:, :-1]], dim=1))
         self._set_scales()
         torch._foreach_zero_([m.fp8_input_amax for m in self.layers] + self._grad_amax)

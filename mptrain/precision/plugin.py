@@ -212,6 +212,10 @@ class MptrainPrecision(_LightningPrecision):
         self._release_fp32_init()
         return model, optimizers, lr_schedulers
 
+    def cuda_graphs_refusal(self) -> Optional[tuple[str, str]]:
+        """(why, fix) when this plugin's setting cannot run under ``cuda_graphs=True``, else None."""
+        return None
+
     def check_device(self, device: torch.device) -> None:
         """Before any training: bf16 on a GPU without it, ``fused=True`` without a built extension."""
         check_device_supports(self.initial_precision, device)
