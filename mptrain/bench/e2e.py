@@ -21,8 +21,9 @@ ResNet-50 (channels_last, batch 256, ``SGD(lr=0.1, momentum=0.9, fused=True)``) 
 ``BertForMaskedLM(BertConfig(attn_implementation="sdpa"))`` (batch 128 x 128, ``AdamW(fused=True)``) in a
 LightningModule of their own (mptrain.bench.user_models), with their own optimizer, run in USER_CASES:
 Lightning bf16-mixed and bf16-true, eager and ``fit(torch.compile(module))`` (Lightning's documented idiom), and
-mptrain bf16-master eager, ``compile=True`` and ``compile=True, cuda_graphs=True``, and bf16-mixed with
-``compile=True``.  Their summary: mptrain's best / Lightning + compile's best (speed), and bf16-master's peak
+mptrain bf16-master eager, ``compile=True`` and ``compile=True, cuda_graphs=True``, bf16-mixed with
+``compile=True``, and on the Llama fp8-master with ``compile=True`` (refused, with the trainer's reason, where the
+GPU has no fp8 tensor cores).  Their summary: mptrain's best / Lightning + compile's best (speed), and bf16-master's peak
 memory / Lightning bf16-mixed's.  Every case starts from a fresh dynamo, with the previous case's memory
 collected; the memory still allocated at its start and after its end is reported beside its peak, and one
 steady-state step's memory by phase (forward, backward, optimizer step).
@@ -51,6 +52,7 @@ from mptrain.bench.compile_cache import CompileCache
 from mptrain.bench.e2e_models import MODELS, build, compile_lightning_module, make_trainer, use_optimizer
 from mptrain.bench.user_models import USER_MODELS, build_user
 from mptrain.precision.graph_capture import CudaGraphError
+from mptrain.precision.plugin import check_device_supports
 
 LR = 1e-4
 
@@ -62,6 +64,7 @@ class CaseSpec:
     optimizer: str  # "torch-fused" | "mptrain" | "mptrain-master" | "user" (the module's own configure_optimizers)
     compile: bool = False
     cuda_graphs: bool = False
+    models: Optional[tuple[str, ...]] = None  # the models the case runs on (None: every model of its list)
 
 
 # Run order: the cases a target compares stand next to each other (each mixed mode beside
@@ -99,13 +102,16 @@ USER_CASES = {
     "lightning+compile:bf16-mixed": CaseSpec("lightning", "bf16-mixed", "user", compile=True),
     "lightning+compile:bf16-true": CaseSpec("lightning", "bf16-true", "user", compile=True),
     "mptrain+compile:bf16-mixed": CaseSpec("mptrain", "bf16-mixed", "user", compile=True),
+    # fp8 GEMMs pay where the linears are wide: the Llama's (docs/fp8.md); BERT-base's and ResNet's one fc are not
+    "mptrain+compile:fp8-master": CaseSpec("mptrain", "fp8-master", "user", compile=True, models=("user_llama",)),
 }
 ALL_MODELS = MODELS + USER_MODELS
 
 
 def cases_of(model: str) -> dict[str, CaseSpec]:
     """The cases a model runs in: the user models' own list, or the mptrain-module models'."""
-    return USER_CASES if model in USER_MODELS else CASES
+    cases = USER_CASES if model in USER_MODELS else CASES
+    return {n: s for n, s in cases.items() if s.models is None or model in s.models}
 #: torch.compile's arguments under --quick, which checks the path, not inductor's code generation
 QUICK_COMPILE = {"backend": "eager"}
 
@@ -330,6 +336,10 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
     res.mem_start_gb = _fresh_start(cuda)
     start = time.perf_counter()
     module = batches = trainer = None
+    refusal = _device_refusal(precision, quick)
+    if refusal is not None:
+        res.status, res.message, res.mem_end_gb, res.wall_s = "not supported", refusal, res.mem_start_gb, 0.0
+        return res
     try:
         module, batches, res.batch = _build(model, spec, total, quick)
         trainer = _trainer(spec, precision, model, [timer, phases], total, quick)
@@ -348,6 +358,18 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
         module = batches = trainer = None  # noqa: F841 - the case's memory is collected before the next starts
         res.mem_end_gb = _fresh_start(cuda)
     return res
+
+
+def _device_refusal(precision: str, quick: bool) -> Optional[str]:
+    """The trainer's own reason why this machine cannot run ``precision`` (fp8 without fp8 tensor cores: the CPU
+    of --quick), or None; asked before the model is built."""
+    if not precision.startswith("fp8"):
+        return None
+    try:
+        check_device_supports(precision, torch.device("cpu" if quick else "cuda"))
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def _record(res: Result, timer: StepTimer, steps: int, skipped) -> None:

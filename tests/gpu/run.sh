@@ -84,9 +84,9 @@ stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
 # shellcheck disable=SC2086  # E2E_ARGS: extra flags, e.g. E2E_ARGS="--models bert --repeat 3"
 stage e2e 590 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json" --compile-cache "$CC" ${E2E_ARGS:-}
 # shellcheck disable=SC2086  # USER_ARGS: extra flags, e.g. USER_ARGS="--models user_bert" (the last --models wins);
-# the 1.2B user Llama takes a call of its own, its six cases that the targets compare (about 35 s an eager case, 75 s a
+# the 1.2B user Llama takes a call of its own, the cases that the targets compare (about 35 s an eager case, 75 s a
 # compiled one on an H100): USER_TIMEOUT=560 USER_ARGS="--models user_llama --warmup 4 --steps 10 --cases
-# lightning:bf16-mixed,mptrain:bf16-master,lightning:bf16-true,mptrain+compile:bf16-master,lightning+compile:bf16-mixed,lightning+compile:bf16-true"
+# lightning:bf16-mixed,mptrain:bf16-master,mptrain+compile:bf16-master,mptrain+compile:fp8-master,lightning+compile:bf16-mixed,lightning+compile:bf16-true"
 stage user "${USER_TIMEOUT:-450}" python3 -m mptrain.bench.e2e --models user_resnet50,user_bert --warmup 6 --steps 20 \
   --out "$OUT/user.json" --compile-cache "$CC" ${USER_ARGS:-}
 stage speed 420 python3 -m pytest tests/gpu -q -s -rfE --timeout=400 -p no:cacheprovider -o addopts="" \
