@@ -48,9 +48,9 @@ summary=()
 # $OUT/compile_cache.bin and write it back after each case.  To carry it into the next call, copy the file that
 # came back into .gpu/compile_cache.bin (a carried folder): it is copied to $OUT here first.  Same torch, triton
 # and GPU kind, or the artifacts are not used; over 16 MiB it does not come back from $OUT.
-CC="$OUT/compile_cache.bin"
+CACHE_FILE="$OUT/compile_cache.bin"
 case " $STAGES " in *" e2e "* | *" user "* | *" fp8 "*)
-  if [ -f .gpu/compile_cache.bin ] && [ ! -f "$CC" ]; then cp .gpu/compile_cache.bin "$CC"; fi ;;
+  if [ -f .gpu/compile_cache.bin ] && [ ! -f "$CACHE_FILE" ]; then cp .gpu/compile_cache.bin "$CACHE_FILE"; fi ;;
 esac
 
 stage() {  # stage NAME TIMEOUT_S CMD...
@@ -82,19 +82,19 @@ stage tests 330 python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -rfE --timeout=120 
 stage kernels 130 python3 -m mptrain.bench.kernels --no-host --json "$OUT/kernels.json"
 stage host 60 python3 -m mptrain.bench.host_cost --json "$OUT/host.json"
 # shellcheck disable=SC2086  # E2E_ARGS: extra flags, e.g. E2E_ARGS="--models bert --repeat 3"
-stage e2e 590 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json" --compile-cache "$CC" ${E2E_ARGS:-}
+stage e2e 590 python3 -m mptrain.bench.e2e --out "$OUT/e2e.json" --compile-cache "$CACHE_FILE" ${E2E_ARGS:-}
 # shellcheck disable=SC2086  # USER_ARGS: extra flags, e.g. USER_ARGS="--models user_bert" (the last --models wins);
 # the 1.2B user Llama takes a call of its own, the cases that the targets compare (about 35 s an eager case, 75 s a
 # compiled one on an H100): USER_TIMEOUT=560 USER_ARGS="--models user_llama --warmup 4 --steps 10 --cases
 # lightning:bf16-mixed,mptrain:bf16-master,mptrain+compile:bf16-master,mptrain+compile:fp8-master,lightning+compile:bf16-mixed,lightning+compile:bf16-true"
 stage user "${USER_TIMEOUT:-450}" python3 -m mptrain.bench.e2e --models user_resnet50,user_bert --warmup 6 --steps 20 \
-  --out "$OUT/user.json" --compile-cache "$CC" ${USER_ARGS:-}
+  --out "$OUT/user.json" --compile-cache "$CACHE_FILE" ${USER_ARGS:-}
 stage speed 420 python3 -m pytest tests/gpu -q -s -rfE --timeout=400 -p no:cacheprovider -o addopts="" \
   -m "slow and not multi_gpu"
 # shellcheck disable=SC2086  # FP8_ARGS: extra flags, e.g. FP8_ARGS="--models llama8b_layers" (the last --models wins;
 # five cases a model, a call each); the delayed recipe against bf16-master and tensorwise takes a call of its own:
 # FP8_ARGS="--cases bf16-master,fp8-master,fp8-master-delayed"
-stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --models llama1b --out "$OUT/fp8.json" --compile-cache "$CC" \
+stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --models llama1b --out "$OUT/fp8.json" --compile-cache "$CACHE_FILE" \
   ${FP8_ARGS:-}
 # where the 1.2B step's time goes (docs/fp8.md's table), kernel time by category from the profiler: bf16-master,
 # torchao's linears under bf16-master, fp8-master (about 4 minutes; PROF_ARGS adds flags, e.g. --config 8b_layers)
