@@ -19,6 +19,10 @@ What this module keeps per fp8 linear (:class:`DelayedFp8Linear`):
   one tensor: at the end of each optimizer step it rolls in the step's amaxes and sets every scale to
   ``fp8_max / max(history)`` in a few kernels (device-side: no host sync).
 
+Layers that read the very same input tensor (q, k and v; gate and up) share one input scale, set from the largest
+amax among them (``_InputGroups``, found in the first step): their casts become one expression that the compiler
+computes and saves once, as it already does for the identical current-scaling casts of the tensorwise recipe.
+
 The weight keeps current scaling: it is read whole by the cast anyway, and a weight's amax moves little.
 
 The first optimizer step has no history: it runs with current scaling (``fp8_ready`` False: the tensorwise path,
@@ -32,6 +36,7 @@ recipe's data before a run.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Iterable, Optional
 
 import torch
@@ -121,6 +126,8 @@ def delayed_fp8_linear_class() -> Optional[type]:
             if training:  # this step's input amax, for the next steps' scales
                 self.fp8_input_amax.copy_(torch.maximum(self.fp8_input_amax, _amax(input)))
             if not self.fp8_ready:  # no history yet: current scales, the output gradient's amax recorded
+                if training:
+                    self.fp8_inputs.note(self.fp8_index, input)
                 out = base.forward(self, input)
                 return _RecordGradAmax.apply(out, self.fp8_grad_amax) if training else out
             out = _DelayedFp8Matmul.apply(input, self.weight, self.fp8_input_scale, self.fp8_grad_scale,
@@ -139,6 +146,35 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+class _InputGroups:
+    """Which layers read the very same input tensor in the first step (a decoder's q, k and v projections, an MLP's
+    gate and up projections): each layer's *leader*, the first layer that read its input.
+
+    Layers of one group share one input scale tensor, set from the largest amax any of them recorded, so that their
+    casts are one expression of one graph input: the compiler's common-subexpression pass then makes one fp8 copy of
+    the input, cast once and saved once for backward, where three scales would cast and save it three times.
+    Weak references: the first step's inputs are not kept alive for this."""
+
+    def __init__(self, n: int):
+        self.leader: list[Optional[int]] = [None] * n
+        self._seen: list[tuple[weakref.ref, int]] = []
+
+    def note(self, index: int, input: torch.Tensor) -> None:
+        if self.leader[index] is not None:  # grouped by the first micro-batch already
+            return
+        for ref, leader in self._seen:
+            if ref() is input:
+                self.leader[index] = leader
+                return
+        self.leader[index] = index
+        self._seen.append((weakref.ref(input), index))
+
+    def done(self) -> list[int]:
+        """Each layer's leader (a layer the first step never called leads itself); the references dropped."""
+        self._seen = []
+        return [i if lead is None else lead for i, lead in enumerate(self.leader)]
+
+
 class DelayedScaling:
     """The amax histories and scales of a model's :class:`DelayedFp8Linear` layers, updated once per optimizer
     step by the fp8-master plugin (``end_step``).  ``layers``: qualified name -> layer."""
@@ -153,7 +189,11 @@ class DelayedScaling:
               for m in self.layers]
         self.fp8_max = torch.tensor([torch.finfo(a).max for a, _ in f8] + [torch.finfo(b).max for _, b in f8],
                                     device=device)
-        for m in self.layers:
+        self._groups = _InputGroups(n)
+        #: each layer's input-scale leader (``_InputGroups``); every layer its own until the first step ends
+        self.input_leader = list(range(n))
+        for i, m in enumerate(self.layers):
+            m.fp8_index, m.fp8_inputs = i, self._groups
             m.fp8_input_amax = torch.zeros((), device=device)
             m.fp8_input_scale = torch.ones((), device=device)
             m.fp8_grad_scale = torch.ones((), device=device)
@@ -169,6 +209,11 @@ class DelayedScaling:
         """Every scale from its history: the largest amax maps to the format's largest value; a tensor never seen
         above 0 (an all-zero input) keeps scale 1."""
         top = self.history.amax(dim=1)
+        n = len(self.layers)
+        if self.input_leader != list(range(n)):  # a group's input scale follows the largest amax among its layers
+            leader = torch.tensor(self.input_leader, device=top.device)
+            group_top = torch.zeros(n, device=top.device).scatter_reduce(0, leader, top[:n], "amax")
+            top = torch.cat([group_top[leader], top[n:]])
         scales = torch.where(top > 0, self.fp8_max / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
         # into the layers' own tensors: a compiled graph takes them as inputs, the same objects every step
         compat.foreach_copy_(self._scales(), list(scales.unbind()))
@@ -205,8 +250,17 @@ class DelayedScaling:
         torch._foreach_zero_([m.fp8_input_amax for m in self.layers] + self._grad_amax)
         self.steps += 1
         if self.steps == 1:
+            self._share_input_scales(self._groups.done())
             for m in self.layers:
                 m.fp8_ready = True
+
+    def _share_input_scales(self, leader: list[int]) -> None:
+        """Layers that read one input take their leader's input-scale tensor (``_InputGroups``), and the scales are
+        set again with the groups' amaxes."""
+        self.input_leader = list(leader)
+        for m, lead in zip(self.layers, leader):
+            m.fp8_input_scale = self.layers[lead].fp8_input_scale
+        self._set_scales()
 
     def saturated_steps(self) -> dict[str, dict[str, int]]:
         """``{layer: {"input": steps, "grad_output": steps}}`` for the casts that saturated in some step (one host
@@ -222,7 +276,7 @@ class DelayedScaling:
 
     def state_dict(self) -> dict[str, Any]:
         return {"names": list(self.names), "history": self.history.cpu(), "steps": self.steps,
-                "saturated": self.saturated.cpu()}
+                "saturated": self.saturated.cpu(), "input_leader": list(self.input_leader)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(state["names"]) != self.names:
@@ -232,8 +286,9 @@ class DelayedScaling:
         if "saturated" in state:
             self.saturated.copy_(state["saturated"])
         self.steps = state["steps"]
-        if self.steps > 0:  # the scales follow from the history alone
-            self._set_scales()
+        if self.steps > 0:  # the scales follow from the history (and the input groups) alone
+            self._groups.done()
+            self._share_input_scales(state.get("input_leader", range(len(self.layers))))
             for m in self.layers:
                 m.fp8_ready = True
 
@@ -253,5 +308,6 @@ def use_delayed_scaling(module: nn.Module, device: torch.device) -> DelayedScali
 def drop_delayed_state(layers: Iterable[nn.Module]) -> None:
     """The layers' delayed-scaling attributes removed (the layers are turned into ``nn.Linear`` by the caller)."""
     for m in layers:
-        for a in ("fp8_input_amax", "fp8_input_scale", "fp8_grad_scale", "fp8_grad_amax", "fp8_ready"):
+        for a in ("fp8_input_amax", "fp8_input_scale", "fp8_grad_scale", "fp8_grad_amax", "fp8_ready", "fp8_index",
+                  "fp8_inputs"):
             m.__dict__.pop(a, None)

@@ -11,7 +11,7 @@ from torch import nn
 float8 = pytest.importorskip("torchao.float8")
 
 from mptrain.precision.fp8 import Fp8Precision  # noqa: E402
-from mptrain.precision.fp8_delayed import HISTORY, DelayedFp8Linear, use_delayed_scaling  # noqa: E402
+from mptrain.precision.fp8_delayed import HISTORY, DelayedFp8Linear, _InputGroups, use_delayed_scaling  # noqa: E402
 from mptrain.precision.fp8_linear import use_single_casts  # noqa: E402
 
 from _models import Classifier, classification_data, quiet_trainer  # noqa: E402
@@ -200,3 +200,83 @@ def test_cuda_graphs_are_refused_before_any_step(fp8_on_cpu):
 
     with pytest.raises(CudaGraphError, match=r"delayed recipe.*recipe='tensorwise'"):
         _fit(2, cuda_graphs=True)
+
+
+class _SharedInput(nn.Module):
+    """A decoder's attention projections in small: q, k and v read one input; o reads their outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(64, 64, bias=False) for _ in range(3))
+        self.o = nn.Linear(192, 64, bias=False)
+
+    def forward(self, x):
+        return self.o(torch.cat([self.q(x), self.k(x), 2 * self.v(x)], dim=-1))
+
+
+def _shared(seed: int = 0):
+    torch.manual_seed(seed)
+    model = _SharedInput().bfloat16()
+    float8.convert_to_float8_training(model, config=float8.Float8LinearConfig.from_recipe_name("tensorwise"))
+    use_single_casts(model)
+    return model, use_delayed_scaling(model, torch.device("cpu"))
+
+
+def _fp8_casts_in_forward(model, x) -> int:
+    """The fp8 conversions in the forward graph that inductor's partitioner (with its CSE pass) hands on."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    counts, converts = [], (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+    def forward_compiler(gm, _):
+        counts.append(sum(1 for n in gm.graph.nodes if n.target in converts
+                          and getattr(n.meta.get("val"), "dtype", None) == torch.float8_e4m3fn))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    _step(torch.compile(model, backend=backend, fullgraph=True), x)
+    return counts[0]
+
+
+def _ready(model, scaling, x):
+    _step(model, x)  # the first step: current scales; the input groups are found
+    scaling.update()
+
+
+def test_layers_reading_one_input_share_its_scale_and_the_compiled_forward_casts_it_once(monkeypatch):
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    with monkeypatch.context() as m:  # no groups: a scale per layer, a cast of x per layer
+        m.setattr(_InputGroups, "note", lambda self, index, input: None)
+        ungrouped = _shared()
+        _ready(*ungrouped, x)
+    assert ungrouped[1].input_leader == [0, 1, 2, 3]
+    model, scaling = _shared()
+    _ready(model, scaling, x)
+    assert scaling.input_leader == [0, 0, 0, 3]
+    assert model.k.fp8_input_scale is model.q.fp8_input_scale is model.v.fp8_input_scale
+    assert model.o.fp8_input_scale is not model.q.fp8_input_scale
+    amax = float(x.abs().max())
+    assert float(model.q.fp8_input_scale) == pytest.approx(torch.finfo(torch.float8_e4m3fn).max / amax)
+    # the group's scale follows the largest amax among its layers
+    scaling.history[1, 0] = 4 * amax
+    scaling._set_scales()
+    assert float(model.q.fp8_input_scale) == pytest.approx(torch.finfo(torch.float8_e4m3fn).max / (4 * amax))
+    scaling.history[1, 0] = amax
+    scaling._set_scales()
+    # x cast once for q, k and v (was three times), o's input once, each weight once
+    assert (_fp8_casts_in_forward(ungrouped[0], x), _fp8_casts_in_forward(model, x)) == (3 + 1 + 4, 1 + 1 + 4)
+
+
+def test_the_input_groups_are_resumed_with_the_history():
+    model, scaling = _shared()
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    _step(model, x)
+    scaling.update()
+    resumed, again = _shared(seed=1)
+    again.load_state_dict(scaling.state_dict())
+    assert again.input_leader == [0, 0, 0, 3] and all(m.fp8_ready for m in again.layers)
+    assert resumed.v.fp8_input_scale is resumed.q.fp8_input_scale
+    assert all(torch.equal(a.fp8_input_scale, b.fp8_input_scale) for a, b in zip(scaling.layers, again.layers))
