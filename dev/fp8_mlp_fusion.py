@@ -6,6 +6,9 @@ tokens), forward and backward, compiled, in three variants:
   bf16        the block in bf16
   tensorwise  its linears as fp8-master's ``Fp8Linear`` (current scales: an amax pass, then a cast pass)
   delayed     the same as ``DelayedFp8Linear`` with a history (``recipe="delayed"``: casts at known scales)
+  delayed-fp8amax  the delayed linear with each recorded amax read from the fp8 operand it cast (1 byte an
+              element; inductor otherwise recomputes the SiLU x mul or its backward in a reduction of its own), a
+              saturated operand recorded at twice its scale's range so that the history catches up
 
 Per variant: ms per forward + backward (CUDA events, median of --steps), the number of GPU kernels per step and
 the kernels' time by name (profiler).  The full model's answer costs a 1.2B compile per case (over a minute each on
@@ -39,6 +42,60 @@ class Block(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
+class _Fp8AmaxMatmul(torch.autograd.Function):
+    """``_DelayedFp8Matmul`` with the amaxes taken from the fp8 operands (the variant ``delayed-fp8amax``): the
+    input's comes back as a second, non-differentiable output, the output gradient's through the sink."""
+
+    @staticmethod
+    def forward(ctx, input_hp, weight_hp, input_scale, grad_scale, grad_amax_sink, mm_config, config):
+        from mptrain.precision import fp8_delayed, fp8_linear
+
+        T = fp8_linear.torchao_linear
+        shape = input_hp.shape
+        x = fp8_delayed._cast_with_scale(input_hp.reshape(-1, shape[-1]), input_scale,
+                                         config.cast_config_input.target_dtype, mm_config, T.GemmInputRole.INPUT)
+        w_t = fp8_linear._cast(T, weight_hp.t(), config.cast_config_weight.target_dtype, mm_config,
+                               T.GemmInputRole.WEIGHT)
+        ctx.save_for_backward(x, w_t, grad_scale)
+        ctx.mm_config, ctx.config, ctx.input_shape = mm_config, config, shape
+        out = torch.mm(x, w_t)
+        amax = _fp8_amax(x._data, input_scale)
+        ctx.mark_non_differentiable(amax)
+        return out.reshape(*shape[:-1], out.shape[-1]), amax
+
+    @staticmethod
+    def backward(ctx, grad_output, _):
+        from mptrain.precision import fp8_delayed, fp8_linear
+
+        T = fp8_linear.torchao_linear
+        x, w_t, grad_scale = ctx.saved_tensors
+        g = fp8_delayed._cast_with_scale(grad_output.reshape(-1, grad_output.shape[-1]), grad_scale,
+                                         ctx.config.cast_config_grad_output.target_dtype, ctx.mm_config,
+                                         T.GemmInputRole.GRAD_OUTPUT)
+        grad_input = torch.mm(g, w_t.t()).reshape(*ctx.input_shape[:-1], -1) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.mm(g.t(), x) if ctx.needs_input_grad[1] else None
+        return grad_input, grad_weight, None, None, _fp8_amax(g._data, grad_scale), None, None
+
+
+def _fp8_amax(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The amax of a cast tensor from its fp8 bytes; a saturated cast (its largest value at the format's maximum)
+    reports twice its scale's range: the true amax is beyond what the fp8 bytes can tell."""
+    top = data.float().abs().amax()
+    top = torch.where(top >= torch.finfo(data.dtype).max, 2 * top, top)
+    return top / scale
+
+
+def _fp8_amax_forward(self, input):
+    """``DelayedFp8Linear.forward`` once the history exists, the input's amax from ``_Fp8AmaxMatmul``."""
+    if not self.fp8_ready:
+        return type(self).__mro__[1].forward(self, input)
+    out, amax = _Fp8AmaxMatmul.apply(input, self.weight, self.fp8_input_scale, self.fp8_grad_scale,
+                                     self.fp8_grad_amax, self.linear_mm_config, self.config)
+    if torch.is_grad_enabled():
+        self.fp8_input_amax.copy_(torch.maximum(self.fp8_input_amax, amax))
+    return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
 def build(variant: str, hidden: int, ffn: int, device: str):
     torch.manual_seed(0)
     block = Block(hidden, ffn).to(device, torch.bfloat16)
@@ -51,8 +108,13 @@ def build(variant: str, hidden: int, ffn: int, device: str):
 
         float8.convert_to_float8_training(block, config=float8.Float8LinearConfig.from_recipe_name("tensorwise"))
         use_single_casts(block)
-        if variant == "delayed":
+        if variant.startswith("delayed"):
             scaling = use_delayed_scaling(block, torch.device(device))
+        if variant == "delayed-fp8amax":
+            cls = type(scaling.layers[0])
+            variant_cls = type("Fp8AmaxDelayedLinear", (cls,), {"forward": _fp8_amax_forward})
+            for m in scaling.layers:
+                m.__class__ = variant_cls
     return block, scaling
 
 
@@ -108,7 +170,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="hidden 64, FFN 256, 512 tokens")
-    p.add_argument("--variants", default="bf16,tensorwise,delayed")
+    p.add_argument("--variants", default="bf16,tensorwise,delayed,delayed-fp8amax")
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
     args.hidden, args.ffn, args.tokens = (64, 256, 512) if args.small else (2048, 8192, 8 * 2048)

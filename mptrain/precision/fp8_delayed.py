@@ -6,8 +6,8 @@ Under ``torch.compile`` the two passes stay two kernels (the cast cannot start b
 the last element), and the producer of the tensor (an RMSNorm, the SwiGLU, attention's output) runs before
 them as a third.  With *delayed* scaling (Transformer Engine's recipe; torchao had it until 0.9) the scale of
 step ``t`` comes from the amaxes recorded over the steps before it: the cast is a pointwise function of the
-producer's output that inductor fuses into the producer's kernel, and this step's amax, recorded for the next
-steps, is a reduction over the same elements that inductor can compute in that same kernel.
+producer's output that inductor fuses into the producer's kernel.  This step's amax, recorded for the next steps,
+is a reduction over the same elements; on an H100 inductor computes it in a kernel of its own (docs/fp8.md).
 
 What this module keeps per fp8 linear (:class:`DelayedFp8Linear`):
 
