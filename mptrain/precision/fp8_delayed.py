@@ -169,6 +169,9 @@ class _InputGroups:
         self.leader[index] = index
         self._seen.append((weakref.ref(input), index))
 
+    def __getstate__(self) -> dict[str, Any]:  # a model pickled mid-step: weak references do not pickle
+        return {"leader": list(self.leader), "_seen": []}
+
     def done(self) -> list[int]:
         """Each layer's leader (a layer the first step never called leads itself); the references dropped."""
         self._seen = []

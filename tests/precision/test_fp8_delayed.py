@@ -270,6 +270,15 @@ def test_layers_reading_one_input_share_its_scale_and_the_compiled_forward_casts
     assert (_fp8_casts_in_forward(ungrouped[0], x), _fp8_casts_in_forward(model, x)) == (3 + 1 + 4, 1 + 1 + 4)
 
 
+def test_a_model_pickles_in_the_middle_of_its_first_step():
+    import pickle
+
+    model, _ = _shared()
+    model(torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True))  # the groups hold weak references now
+    again = pickle.loads(pickle.dumps(model))
+    assert again.q.fp8_inputs.leader == [0, 0, 0, 3]
+
+
 def test_the_input_groups_are_resumed_with_the_history():
     model, scaling = _shared()
     x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
