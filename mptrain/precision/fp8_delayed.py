@@ -195,6 +195,7 @@ class DelayedScaling:
         self._groups = _InputGroups(n)
         #: each layer's input-scale leader (``_InputGroups``); every layer its own until the first step ends
         self.input_leader = list(range(n))
+        self._leader_index: Optional[torch.Tensor] = None  # the same on the device, where some layers share
         for i, m in enumerate(self.layers):
             m.fp8_index, m.fp8_inputs = i, self._groups
             m.fp8_input_amax = torch.zeros((), device=device)
@@ -212,9 +213,9 @@ class DelayedScaling:
         """Every scale from its history: the largest amax maps to the format's largest value; a tensor never seen
         above 0 (an all-zero input) keeps scale 1."""
         top = self.history.amax(dim=1)
-        n = len(self.layers)
-        if self.input_leader != list(range(n)):  # a group's input scale follows the largest amax among its layers
-            leader = torch.tensor(self.input_leader, device=top.device)
+        leader = self._leader_index
+        if leader is not None:  # a group's input scale follows the largest amax among its layers
+            n = len(self.layers)
             group_top = torch.zeros(n, device=top.device).scatter_reduce(0, leader, top[:n], "amax")
             top = torch.cat([group_top[leader], top[n:]])
         scales = torch.where(top > 0, self.fp8_max / top.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
@@ -261,6 +262,9 @@ class DelayedScaling:
         """Layers that read one input take their leader's input-scale tensor (``_InputGroups``), and the scales are
         set again with the groups' amaxes."""
         self.input_leader = list(leader)
+        shared = self.input_leader != list(range(len(self.layers)))
+        # on the device once: a host list copied up at every step's update would wait for the GPU
+        self._leader_index = torch.tensor(self.input_leader, device=self.history.device) if shared else None
         for m, lead in zip(self.layers, leader):
             m.fp8_input_scale = self.layers[lead].fp8_input_scale
         self._set_scales()
