@@ -289,3 +289,19 @@ def test_the_input_groups_are_resumed_with_the_history():
     assert again.input_leader == [0, 0, 0, 3] and all(m.fp8_ready for m in again.layers)
     assert resumed.v.fp8_input_scale is resumed.q.fp8_input_scale
     assert all(torch.equal(a.fp8_input_scale, b.fp8_input_scale) for a, b in zip(scaling.layers, again.layers))
+
+
+def test_a_transformers_llama_groups_its_attention_and_mlp_inputs():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).bfloat16()
+    float8.convert_to_float8_training(model.model, config=float8.Float8LinearConfig.from_recipe_name("tensorwise"))
+    use_single_casts(model)
+    scaling = use_delayed_scaling(model, torch.device("cpu"))
+    ids = torch.randint(0, 128, (2, 16))
+    model(ids, labels=ids).loss.backward()
+    scaling.update()
+    # per layer: q, k, v | o | gate, up | down
+    assert scaling.input_leader == [0, 0, 0, 3, 4, 4, 6, 7, 7, 7, 10, 11, 11, 13]
