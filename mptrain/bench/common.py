@@ -15,6 +15,18 @@ import torch
 H200_COPY_BW = 4.25e12
 
 
+def device_refusal(precision: str, device: "str | torch.device") -> Optional[str]:
+    """The trainer's own reason why ``device`` cannot run ``precision`` (its setup check: bf16 or fp8 without the
+    hardware), or None; asked before a case builds its model."""
+    from mptrain.precision.plugin import check_device_supports
+
+    try:
+        check_device_supports(precision, torch.device(device))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def bench_parser(name: str, doc: Optional[str], **kwargs) -> argparse.ArgumentParser:
     """The parser of ``mptrain bench NAME``: its description is the module docstring's first paragraph, and
     flags are never abbreviated (``--step`` is not ``--steps``)."""

@@ -11,6 +11,7 @@ last whole file).
 """
 from __future__ import annotations
 
+import argparse
 import gzip
 import os
 from pathlib import Path
@@ -21,6 +22,13 @@ import torch
 
 #: torch 2.6 has no portable compile cache (``save_cache_artifacts`` came with 2.7): the option then says so
 AVAILABLE = hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts")
+
+
+def add_compile_cache_option(parser: argparse.ArgumentParser) -> None:
+    """The model benchmarks' ``--compile-cache FILE``."""
+    parser.add_argument("--compile-cache", default=None, metavar="FILE",
+                        help="torch.compile's portable cache: loaded before the first case, written after each "
+                             "(mptrain.bench.compile_cache)")
 
 
 class CompileCache:

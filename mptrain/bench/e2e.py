@@ -47,12 +47,11 @@ from typing import Optional
 import lightning as L
 import torch
 
-from mptrain.bench.common import bench_parser, device_meta, fmt, parse_csv, write_json
-from mptrain.bench.compile_cache import CompileCache
+from mptrain.bench.common import bench_parser, device_meta, device_refusal, fmt, parse_csv, write_json
+from mptrain.bench.compile_cache import CompileCache, add_compile_cache_option
 from mptrain.bench.e2e_models import MODELS, build, compile_lightning_module, make_trainer, use_optimizer
 from mptrain.bench.user_models import USER_MODELS, build_user
 from mptrain.precision.graph_capture import CudaGraphError
-from mptrain.precision.plugin import check_device_supports
 
 LR = 1e-4
 
@@ -336,7 +335,8 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
     res.mem_start_gb = _fresh_start(cuda)
     start = time.perf_counter()
     module = batches = trainer = None
-    refusal = _device_refusal(precision, quick)
+    # fp8 without fp8 tensor cores (the CPU of --quick): the trainer's reason, before the model is built
+    refusal = device_refusal(precision, "cpu" if quick else "cuda") if precision.startswith("fp8") else None
     if refusal is not None:
         res.status, res.message, res.mem_end_gb, res.wall_s = "not supported", refusal, res.mem_start_gb, 0.0
         return res
@@ -358,18 +358,6 @@ def run_case(model: str, name: str, precision: str, warmup: int, steps: int, qui
         module = batches = trainer = None  # noqa: F841 - the case's memory is collected before the next starts
         res.mem_end_gb = _fresh_start(cuda)
     return res
-
-
-def _device_refusal(precision: str, quick: bool) -> Optional[str]:
-    """The trainer's own reason why this machine cannot run ``precision`` (fp8 without fp8 tensor cores: the CPU
-    of --quick), or None; asked before the model is built."""
-    if not precision.startswith("fp8"):
-        return None
-    try:
-        check_device_supports(precision, torch.device("cpu" if quick else "cuda"))
-    except RuntimeError as e:
-        return str(e)
-    return None
 
 
 def _record(res: Result, timer: StepTimer, steps: int, skipped) -> None:
@@ -542,9 +530,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="runs of every case in alternating order: the median run of each; mixed-mode ratios by pass")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny models on the CPU: checks the harness, not speed")
-    p.add_argument("--compile-cache", default=None, metavar="FILE",
-                   help="torch.compile's portable cache: loaded before the first case, written after each "
-                        "(mptrain.bench.compile_cache)")
+    add_compile_cache_option(p)
     args = p.parse_args(argv)
     args.models = parse_csv(p, args.models, ALL_MODELS, "--models")
     every = tuple(dict.fromkeys([*CASES, *USER_CASES]))

@@ -52,8 +52,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from mptrain.bench.common import bench_parser, device_meta, fmt, parse_csv, write_json
-from mptrain.bench.compile_cache import CompileCache
+from mptrain.bench.common import bench_parser, device_meta, device_refusal, fmt, parse_csv, write_json
+from mptrain.bench.compile_cache import CompileCache, add_compile_cache_option
 from mptrain.bench.e2e import QUICK_COMPILE, MemoryPhases, StepTimer, format_phases, fused_kernel_status
 from mptrain.bench.e2e_models import DeviceBatches, compile_lightning_module, make_trainer
 from mptrain.precision.fp8 import is_float8_linear
@@ -232,13 +232,10 @@ def fp8_refusal(name: str, case: Case, device: str) -> Optional[str]:
     On the CPU (``--quick``) torchao's linears run, emulated: the harness check of the torchao cases."""
     if not case.fp8 or (case.torchao and device == "cpu"):
         return None
-    from mptrain.precision.plugin import check_device_supports
-
-    try:
-        check_device_supports("fp8-master", torch.device(device))
-    except RuntimeError as e:
-        return str(e) if case.precision == "fp8-master" else f"{name} needs fp8 GEMMs as fp8-master does: {e}"
-    return None
+    why = device_refusal("fp8-master", device)
+    if why is None or case.precision == "fp8-master":
+        return why
+    return f"{name} needs fp8 GEMMs as fp8-master does: {why}"
 
 
 def _trainer(case: Case, callbacks: list, total: int, device: str, compile_args, fused):
@@ -376,9 +373,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON (after each case)")
     p.add_argument("--quick", action="store_true",
                    help="a tiny Llama on the CPU, compiled with the eager backend: checks the harness, not speed")
-    p.add_argument("--compile-cache", default=None, metavar="FILE",
-                   help="torch.compile's portable cache: loaded before the first case, written after each "
-                        "(mptrain.bench.compile_cache)")
+    add_compile_cache_option(p)
     args = p.parse_args(argv)
     args.models = parse_csv(p, args.models, tuple(MODELS), "--models")
     args.cases = parse_csv(p, args.cases, tuple(CASES), "--cases")
