@@ -1,7 +1,7 @@
 """Do delayed fp8 scales let inductor fuse the casts into their producers?  One Llama MLP block, compiled (lab tool).
 
 A transformers ``LlamaRMSNorm`` + ``LlamaMLP`` at the 1.2B recipe's widths (hidden 2048, FFN 8192, 8 x 2048
-tokens), forward and backward, compiled, in three variants:
+tokens), forward and backward, compiled, in these variants:
 
   bf16        the block in bf16
   tensorwise  its linears as fp8-master's ``Fp8Linear`` (current scales: an amax pass, then a cast pass)
@@ -9,6 +9,11 @@ tokens), forward and backward, compiled, in three variants:
   delayed-fp8amax  the delayed linear with each recorded amax read from the fp8 operand it cast (1 byte an
               element; inductor otherwise recomputes the SiLU x mul or its backward in a reduction of its own), a
               saturated operand recorded at twice its scale's range so that the history catches up
+  tensorwise-wholeamax, delayed-wholeamax
+              the same with each amax one reduction over the whole tensor (torchao's ``tensor_to_amax``) instead
+              of the product's reduction along rows first (``fp8_linear.tensor_amax``): a reduction along rows has
+              the producer's loop shape, so inductor can compute it inside the kernel that makes the tensor; a
+              whole-tensor reduction is a split reduction of its own that recomputes the producer
 
 Per variant: ms per forward + backward (CUDA events, median of --steps), the number of GPU kernels per step and
 the kernels' time by name (profiler).  The full model's answer costs a 1.2B compile per case (over a minute each on
@@ -52,7 +57,7 @@ class _Fp8AmaxMatmul(torch.autograd.Function):
 
         T = fp8_linear.torchao_linear
         shape = input_hp.shape
-        x = fp8_delayed._cast_with_scale(input_hp.reshape(-1, shape[-1]), input_scale,
+        x = fp8_linear.cast_with_scale(input_hp.reshape(-1, shape[-1]), input_scale,
                                          config.cast_config_input.target_dtype, mm_config, T.GemmInputRole.INPUT)
         w_t = fp8_linear._cast(T, weight_hp.t(), config.cast_config_weight.target_dtype, mm_config,
                                T.GemmInputRole.WEIGHT)
@@ -69,7 +74,7 @@ class _Fp8AmaxMatmul(torch.autograd.Function):
 
         T = fp8_linear.torchao_linear
         x, w_t, grad_scale = ctx.saved_tensors
-        g = fp8_delayed._cast_with_scale(grad_output.reshape(-1, grad_output.shape[-1]), grad_scale,
+        g = fp8_linear.cast_with_scale(grad_output.reshape(-1, grad_output.shape[-1]), grad_scale,
                                          ctx.config.cast_config_grad_output.target_dtype, ctx.mm_config,
                                          T.GemmInputRole.GRAD_OUTPUT)
         grad_input = torch.mm(g, w_t.t()).reshape(*ctx.input_shape[:-1], -1) if ctx.needs_input_grad[0] else None
@@ -96,6 +101,20 @@ def _fp8_amax_forward(self, input):
     return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
+def _whole_amax(x: torch.Tensor) -> torch.Tensor:
+    """``x.abs().amax()`` as one reduction over the whole tensor (torchao's ``tensor_to_amax``)."""
+    return x.detach().abs().amax().float()
+
+
+def _patch_whole_amax(on: bool) -> None:
+    """The wholeamax variants: the product's row-first amax (``fp8_linear.tensor_amax``) swapped for the
+    whole-tensor reduction (or put back)."""
+    from mptrain.precision import fp8_delayed, fp8_linear
+
+    saved = _patch_whole_amax.__dict__.setdefault("saved", fp8_linear.tensor_amax)
+    fp8_linear.tensor_amax = fp8_delayed.tensor_amax = _whole_amax if on else saved
+
+
 def build(variant: str, hidden: int, ffn: int, device: str):
     torch.manual_seed(0)
     block = Block(hidden, ffn).to(device, torch.bfloat16)
@@ -108,6 +127,7 @@ def build(variant: str, hidden: int, ffn: int, device: str):
 
         float8.convert_to_float8_training(block, config=float8.Float8LinearConfig.from_recipe_name("tensorwise"))
         use_single_casts(block)
+        _patch_whole_amax(variant.endswith("-wholeamax"))
         if variant.startswith("delayed"):
             scaling = use_delayed_scaling(block, torch.device(device))
         if variant == "delayed-fp8amax":
@@ -170,7 +190,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="hidden 64, FFN 256, 512 tokens")
-    p.add_argument("--variants", default="bf16,tensorwise,delayed,delayed-fp8amax")
+    p.add_argument("--variants", default="bf16,tensorwise,tensorwise-wholeamax,delayed,delayed-wholeamax,delayed-fp8amax")
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
     args.hidden, args.ffn, args.tokens = (64, 256, 512) if args.small else (2048, 8192, 8 * 2048)

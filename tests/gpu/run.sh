@@ -103,7 +103,7 @@ stage fp8prof 400 python3 dev/fp8_llama_profile.py --config 1b --cases bf16-mast
   --warmup 4 --steps 6 --out "$OUT/fp8prof.json" ${PROF_ARGS:-}
 # one Llama MLP block at the 1.2B widths, compiled, in bf16 and fp8 with current and with delayed scales (and delayed
 # with its amaxes read from the fp8 bytes): do the delayed casts fuse into their producers (kernels a step, time)?  Seconds of compile where the model takes minutes
-stage fp8mlp 150 python3 dev/fp8_mlp_fusion.py
+stage fp8mlp 200 python3 dev/fp8_mlp_fusion.py
 # shellcheck disable=SC2086  # SR_ARGS: extra flags, e.g. SR_ARGS="--optim-only"
 stage sr 400 python3 -m mptrain.bench.sr --out "$OUT/sr.json" ${SR_ARGS:-}
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
