@@ -4,7 +4,8 @@ Runs mptrain.Trainer on transformers' LlamaForCausalLM (synthetic tokens), times
 and profiles a few of them, summing GPU kernel time by category (fp8 GEMM, bf16 GEMM, attention, casts and
 amax, optimizer, other).  Cases: bf16-master; torchao tensorwise swapped inside bf16-master; fp8-master;
 fp8-master-delayed (recipe="delayed": casts fused into the kernels that produce their tensors, so those kernels
-count as casts here).
+count as casts here); blockwise (the linears but lm_head as ``dev/fp8_blockwise.py``'s 1x128 / 128x128 scaled
+linear, inside bf16-master).
 
     python dev/fp8_llama_profile.py --config 1b --cases bf16-master,torchao,fp8-master
 """
@@ -30,17 +31,21 @@ SEQ, VOCAB = 2048, 32000
 
 
 class LM(L.LightningModule):
-    def __init__(self, cfg, torchao_swap: bool):
+    def __init__(self, cfg, swap: str | None):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
         c = {k: v for k, v in cfg.items() if k != "batch"}
         conf = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, attn_implementation="sdpa", **c)
         with torch.device("cuda"):
             self.model = LlamaForCausalLM(conf)
-        if torchao_swap:
+        if swap == "torchao":
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
             convert_to_float8_training(self.model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
                                        module_filter_fn=lambda m, fqn: fqn != "lm_head")
+        elif swap == "blockwise":
+            from fp8_blockwise import check_blockwise, use_blockwise  # dev/, beside this script
+            check_blockwise("cuda")
+            use_blockwise(self.model, skip=("lm_head",))
 
     def training_step(self, batch, _):
         logits = self.model(input_ids=batch).logits
@@ -123,7 +128,7 @@ def run(case: str, cfg: dict, warmup: int, steps: int, prof_steps: int, fused) -
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = LM(cfg, torchao_swap=case == "torchao")
+    model = LM(cfg, swap=case if case in ("torchao", "blockwise") else None)
     g = torch.Generator(device="cuda").manual_seed(0)
     data = [torch.randint(0, VOCAB, (cfg["batch"], SEQ), device="cuda", generator=g) for _ in range(4)]
     total = warmup + steps + prof_steps + 1

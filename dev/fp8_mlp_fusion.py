@@ -21,7 +21,7 @@ tokens), forward and backward, compiled, in these variants:
               over 128 neighbouring elements: no cast waits for a whole tensor.  The input and the output
               gradient are cast twice (along the features for the forward and input-gradient GEMMs, along the
               tokens, transposed, for the weight-gradient GEMM); the weight once, its blocks transposed for the
-              input gradient.  Checked against the same GEMMs on the decoded operands before it is timed.
+              input gradient (``dev/fp8_blockwise.py``).
 
 Per variant: ms per forward + backward (CUDA events, median of --steps), the number of GPU kernels per step and
 the kernels' time by name (profiler).  The full model's answer costs a 1.2B compile per case (over a minute each on
@@ -135,121 +135,15 @@ def _patch_row_amax(on: bool) -> None:
         (_row_amax_cast, _row_amax_cast, _row_amax) if on else saved)
 
 
-_E4M3 = torch.float8_e4m3fn
-_E5M2 = torch.float8_e5m2
-
-
-def _tiles(x: torch.Tensor, dtype: torch.dtype, along: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (2-D) cast to fp8 in 1x128 tiles ``along`` dimension 1 (the features) or 0 (the tokens; then the data
-    comes back transposed, row-major): the fp8 rows, each contracted along its length, and their decode scales
-    (rows x length/128), outer-dimension-major as cuBLAS takes them."""
-    if along == 0:
-        x = x.t()
-    rows, cols = x.shape
-    t = x.float().reshape(rows, cols // 128, 128)
-    amax = t.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-    data = (t * (torch.finfo(dtype).max / amax)).to(dtype).reshape(rows, cols)
-    scale = (amax / torch.finfo(dtype).max).reshape(rows, cols // 128)
-    return data.contiguous(), scale.t().contiguous().t()
-
-
-def _blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight (out x in) cast to e4m3 in 128x128 blocks: the fp8 weight and its decode scales (out/128 x in/128)."""
-    n, k = w.shape
-    t = w.float().reshape(n // 128, 128, k // 128, 128)
-    amax = t.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12)
-    data = (t * (torch.finfo(_E4M3).max / amax)).to(_E4M3).reshape(n, k)
-    return data, (amax / torch.finfo(_E4M3).max).reshape(n // 128, k // 128)
-
-
-def _scaled_mm(a, a_scale, a_recipe, b, b_scale, b_recipe) -> torch.Tensor:
-    """``a @ b.t()`` for row-major fp8 ``a`` (m x k) and ``b`` (n x k) with their scales along k."""
-    import torch.nn.functional as F
-
-    return F.scaled_mm(a, b.t(), a_scale, a_recipe, b_scale.t(), b_recipe, output_dtype=torch.bfloat16)
-
-
-def _dequantized_mm(a, a_scale, a_block, b, b_scale, b_block) -> torch.Tensor:
-    """The reference for :func:`_scaled_mm`: the operands decoded to fp32 (``*_block``: rows a scale covers)."""
-    def decode(t, s, block):
-        s = s.repeat_interleave(block, 0)[: t.shape[0]].repeat_interleave(128, 1)[:, : t.shape[1]]
-        return t.float() * s
-    return (decode(a, a_scale, a_block) @ decode(b, b_scale, b_block).t()).bfloat16()
-
-
-class _BlockwiseMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_hp, weight):
-        from torch.nn.functional import ScalingType as S
-
-        shape = input_hp.shape
-        x = input_hp.reshape(-1, shape[-1])
-        xq, xs = _tiles(x, _E4M3, along=1)
-        wq, ws = _blocks(weight)
-        xtq, xts = _tiles(x, _E4M3, along=0)  # for the weight gradient: tiles along the tokens
-        ctx.save_for_backward(xtq, xts, wq, ws)
-        ctx.input_shape = shape
-        out = _scaled_mm(xq, xs, S.BlockWise1x128, wq, ws, S.BlockWise128x128)
-        return out.reshape(*shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        from torch.nn.functional import ScalingType as S
-
-        xtq, xts, wq, ws = ctx.saved_tensors
-        g = grad_output.reshape(-1, grad_output.shape[-1])
-        gq, gs = _tiles(g, _E5M2, along=1)
-        gtq, gts = _tiles(g, _E5M2, along=0)
-        grad_input = _scaled_mm(gq, gs, S.BlockWise1x128, wq.t().contiguous(), ws.t(), S.BlockWise128x128)
-        grad_weight = _scaled_mm(gtq, gts, S.BlockWise1x128, xtq, xts, S.BlockWise1x128)
-        return grad_input.reshape(ctx.input_shape), grad_weight
-
-
-class BlockwiseFp8Linear(nn.Linear):
-    def forward(self, input):
-        out = _BlockwiseMatmul.apply(input, self.weight)
-        return out if self.bias is None else out + self.bias
-
-
-def check_blockwise(device: str) -> None:
-    """Each of the blockwise linear's three GEMMs against the same GEMM on its decoded operands (fp32 math): the
-    scale layouts cuBLAS takes are right, or this raises before anything is timed."""
-    from torch.nn.functional import ScalingType as S
-
-    torch.manual_seed(0)
-    x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
-    w = torch.randn(384, 256, device=device, dtype=torch.bfloat16)
-    g = torch.randn(512, 384, device=device, dtype=torch.bfloat16)
-    xq, xs = _tiles(x, _E4M3, 1)
-    wq, ws = _blocks(w)
-    gq, gs = _tiles(g, _E5M2, 1)
-    xtq, xts = _tiles(x, _E4M3, 0)
-    gtq, gts = _tiles(g, _E5M2, 0)
-    wtq = wq.t().contiguous()
-    pairs = {
-        "forward": (_scaled_mm(xq, xs, S.BlockWise1x128, wq, ws, S.BlockWise128x128),
-                    _dequantized_mm(xq, xs, 1, wq, ws, 128)),
-        "input gradient": (_scaled_mm(gq, gs, S.BlockWise1x128, wtq, ws.t(), S.BlockWise128x128),
-                           _dequantized_mm(gq, gs, 1, wtq, ws.t(), 128)),
-        "weight gradient": (_scaled_mm(gtq, gts, S.BlockWise1x128, xtq, xts, S.BlockWise1x128),
-                            _dequantized_mm(gtq, gts, 1, xtq, xts, 1)),
-    }
-    for name, (got, want) in pairs.items():
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        print(f"blockwise {name}: relative error against the decoded operands {err:.2e}")
-        if not err < 1e-2:
-            raise AssertionError(f"blockwise {name} GEMM differs from its decoded operands (relative error {err})")
-
-
 def build(variant: str, hidden: int, ffn: int, device: str):
     torch.manual_seed(0)
     block = Block(hidden, ffn).to(device, torch.bfloat16)
     scaling = None
     if variant == "blockwise":
+        from fp8_blockwise import check_blockwise, use_blockwise  # dev/, beside this script
+
         check_blockwise(device)
-        for m in block.modules():
-            if type(m) is nn.Linear:
-                m.__class__ = BlockwiseFp8Linear
+        use_blockwise(block)
     elif variant != "bf16":
         import torchao.float8 as float8
 

@@ -97,7 +97,8 @@ stage speed 420 python3 -m pytest tests/gpu -q -s -rfE --timeout=400 -p no:cache
 stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --models llama1b --out "$OUT/fp8.json" --compile-cache "$CACHE_FILE" \
   ${FP8_ARGS:-}
 # where the 1.2B step's time goes (docs/fp8.md's table), kernel time by category from the profiler: bf16-master,
-# torchao's linears under bf16-master, fp8-master (about 4 minutes; PROF_ARGS adds flags, e.g. --config 8b_layers)
+# torchao's linears under bf16-master, fp8-master (about 4 minutes; PROF_ARGS adds flags, e.g. --config 8b_layers, or
+# --cases bf16-master,fp8-master,blockwise for the lab's blockwise-scaled linears, dev/fp8_blockwise.py)
 # shellcheck disable=SC2086
 stage fp8prof 400 python3 dev/fp8_llama_profile.py --config 1b --cases bf16-master,torchao,fp8-master --fused auto \
   --warmup 4 --steps 6 --out "$OUT/fp8prof.json" ${PROF_ARGS:-}
