@@ -215,7 +215,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="hidden 64, FFN 256, 512 tokens")
-    p.add_argument("--variants", default="bf16,tensorwise,tensorwise-rowamax,delayed,delayed-rowamax,delayed-fp8amax,blockwise")
+    p.add_argument("--variants", default="bf16,tensorwise,tensorwise-rowamax,delayed,delayed-rowamax,"
+                                         "delayed-fp8amax,blockwise")
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
     args.hidden, args.ffn, args.tokens = (64, 256, 512) if args.small else (2048, 8192, 8 * 2048)
