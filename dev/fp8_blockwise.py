@@ -44,6 +44,12 @@ def _blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, (amax / torch.finfo(_E4M3).max).reshape(n // 128, k // 128)
 
 
+def _transposed(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A blocked weight as the input-gradient GEMM takes it (in x out): 128x128 blocks transpose with their scales;
+    the scales laid out as the forward's (cuBLAS reads a 128x128 scale tensor given transposed, as torch's tests)."""
+    return wq.t().contiguous(), ws.t().contiguous()
+
+
 def _scaled_mm(a, a_scale, a_recipe, b, b_scale, b_recipe) -> torch.Tensor:
     """``a @ b.t()`` for row-major fp8 ``a`` (m x k) and ``b`` (n x k) with their scales along k."""
     import torch.nn.functional as F
@@ -82,7 +88,7 @@ class _BlockwiseMatmul(torch.autograd.Function):
         g = grad_output.reshape(-1, grad_output.shape[-1])
         gq, gs = _tiles(g, _E5M2, along=1)
         gtq, gts = _tiles(g, _E5M2, along=0)
-        grad_input = _scaled_mm(gq, gs, S.BlockWise1x128, wq.t().contiguous(), ws.t(), S.BlockWise128x128)
+        grad_input = _scaled_mm(gq, gs, S.BlockWise1x128, *_transposed(wq, ws), S.BlockWise128x128)
         grad_weight = _scaled_mm(gtq, gts, S.BlockWise1x128, xtq, xts, S.BlockWise1x128)
         return grad_input.reshape(ctx.input_shape), grad_weight
 
@@ -107,12 +113,12 @@ def check_blockwise(device: str) -> None:
     gq, gs = _tiles(g, _E5M2, 1)
     xtq, xts = _tiles(x, _E4M3, 0)
     gtq, gts = _tiles(g, _E5M2, 0)
-    wtq = wq.t().contiguous()
+    wtq, wts = _transposed(wq, ws)
     pairs = {
         "forward": (_scaled_mm(xq, xs, S.BlockWise1x128, wq, ws, S.BlockWise128x128),
                     _dequantized_mm(xq, xs, 1, wq, ws, 128)),
-        "input gradient": (_scaled_mm(gq, gs, S.BlockWise1x128, wtq, ws.t(), S.BlockWise128x128),
-                           _dequantized_mm(gq, gs, 1, wtq, ws.t(), 128)),
+        "input gradient": (_scaled_mm(gq, gs, S.BlockWise1x128, wtq, wts, S.BlockWise128x128),
+                           _dequantized_mm(gq, gs, 1, wtq, wts, 128)),
         "weight gradient": (_scaled_mm(gtq, gts, S.BlockWise1x128, xtq, xts, S.BlockWise1x128),
                             _dequantized_mm(gtq, gts, 1, xtq, xts, 1)),
     }
