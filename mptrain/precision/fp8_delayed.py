@@ -250,24 +250,24 @@ class DelayedScaling:
         if self.steps > 0:  # this step ran at delayed scales
             self.saturated += now * torch.stack(self._scales()) > self.fp8_max
         self.history.copy_(torch.cat([now[:, None], self.history[:, :-1]], dim=1))
+        if self.steps == 0:  # the first step found the input groups
+            self._share_input_scales(self._groups.done())
         self._set_scales()
         torch._foreach_zero_([m.fp8_input_amax for m in self.layers] + self._grad_amax)
         self.steps += 1
         if self.steps == 1:
-            self._share_input_scales(self._groups.done())
             for m in self.layers:
                 m.fp8_ready = True
 
     def _share_input_scales(self, leader: list[int]) -> None:
-        """Layers that read one input take their leader's input-scale tensor (``_InputGroups``), and the scales are
-        set again with the groups' amaxes."""
+        """Layers that read one input take their leader's input-scale tensor (``_InputGroups``); the caller sets the
+        scales, which then follow the groups' amaxes."""
         self.input_leader = list(leader)
         shared = self.input_leader != list(range(len(self.layers)))
         # on the device once: a host list copied up at every step's update would wait for the GPU
         self._leader_index = torch.tensor(self.input_leader, device=self.history.device) if shared else None
         for m, lead in zip(self.layers, leader):
             m.fp8_input_scale = self.layers[lead].fp8_input_scale
-        self._set_scales()
 
     def saturated_steps(self) -> dict[str, dict[str, int]]:
         """``{layer: {"input": steps, "grad_output": steps}}`` for the casts that saturated in some step (one host
@@ -296,6 +296,7 @@ class DelayedScaling:
         if self.steps > 0:  # the scales follow from the history (and the input groups) alone
             self._groups.done()
             self._share_input_scales(state.get("input_leader", range(len(self.layers))))
+            self._set_scales()
             for m in self.layers:
                 m.fp8_ready = True
 
