@@ -15,7 +15,9 @@ reads otherwise fails before anything is timed.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.functional import ScalingType as S
 
 _E4M3 = torch.float8_e4m3fn
 _E5M2 = torch.float8_e5m2
@@ -52,24 +54,19 @@ def _transposed(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def _scaled_mm(a, a_scale, a_recipe, b, b_scale, b_recipe) -> torch.Tensor:
     """``a @ b.t()`` for row-major fp8 ``a`` (m x k) and ``b`` (n x k) with their scales along k."""
-    import torch.nn.functional as F
-
     return F.scaled_mm(a, b.t(), a_scale, a_recipe, b_scale.t(), b_recipe, output_dtype=torch.bfloat16)
 
 
 def _dequantized_mm(a, a_scale, a_block, b, b_scale, b_block) -> torch.Tensor:
     """The reference for :func:`_scaled_mm`: the operands decoded to fp32 (``*_block``: rows a scale covers)."""
     def decode(t, s, block):
-        s = s.repeat_interleave(block, 0)[: t.shape[0]].repeat_interleave(128, 1)[:, : t.shape[1]]
-        return t.float() * s
+        return t.float() * s.repeat_interleave(block, 0).repeat_interleave(128, 1)
     return (decode(a, a_scale, a_block) @ decode(b, b_scale, b_block).t()).bfloat16()
 
 
 class _BlockwiseMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_hp, weight):
-        from torch.nn.functional import ScalingType as S
-
         shape = input_hp.shape
         x = input_hp.reshape(-1, shape[-1])
         xq, xs = _tiles(x, _E4M3, along=1)
@@ -82,8 +79,6 @@ class _BlockwiseMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        from torch.nn.functional import ScalingType as S
-
         xtq, xts, wq, ws = ctx.saved_tensors
         g = grad_output.reshape(-1, grad_output.shape[-1])
         gq, gs = _tiles(g, _E5M2, along=1)
@@ -102,8 +97,6 @@ class BlockwiseFp8Linear(nn.Linear):
 def check_blockwise(device: str) -> None:
     """Each of the blockwise linear's three GEMMs against the same GEMM on its decoded operands (fp32 math): the
     scale layouts cuBLAS takes are right, or this raises before anything is timed."""
-    from torch.nn.functional import ScalingType as S
-
     torch.manual_seed(0)
     x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
     w = torch.randn(384, 256, device=device, dtype=torch.bfloat16)
