@@ -15,6 +15,10 @@ tokens), forward and backward, compiled, in these variants:
               a reduction along rows has the producer's loop shape, so inductor can compute it inside the kernel
               that makes the tensor; a whole-tensor reduction is a split reduction of its own that recomputes the
               producer
+  delayed-swiglu
+              the delayed linears with the MLP in one autograd function whose SiLU x mul is a Triton kernel writing
+              the fp8 operand and its amax in one pass, forward and backward (the backward also writes the
+              transposed copies: ``dev/fp8_swiglu.py``)
   blockwise   DeepSeek-V3's scales: activations and gradients in 1x128 tiles along the contraction dimension,
               weights in 128x128 blocks (``torch.nn.functional.scaled_mm``'s ``BlockWise1x128`` and
               ``BlockWise128x128``: cuBLAS on Hopper, CUDA 12.9 or newer).  Each tile's scale is a reduction
@@ -155,6 +159,12 @@ def build(variant: str, hidden: int, ffn: int, device: str):
         _patch_row_amax(variant.endswith("-rowamax"))
         if variant.startswith("delayed"):
             scaling = use_delayed_scaling(block, torch.device(device))
+        if variant == "delayed-swiglu":
+            from fp8_swiglu import check, check_mlp, use_fused_mlp  # dev/, beside this script
+
+            check(device)
+            check_mlp(device)
+            assert use_fused_mlp(block) == 1
         if variant == "delayed-fp8amax":
             cls = type(scaling.layers[0])
             variant_cls = type("Fp8AmaxDelayedLinear", (cls,), {"forward": _fp8_amax_forward})
@@ -216,7 +226,7 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="hidden 64, FFN 256, 512 tokens")
     p.add_argument("--variants", default="bf16,tensorwise,tensorwise-rowamax,delayed,delayed-rowamax,"
-                                         "delayed-fp8amax,blockwise")
+                                         "delayed-fp8amax,delayed-swiglu,blockwise")
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
     args.hidden, args.ffn, args.tokens = (64, 256, 512) if args.small else (2048, 8192, 8 * 2048)

@@ -103,8 +103,9 @@ stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --models llama1b --out "
 stage fp8prof 400 python3 dev/fp8_llama_profile.py --config 1b --cases bf16-master,torchao,fp8-master --fused auto \
   --warmup 4 --steps 6 --out "$OUT/fp8prof.json" ${PROF_ARGS:-}
 # one Llama MLP block at the 1.2B widths, compiled: bf16 against fp8 with current and delayed scales, each with its
-# amaxes taken along rows first (rowamax), delayed with its amaxes read from the fp8 bytes, and blockwise scales
-# (1x128 tiles, 128x128 weight blocks): which casts fuse into their producers (kernels a step, time)?  Seconds of
+# amaxes taken along rows first (rowamax), delayed with its amaxes read from the fp8 bytes, delayed with the SiLU x mul
+# as Triton kernels writing fp8 and amaxes (dev/fp8_swiglu.py), and blockwise scales (1x128 tiles, 128x128 weight
+# blocks): which casts fuse into their producers (kernels a step, time)?  Seconds of
 # compile where the model takes minutes
 stage fp8mlp 200 python3 dev/fp8_mlp_fusion.py
 # shellcheck disable=SC2086  # SR_ARGS: extra flags, e.g. SR_ARGS="--optim-only"
