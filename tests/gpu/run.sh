@@ -107,7 +107,7 @@ stage fp8prof 400 python3 dev/fp8_llama_profile.py --config 1b --cases bf16-mast
 # as Triton kernels writing fp8 and amaxes (dev/fp8_swiglu.py), and blockwise scales (1x128 tiles, 128x128 weight
 # blocks): which casts fuse into their producers (kernels a step, time)?  Seconds of
 # compile where the model takes minutes
-stage fp8mlp 200 python3 dev/fp8_mlp_fusion.py
+stage fp8mlp 260 python3 dev/fp8_mlp_fusion.py
 # shellcheck disable=SC2086  # SR_ARGS: extra flags, e.g. SR_ARGS="--optim-only"
 stage sr 400 python3 -m mptrain.bench.sr --out "$OUT/sr.json" ${SR_ARGS:-}
 stage multi 560 bash -c 'python3 -m mptrain.bench.ddp --nproc 2 --batch 256 --json "$OUT/ddp256.json";
