@@ -98,9 +98,11 @@ def check_blockwise(device: str) -> None:
     """Each of the blockwise linear's three GEMMs against the same GEMM on its decoded operands (fp32 math): the
     scale layouts cuBLAS takes are right, or this raises before anything is timed."""
     torch.manual_seed(0)
-    x = torch.randn(512, 256, device=device, dtype=torch.bfloat16)
-    w = torch.randn(384, 256, device=device, dtype=torch.bfloat16)
-    g = torch.randn(512, 384, device=device, dtype=torch.bfloat16)
+    # every contraction a multiple of 4 blocks: torch 2.11 wants a 128x128 scale tensor's contraction dimension
+    # padded to 4 (cuBLAS's alignment), as the model's widths (2048, 8192) are
+    x = torch.randn(1024, 512, device=device, dtype=torch.bfloat16)
+    w = torch.randn(1536, 512, device=device, dtype=torch.bfloat16)
+    g = torch.randn(1024, 1536, device=device, dtype=torch.bfloat16)
     xq, xs = _tiles(x, _E4M3, 1)
     wq, ws = _blocks(w)
     gq, gs = _tiles(g, _E5M2, 1)
