@@ -25,6 +25,7 @@ from torch import nn
 
 from mptrain.precision.fp8_delayed import DelayedScaling, drop_delayed_state, use_delayed_scaling
 from mptrain.precision.fp8_linear import use_single_casts
+from mptrain.precision.fp8_mlp import unfuse_mlps, use_fused_mlps
 from mptrain.precision.fp8_policy import plan_fp8_layers, resolve_keep_list
 from mptrain.precision.master import MasterPrecision
 from mptrain.precision.plugin import check_device_supports
@@ -63,6 +64,7 @@ class Fp8Precision(MasterPrecision):
         self.recipe = recipe
         self.fp8_layers: list[str] = []  # qualified names of the layers running in fp8
         self.kept_layers: dict[str, str] = {}  # qualified name of each linear kept in bf16 -> why
+        self.fused_mlps: list[str] = []  # recipe="delayed": the Llama MLPs run as one fused fp8 function
         self._delayed: Optional[DelayedScaling] = None  # recipe="delayed": the layers' amax histories and scales
         self._delayed_saved: Optional[dict] = None  # a checkpoint's, until the layers are on their device
 
@@ -101,6 +103,9 @@ class Fp8Precision(MasterPrecision):
         if self.recipe == "delayed" and self._delayed is None and self.phase == "low" and self._module is not None:
             # the layers are on their device now: their scales and amaxes are made there
             self._delayed = use_delayed_scaling(self._module, self._device())
+            self.fused_mlps = use_fused_mlps(self._module)
+            if self.fused_mlps:
+                log.info("fp8-master (delayed): %d Llama MLPs run fused (fp8 SiLU x mul)", len(self.fused_mlps))
             if self._delayed_saved is not None:
                 self._delayed.load_state_dict(self._delayed_saved)
                 self._delayed_saved = None
@@ -142,10 +147,12 @@ class Fp8Precision(MasterPrecision):
             if self._delayed is not None:
                 drop_delayed_state(self._delayed.layers)
                 self._delayed = None
+            unfuse_mlps(self._module or model)
             unswap_fp8_linears(self._module or model)
         super().switch_to_fp32(model, optimizers)
 
     def promote_module(self, module: nn.Module) -> None:
+        unfuse_mlps(module)  # a fused MLP above the module runs its layers unfused once one of them left fp8
         unswap_fp8_linears(module)
         super().promote_module(module)
 
