@@ -6,19 +6,17 @@ tokens), forward and backward, compiled, in these variants:
   bf16        the block in bf16
   tensorwise  its linears as fp8-master's ``Fp8Linear`` (current scales: an amax pass, then a cast pass)
   delayed     the same as ``DelayedFp8Linear`` with a history (``recipe="delayed"``: casts at known scales)
+  delayed-fused
+              the delayed layers with the MLP as one function whose SiLU x mul writes its fp8 operands and their
+              amaxes in one pass each way (``mptrain.precision.fp8_mlp``: what ``recipe="delayed"`` runs)
   delayed-fp8amax  the delayed linear with each recorded amax read from the fp8 operand it cast (1 byte an
               element; inductor otherwise recomputes the SiLU x mul or its backward in a reduction of its own), a
               saturated operand recorded at twice its scale's range so that the history catches up
-  tensorwise-rowamax, delayed-rowamax
-              the same with each amax taken along the contiguous dimension first and then over those maxima
-              (``x.abs().amax(dim=-1).amax()``, the same value) instead of one reduction over the whole tensor:
-              a reduction along rows has the producer's loop shape, so inductor can compute it inside the kernel
-              that makes the tensor; a whole-tensor reduction is a split reduction of its own that recomputes the
-              producer
-  delayed-swiglu
-              the delayed linears with the MLP in one autograd function whose SiLU x mul is a Triton kernel writing
-              the fp8 operand and its amax in one pass, forward and backward (the backward also writes the
-              transposed copies: ``dev/fp8_swiglu.py``)
+  tensorwise-wholeamax, delayed-wholeamax
+              the same with each amax one reduction over the whole tensor (``x.abs().amax()``) instead of the
+              product's row-first one (``fp8_linear.tensor_amax``: along the contiguous dimension, then over those
+              maxima; the same value): a whole-tensor reduction is a split reduction of its own that recomputes the
+              producer, a reduction along rows has the producer's loop shape and fuses into its kernel
   blockwise   DeepSeek-V3's scales: activations and gradients in 1x128 tiles along the contraction dimension,
               weights in 128x128 blocks (``torch.nn.functional.scaled_mm``'s ``BlockWise1x128`` and
               ``BlockWise128x128``: cuBLAS on Hopper, CUDA 12.9 or newer).  Each tile's scale is a reduction
@@ -65,12 +63,12 @@ class _Fp8AmaxMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_hp, weight_hp, input_scale, grad_scale, grad_amax_sink, mm_config, config):
-        from mptrain.precision import fp8_delayed, fp8_linear
+        from mptrain.precision import fp8_linear
 
         T = fp8_linear.torchao_linear
         shape = input_hp.shape
-        x = fp8_delayed._cast_with_scale(input_hp.reshape(-1, shape[-1]), input_scale,
-                                         config.cast_config_input.target_dtype, mm_config, T.GemmInputRole.INPUT)
+        x = fp8_linear.cast_with_scale(input_hp.reshape(-1, shape[-1]), input_scale,
+                                       config.cast_config_input.target_dtype, mm_config, T.GemmInputRole.INPUT)
         w_t = fp8_linear._cast(T, weight_hp.t(), config.cast_config_weight.target_dtype, mm_config,
                                T.GemmInputRole.WEIGHT)
         ctx.save_for_backward(x, w_t, grad_scale)
@@ -82,13 +80,13 @@ class _Fp8AmaxMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, _):
-        from mptrain.precision import fp8_delayed, fp8_linear
+        from mptrain.precision import fp8_linear
 
         T = fp8_linear.torchao_linear
         x, w_t, grad_scale = ctx.saved_tensors
-        g = fp8_delayed._cast_with_scale(grad_output.reshape(-1, grad_output.shape[-1]), grad_scale,
-                                         ctx.config.cast_config_grad_output.target_dtype, ctx.mm_config,
-                                         T.GemmInputRole.GRAD_OUTPUT)
+        g = fp8_linear.cast_with_scale(grad_output.reshape(-1, grad_output.shape[-1]), grad_scale,
+                                       ctx.config.cast_config_grad_output.target_dtype, ctx.mm_config,
+                                       T.GemmInputRole.GRAD_OUTPUT)
         grad_input = torch.mm(g, w_t.t()).reshape(*ctx.input_shape[:-1], -1) if ctx.needs_input_grad[0] else None
         grad_weight = torch.mm(g.t(), x) if ctx.needs_input_grad[1] else None
         return grad_input, grad_weight, None, None, _fp8_amax(g._data, grad_scale), None, None
@@ -113,30 +111,18 @@ def _fp8_amax_forward(self, input):
     return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
-def _row_amax(x: torch.Tensor) -> torch.Tensor:
-    """``x.abs().amax()`` in fp32, reduced along the contiguous dimension first (a weight's transposed view: along
-    dimension 0), then over those maxima."""
-    a = x.detach().abs()
-    if a.dim() >= 2:
-        a = a.amax(dim=0 if a.dim() == 2 and a.stride(-1) != 1 and a.stride(0) == 1 else -1)
-    return a.amax().float()
+def _whole_amax(x: torch.Tensor) -> torch.Tensor:
+    """The amax as one reduction over the whole tensor (what the product's row-first ``tensor_amax`` replaced)."""
+    return x.detach().abs().amax().float()
 
 
-def _row_amax_cast(T, x, dtype, mm_config, role):
-    """``fp8_linear._cast`` (torchao's current-scaling cast) with the amax from :func:`_row_amax`."""
-    from torchao.float8.float8_scaling_utils import hp_tensor_and_scale_to_float8
-    from torchao.float8.float8_utils import amax_to_scale
+def _patch_whole_amax(on: bool) -> None:
+    """The wholeamax variants: the product's row-first amax swapped for the whole-tensor one (or put back)."""
+    from mptrain.precision import fp8_delayed, fp8_linear, fp8_mlp
 
-    return hp_tensor_and_scale_to_float8(x, amax_to_scale(_row_amax(x), dtype), dtype, mm_config, role)
-
-
-def _patch_row_amax(on: bool) -> None:
-    """The rowamax variants: the product's amax and cast helpers swapped for the row-first ones (or put back)."""
-    from mptrain.precision import fp8_delayed, fp8_linear
-
-    saved = _patch_row_amax.__dict__.setdefault("saved", (fp8_linear._cast, fp8_delayed._cast, fp8_delayed._amax))
-    fp8_linear._cast, fp8_delayed._cast, fp8_delayed._amax = (
-        (_row_amax_cast, _row_amax_cast, _row_amax) if on else saved)
+    saved = _patch_whole_amax.__dict__.setdefault("saved", fp8_linear.tensor_amax)
+    for mod in (fp8_linear, fp8_delayed, fp8_mlp):
+        mod.tensor_amax = _whole_amax if on else saved
 
 
 def build(variant: str, hidden: int, ffn: int, device: str):
@@ -156,15 +142,13 @@ def build(variant: str, hidden: int, ffn: int, device: str):
 
         float8.convert_to_float8_training(block, config=float8.Float8LinearConfig.from_recipe_name("tensorwise"))
         use_single_casts(block)
-        _patch_row_amax(variant.endswith("-rowamax"))
+        _patch_whole_amax(variant.endswith("-wholeamax"))
         if variant.startswith("delayed"):
             scaling = use_delayed_scaling(block, torch.device(device))
-        if variant == "delayed-swiglu":
-            from fp8_swiglu import check, check_mlp, use_fused_mlp  # dev/, beside this script
+        if variant == "delayed-fused":
+            from mptrain.precision.fp8_mlp import use_fused_mlps
 
-            check(device)
-            check_mlp(device)
-            assert use_fused_mlp(block) == 1
+            assert use_fused_mlps(block) == ["mlp"]
         if variant == "delayed-fp8amax":
             cls = type(scaling.layers[0])
             variant_cls = type("Fp8AmaxDelayedLinear", (cls,), {"forward": _fp8_amax_forward})
@@ -225,8 +209,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="hidden 64, FFN 256, 512 tokens")
-    p.add_argument("--variants", default="bf16,tensorwise,tensorwise-rowamax,delayed,delayed-rowamax,"
-                                         "delayed-fp8amax,delayed-swiglu,blockwise")
+    p.add_argument("--variants", default="bf16,tensorwise,tensorwise-wholeamax,delayed,delayed-wholeamax,"
+                                         "delayed-fp8amax,delayed-fused,blockwise")
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
     args.hidden, args.ffn, args.tokens = (64, 256, 512) if args.small else (2048, 8192, 8 * 2048)

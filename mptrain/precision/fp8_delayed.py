@@ -44,19 +44,10 @@ from torch import nn
 
 from mptrain.compat import torch as compat
 from mptrain.precision import fp8_linear
-from mptrain.precision.fp8_linear import _cast, fp8_linear_class
+from mptrain.precision.fp8_linear import _cast, fp8_linear_class, tensor_amax
 
 #: steps of amax history per tensor; the scale follows the largest amax among them
 HISTORY = 16
-
-
-#: torchao's cast at a given scale, set when the layer class is made (read as a global in compiled code); its
-#: scaling-utils module has it under this name in every torchao the fp8 extra admits (its home module was renamed)
-_cast_with_scale: Any = None
-
-
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().abs().amax().float()
 
 
 class _DelayedFp8Matmul(torch.autograd.Function):
@@ -67,8 +58,8 @@ class _DelayedFp8Matmul(torch.autograd.Function):
     def forward(ctx, input_hp, weight_hp, input_scale, grad_scale, grad_amax_sink, mm_config, config):
         T = fp8_linear.torchao_linear
         shape = input_hp.shape
-        x = _cast_with_scale(input_hp.reshape(-1, shape[-1]), input_scale, config.cast_config_input.target_dtype,
-                             mm_config, T.GemmInputRole.INPUT)
+        x = fp8_linear.cast_with_scale(input_hp.reshape(-1, shape[-1]), input_scale,
+                                       config.cast_config_input.target_dtype, mm_config, T.GemmInputRole.INPUT)
         w_t = _cast(T, weight_hp.t(), config.cast_config_weight.target_dtype, mm_config, T.GemmInputRole.WEIGHT)
         ctx.save_for_backward(x, w_t, grad_scale)
         ctx.mm_config, ctx.config, ctx.input_shape = mm_config, config, shape
@@ -80,14 +71,14 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         T = fp8_linear.torchao_linear
         x, w_t, grad_scale = ctx.saved_tensors
         g_hp = grad_output.reshape(-1, grad_output.shape[-1])
-        g = _cast_with_scale(g_hp, grad_scale, ctx.config.cast_config_grad_output.target_dtype, ctx.mm_config,
-                             T.GemmInputRole.GRAD_OUTPUT)
+        g = fp8_linear.cast_with_scale(g_hp, grad_scale, ctx.config.cast_config_grad_output.target_dtype,
+                                       ctx.mm_config, T.GemmInputRole.GRAD_OUTPUT)
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_input = torch.mm(g, w_t.t()).reshape(*ctx.input_shape[:-1], -1)
         if ctx.needs_input_grad[1]:
             grad_weight = torch.mm(g.t(), x)
-        return grad_input, grad_weight, None, None, _amax(g_hp), None, None
+        return grad_input, grad_weight, None, None, tensor_amax(g_hp), None, None
 
 
 class _RecordGradAmax(torch.autograd.Function):
@@ -99,19 +90,15 @@ class _RecordGradAmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, _amax(grad)
+        return grad, tensor_amax(grad)
 
 
 @functools.lru_cache(maxsize=None)
 def delayed_fp8_linear_class() -> Optional[type]:
     """:class:`DelayedFp8Linear`, made on first use (torchao is imported only by a run that converts layers)."""
-    global _cast_with_scale
     base = fp8_linear_class()
     if base is None:
         return None
-    from torchao.float8.float8_scaling_utils import hp_tensor_and_scale_to_float8
-
-    _cast_with_scale = hp_tensor_and_scale_to_float8
 
     class DelayedFp8Linear(base):
         """An :class:`~mptrain.precision.fp8_linear.Fp8Linear` whose input and output-gradient casts use delayed
@@ -124,7 +111,7 @@ def delayed_fp8_linear_class() -> Optional[type]:
                 input = input.to(torch.get_autocast_gpu_dtype())
             training = torch.is_grad_enabled()
             if training:  # this step's input amax, for the next steps' scales
-                self.fp8_input_amax.copy_(torch.maximum(self.fp8_input_amax, _amax(input)))
+                self.fp8_input_amax.copy_(torch.maximum(self.fp8_input_amax, tensor_amax(input)))
             if not self.fp8_ready:  # no history yet: current scales, the output gradient's amax recorded
                 if training:
                     self.fp8_inputs.note(self.fp8_index, input)

@@ -9,8 +9,9 @@ both backward GEMMs.  Every GEMM sees the very operands torchao's would (same sc
 layouts, the same ``torch._scaled_mm`` calls through torchao's fp8 tensor), so outputs and gradients are equal
 to torchao's bit for bit (``tests/precision/test_fp8_linear.py``); the casts per step drop from six to three.
 
-torchao stays the implementation of the casts (``hp_tensor_to_float8_dynamic``), the fp8 tensor layout and the
-scaled GEMMs; what changes is which casts run.  Only the tensorwise recipe: row-wise scales differ between a
+torchao stays the implementation of the casts (``hp_tensor_and_scale_to_float8`` at ``amax_to_scale`` of the
+tensor's amax, as its ``hp_tensor_to_float8_dynamic``), the fp8 tensor layout and the scaled GEMMs; what changes is
+which casts run, and that the amax is a reduction along rows first (:func:`tensor_amax`).  Only the tensorwise recipe: row-wise scales differ between a
 tensor and its transpose, so there the second casts are not redundant and torchao's linear is kept.
 """
 from __future__ import annotations
@@ -40,8 +41,28 @@ def _torchao():
 torchao_linear: Any = None
 
 
+#: torchao's cast at a given scale and its amax -> scale, set when the layer class is made (read as globals in
+#: compiled code); every torchao the fp8 extra admits has them under these names
+cast_with_scale: Any = None
+amax_to_scale: Any = None
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``x.abs().amax()`` in fp32, taken along the contiguous dimension first and then over those maxima: the same
+    value (a max does not round).  Under ``torch.compile`` a reduction along rows has the loop shape of the kernel
+    that produces ``x`` (an RMSNorm, the SwiGLU, a gradient), so inductor can compute it inside that kernel; a
+    reduction over the whole tensor is a split reduction of its own, which reads ``x`` again or recomputes its
+    producer (docs/fp8.md)."""
+    a = x.detach().abs()
+    if a.dim() >= 2:
+        a = a.amax(dim=0 if a.dim() == 2 and a.stride(-1) != 1 and a.stride(0) == 1 else -1)
+    return a.amax().float()
+
+
 def _cast(T, x: torch.Tensor, dtype: torch.dtype, mm_config: Any, role: Any) -> torch.Tensor:
-    return T.hp_tensor_to_float8_dynamic(x, dtype, mm_config, gemm_input_role=role)
+    """torchao's tensorwise current-scaling cast (``hp_tensor_to_float8_dynamic``: the scale from the tensor's amax,
+    then the cast at that scale), the amax taken by :func:`tensor_amax`."""
+    return cast_with_scale(x, amax_to_scale(tensor_amax(x), dtype), dtype, mm_config, role)
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -78,11 +99,16 @@ class _Fp8Matmul(torch.autograd.Function):
 def fp8_linear_class() -> Optional[type]:
     """:class:`Fp8Linear`, made on first use: torchao is imported only by a run that converts layers (``import
     mptrain`` stays without it); None when this torchao does not have the parts it builds on."""
-    global torchao_linear
+    global torchao_linear, cast_with_scale, amax_to_scale
     T = _torchao()
     if T is None:
         return None
-    torchao_linear = T
+    try:
+        from torchao.float8.float8_scaling_utils import hp_tensor_and_scale_to_float8
+        from torchao.float8.float8_utils import amax_to_scale as to_scale
+    except ImportError:
+        return None
+    torchao_linear, cast_with_scale, amax_to_scale = T, hp_tensor_and_scale_to_float8, to_scale
 
     class Fp8Linear(T.Float8Linear):
         """torchao's ``Float8Linear`` (its config, mm config, Parameters and state-dict keys) with the forward of

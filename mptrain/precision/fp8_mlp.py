@@ -23,19 +23,10 @@ import torch
 from torch import nn
 
 from mptrain.precision import fp8_linear
+from mptrain.precision.fp8_linear import tensor_amax
 from mptrain.precision.fp8_swiglu import fp8_swiglu, fp8_swiglu_backward
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().abs().amax().float()
-
-
-def _cast_with_scale(x, scale, dtype, mm_config, role):
-    from mptrain.precision import fp8_delayed
-
-    return fp8_delayed._cast_with_scale(x, scale, dtype, mm_config, role)
 
 
 class _FusedFp8MLP(torch.autograd.Function):
@@ -46,8 +37,8 @@ class _FusedFp8MLP(torch.autograd.Function):
 
         T = fp8_linear.torchao_linear
         shape = x.shape
-        x8 = _cast_with_scale(x.reshape(-1, shape[-1]), x_scale, config.cast_config_input.target_dtype, mm_config,
-                              T.GemmInputRole.INPUT)
+        x8 = fp8_linear.cast_with_scale(x.reshape(-1, shape[-1]), x_scale, config.cast_config_input.target_dtype,
+                                        mm_config, T.GemmInputRole.INPUT)
         wdt = config.cast_config_weight.target_dtype
         wg_t, wu_t, wd_t = (fp8_linear._cast(T, w.t(), wdt, mm_config, T.GemmInputRole.WEIGHT)
                             for w in (w_gate, w_up, w_down))
@@ -67,8 +58,8 @@ class _FusedFp8MLP(torch.autograd.Function):
         T = fp8_linear.torchao_linear
         x8, wg_t, wu_t, wd_t, g, u, h8, gy_scale, gg_scale, gu_scale = ctx.saved_tensors
         gy_hp = grad_y.reshape(-1, grad_y.shape[-1])
-        gy = _cast_with_scale(gy_hp, gy_scale, ctx.config.cast_config_grad_output.target_dtype, ctx.mm_config,
-                              T.GemmInputRole.GRAD_OUTPUT)
+        gy = fp8_linear.cast_with_scale(gy_hp, gy_scale, ctx.config.cast_config_grad_output.target_dtype,
+                                        ctx.mm_config, T.GemmInputRole.GRAD_OUTPUT)
         dh = torch.mm(gy, wd_t.t())
         grad_wd = torch.mm(gy.t(), h8)
         dg, du, dg_t, du_t, amax_g, amax_u = fp8_swiglu_backward(dh, g, u, gg_scale, gu_scale)
@@ -80,7 +71,7 @@ class _FusedFp8MLP(torch.autograd.Function):
         grad_wg = torch.mm(f8(dg_t, gg_scale), x8)
         grad_wu = torch.mm(f8(du_t, gu_scale), x8)
         return (grad_x.reshape(ctx.shape), grad_wg, grad_wu, grad_wd, None, None, None, None, None,
-                _amax(gy_hp), amax_g, amax_u, None, None)
+                tensor_amax(gy_hp), amax_g, amax_u, None, None)
 
 
 #: ``DelayedFp8Linear``, set by :func:`use_fused_mlps` (read as a global in compiled code)
@@ -99,7 +90,7 @@ def fused_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return down(mlp.act_fn(gate(x)) * up(x))
     training = torch.is_grad_enabled()
     if training:  # as the unfused layers record them: gate and up read x, down reads the SiLU x mul
-        amax = _amax(x)
+        amax = tensor_amax(x)
         gate.fp8_input_amax.copy_(torch.maximum(gate.fp8_input_amax, amax))
         up.fp8_input_amax.copy_(torch.maximum(up.fp8_input_amax, amax))
     y, h_amax = _FusedFp8MLP.apply(x, gate.weight, up.weight, down.weight, gate.fp8_input_scale,

@@ -102,11 +102,10 @@ stage fp8 560 python3 -m mptrain.bench.fp8 --fused auto --models llama1b --out "
 # shellcheck disable=SC2086
 stage fp8prof 400 python3 dev/fp8_llama_profile.py --config 1b --cases bf16-master,torchao,fp8-master --fused auto \
   --warmup 4 --steps 6 --out "$OUT/fp8prof.json" ${PROF_ARGS:-}
-# one Llama MLP block at the 1.2B widths, compiled: bf16 against fp8 with current and delayed scales, each with its
-# amaxes taken along rows first (rowamax), delayed with its amaxes read from the fp8 bytes, delayed with the SiLU x mul
-# as Triton kernels writing fp8 and amaxes (dev/fp8_swiglu.py), and blockwise scales (1x128 tiles, 128x128 weight
-# blocks): which casts fuse into their producers (kernels a step, time)?  Seconds of
-# compile where the model takes minutes
+# one Llama MLP block at the 1.2B widths, compiled: bf16 against fp8 with current and delayed scales, delayed with the
+# fused MLP (fp8 SiLU x mul), each amax as one whole-tensor reduction (wholeamax) against the product's row-first one,
+# delayed with its amaxes read from the fp8 bytes, and blockwise scales (1x128 tiles, 128x128 weight blocks): which
+# casts fuse into their producers (kernels a step, time)?  Seconds of compile where the model takes minutes
 stage fp8mlp 260 python3 dev/fp8_mlp_fusion.py
 # shellcheck disable=SC2086  # SR_ARGS: extra flags, e.g. SR_ARGS="--optim-only"
 stage sr 400 python3 -m mptrain.bench.sr --out "$OUT/sr.json" ${SR_ARGS:-}

@@ -67,8 +67,10 @@ def test_compiled_it_casts_each_operand_once_and_equals_torchao():
     out_theirs, ops_theirs = _graph_ops(theirs, x)
     out_ours, ops_ours = _graph_ops(ours, x)
     _assert_same(out_theirs, out_ours)
-    # one amax per cast: torchao casts input, weight and output gradient twice each, this linear once
-    assert ops_theirs["aten.max.default"] == 12 and ops_ours["aten.max.default"] == 6
+    # one amax per cast: torchao casts input, weight and output gradient twice each, this linear once, each amax
+    # taken along rows first and then over the rows' maxima (two reductions)
+    assert ops_theirs["aten.max.default"] == 12 and ops_ours["aten.max.default"] == 0
+    assert ops_ours["aten.amax.default"] == 2 * 6
     assert ops_theirs["aten._scaled_mm.default"] == ops_ours["aten._scaled_mm.default"] == 6
 
 
@@ -139,3 +141,17 @@ def test_the_class_pickles_by_name():
     _, ours, _ = _pair()
     again = pickle.loads(pickle.dumps(ours))
     assert type(again[0]) is Fp8Linear
+
+
+@pytest.mark.parametrize("shape, transpose", [((), False), ((7,), False), ((5, 9), False), ((5, 9), True),
+                                              ((3, 4, 6), False)])
+def test_tensor_amax_is_the_whole_tensors_amax(shape, transpose):
+    from mptrain.precision.fp8_linear import tensor_amax
+
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    x.view(-1)[0] = -8.0  # the largest magnitude, negative
+    if transpose:
+        x = x.t()  # a weight's transposed view: reduced along its contiguous dimension first
+    got = tensor_amax(x)
+    assert got.dtype == torch.float32 and got.shape == ()
+    assert got == x.abs().amax().float() == 8.0
