@@ -47,6 +47,8 @@ class Fp8Precision(MasterPrecision):
             or ``"rowwise"`` (power-of-2 scales per row, more accurate for activations with outlier rows).
         keep_bf16: which linear layers stay in bf16: ``"default"``, a list of name patterns and rules
             (``"+x"`` / ``"-x"`` edit the default list) or ``[]``; see :mod:`mptrain.precision.fp8_policy`.
+        fuse_mlps: with ``recipe="delayed"``, run each transformers Llama MLP as one fused function whose SiLU x mul
+            writes fp8 (:mod:`.fp8_mlp`); False keeps the layers unfused (another recipe with True is refused).
         **kwargs: as :class:`~mptrain.precision.master.MasterPrecision` (``loss_scaler``, ``fp32_fallback``,
             ``fused``, ``max_consecutive_skips``).
     """
@@ -55,10 +57,15 @@ class Fp8Precision(MasterPrecision):
     SCALER_BY_DEFAULT = ()
 
     def __init__(self, precision: str = "fp8-master", *, recipe: str = "tensorwise",
-                 keep_bf16: Union[str, Iterable[str], None] = "default", **kwargs: Any):
+                 keep_bf16: Union[str, Iterable[str], None] = "default", fuse_mlps: Optional[bool] = None,
+                 **kwargs: Any):
         if recipe not in RECIPES:
             raise ValueError(f"Fp8Precision(recipe={recipe!r}) is not supported. Valid values: "
                              f"{', '.join(map(repr, RECIPES))}")
+        if fuse_mlps and recipe != "delayed":
+            raise ValueError(f"Fp8Precision(fuse_mlps=True) needs recipe='delayed' (its scales are known before the "
+                             f"SiLU x mul runs), got recipe={recipe!r}")
+        self.fuse_mlps = recipe == "delayed" if fuse_mlps is None else bool(fuse_mlps)
         self.keep_bf16 = resolve_keep_list(keep_bf16)
         super().__init__(precision, **kwargs)
         self.recipe = recipe
@@ -103,7 +110,7 @@ class Fp8Precision(MasterPrecision):
         if self.recipe == "delayed" and self._delayed is None and self.phase == "low" and self._module is not None:
             # the layers are on their device now: their scales and amaxes are made there
             self._delayed = use_delayed_scaling(self._module, self._device())
-            self.fused_mlps = use_fused_mlps(self._module)
+            self.fused_mlps = use_fused_mlps(self._module) if self.fuse_mlps else []
             if self.fused_mlps:
                 log.info("fp8-master (delayed): %d Llama MLPs run fused (fp8 SiLU x mul)", len(self.fused_mlps))
             if self._delayed_saved is not None:

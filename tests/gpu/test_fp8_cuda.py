@@ -149,10 +149,9 @@ def test_the_fp8_swiglu_kernels_match_their_references_on_cuda():
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_a_llama_trains_with_fused_mlps_like_unfused_layers(compile, monkeypatch):
+def test_a_llama_trains_with_fused_mlps_like_unfused_layers(compile):
     """The delayed recipe fuses the Llama's MLPs; its losses track the same run with the MLPs left unfused."""
     transformers = pytest.importorskip("transformers")
-    from mptrain.precision import fp8 as fp8_plugin
 
     cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
@@ -176,12 +175,9 @@ def test_a_llama_trains_with_fused_mlps_like_unfused_layers(compile, monkeypatch
     runs = {}
     for fuse in (True, False):
         lm = LM()
-        plugin = mptrain.Fp8Precision(recipe="delayed", keep_bf16=["-<small>"])
-        with monkeypatch.context() as patch:
-            if not fuse:
-                patch.setattr(fp8_plugin, "use_fused_mlps", lambda module: [])
-            quiet_trainer(plugins=[plugin], max_steps=20, accelerator="gpu", devices=1, compile=compile).fit(
-                lm, torch.utils.data.DataLoader(ids, batch_size=8))
+        plugin = mptrain.Fp8Precision(recipe="delayed", keep_bf16=["-<small>"], fuse_mlps=fuse)
+        quiet_trainer(plugins=[plugin], max_steps=20, accelerator="gpu", devices=1, compile=compile).fit(
+            lm, torch.utils.data.DataLoader(ids, batch_size=8))
         assert len(plugin.fused_mlps) == (2 if fuse else 0)
         runs[fuse] = torch.stack(lm.losses).cpu()
     assert torch.isfinite(runs[True]).all()

@@ -199,3 +199,14 @@ def test_the_plugin_fuses_a_llamas_mlps_under_the_delayed_recipe(fp8_on_cpu):
     assert all(type(layer.mlp) is fused_llama_mlp_class() for layer in lm.model.model.layers)
     losses = torch.stack(lm.losses).float()
     assert torch.isfinite(losses).all() and losses[-3:].mean() < losses[:3].mean()
+    off = Fp8Precision(recipe="delayed", keep_bf16=["-<small>"], fuse_mlps=False)
+    quiet_trainer(plugins=[off], max_steps=2).fit(LM(), torch.utils.data.DataLoader(ids, batch_size=8))
+    assert off.fused_mlps == [] and off._delayed is not None
+
+
+def test_fusing_mlps_without_the_delayed_recipe_is_refused():
+    from mptrain.precision.fp8 import Fp8Precision
+
+    with pytest.raises(ValueError, match="fuse_mlps=True.*needs recipe='delayed'.*'tensorwise'"):
+        Fp8Precision(recipe="tensorwise", fuse_mlps=True)
+    assert not Fp8Precision(recipe="tensorwise").fuse_mlps and Fp8Precision(recipe="delayed").fuse_mlps
