@@ -81,6 +81,27 @@ def cnn(classes: int = 4) -> nn.Module:
     )
 
 
+class CausalLM(L.LightningModule):
+    """A transformers ``LlamaForCausalLM`` (built from ``config``, seed 0) as a user trains it: the model's own loss,
+    torch's AdamW; each step's loss kept in ``losses``."""
+
+    def __init__(self, config, lr: float = 1e-3):
+        import transformers
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = transformers.LlamaForCausalLM(config)
+        self.lr, self.losses = lr, []
+
+    def training_step(self, batch, _):
+        loss = self.model(batch, labels=batch).loss
+        self.losses.append(loss.detach().float())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
 def quiet_trainer(**kw):
     from mptrain import Trainer
 

@@ -168,39 +168,21 @@ def test_it_compiles_into_one_graph_with_the_same_numbers(fp8_on_cpu):
 
 
 def test_the_plugin_fuses_a_llamas_mlps_under_the_delayed_recipe(fp8_on_cpu):
-    import lightning
-
     from mptrain.precision.fp8 import Fp8Precision
 
-    from _models import quiet_trainer
+    from _models import CausalLM, quiet_trainer
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=2, vocab_size=128)
-
-    class LM(lightning.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = transformers.LlamaForCausalLM(cfg)
-            self.losses = []
-
-        def training_step(self, batch, _):
-            loss = self.model(batch, labels=batch).loss
-            self.losses.append(loss.detach())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=3e-3)
-
     ids = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(0))
-    lm, plugin = LM(), Fp8Precision(recipe="delayed", keep_bf16=["-<small>"])
+    lm, plugin = CausalLM(cfg, lr=3e-3), Fp8Precision(recipe="delayed", keep_bf16=["-<small>"])
     quiet_trainer(plugins=[plugin], max_steps=12).fit(lm, torch.utils.data.DataLoader(ids, batch_size=8))
     assert plugin.fused_mlps == ["model.model.layers.0.mlp", "model.model.layers.1.mlp"]
     assert all(type(layer.mlp) is fused_llama_mlp_class() for layer in lm.model.model.layers)
-    losses = torch.stack(lm.losses).float()
+    losses = torch.stack(lm.losses)
     assert torch.isfinite(losses).all() and losses[-3:].mean() < losses[:3].mean()
     off = Fp8Precision(recipe="delayed", keep_bf16=["-<small>"], fuse_mlps=False)
-    quiet_trainer(plugins=[off], max_steps=2).fit(LM(), torch.utils.data.DataLoader(ids, batch_size=8))
+    quiet_trainer(plugins=[off], max_steps=2).fit(CausalLM(cfg), torch.utils.data.DataLoader(ids, batch_size=8))
     assert off.fused_mlps == [] and off._delayed is not None
 
 
