@@ -10,8 +10,9 @@ forward's into the layers' running maxima, the backward's as the gradients of th
 
 :func:`use_fused_mlps` retypes every eligible ``LlamaMLP`` (exactly that class, SiLU, no biases, its three
 projections delayed fp8 linears) in place: parameters, hooks and state-dict keys stay.  Its forward runs the
-unfused layers whenever the fused path does not apply: the first step (no history yet), autocast, or once a
-projection has left fp8 (``auto_fp32_fallback``, the switch to fp32).  Numerics: the SiLU x mul and its gradients
+unfused layers whenever the fused path does not apply: the first step (no history yet), autocast, a projection
+with hooks (the fused path never calls the projections), or once a projection has left fp8
+(``auto_fp32_fallback``, the switch to fp32).  Numerics: the SiLU x mul and its gradients
 are cast from fp32 (as inductor computes them) where eager's unfused layers round them to bf16 first.
 """
 from __future__ import annotations
@@ -78,10 +79,21 @@ class _FusedFp8MLP(torch.autograd.Function):
 _delayed_class: Optional[type] = None
 
 
+def _hooked(m: nn.Module) -> bool:
+    """Whether calling ``m`` would run hooks (its own or global ones) that the fused path, which never calls it,
+    would skip: a user's activation logger, ``mptrain numerics``' recorders."""
+    from torch.nn.modules import module as M
+
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or M._global_forward_hooks or M._global_forward_pre_hooks or M._global_backward_hooks
+                or M._global_backward_pre_hooks)
+
+
 def _fused_ready(mlp: nn.Module) -> bool:
-    """Whether the fused path applies now: three delayed layers past their first step, no autocast."""
+    """Whether the fused path applies now: three delayed layers past their first step, no autocast, no hooks on
+    them."""
     return not torch.is_autocast_enabled() and all(
-        type(m) is _delayed_class and m.fp8_ready for m in (getattr(mlp, p) for p in _PROJECTIONS))
+        type(m) is _delayed_class and m.fp8_ready and not _hooked(m) for m in (getattr(mlp, p) for p in _PROJECTIONS))
 
 
 def fused_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:

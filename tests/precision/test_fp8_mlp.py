@@ -127,6 +127,22 @@ def test_a_projection_that_left_fp8_runs_the_mlp_unfused(fp8_on_cpu):
     assert torch.equal(mlp(x), want)
 
 
+def test_a_hooked_projection_runs_the_mlp_unfused_so_its_hooks_fire(fp8_on_cpu):
+    mlp = _mlp()
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    _two_steps(mlp, True, x)
+    with torch.no_grad():
+        fused = mlp(x)
+    seen = []
+    handle = mlp.up_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    with torch.no_grad():
+        hooked = mlp(x)
+        handle.remove()
+        want = mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert seen == [torch.Size([32, 128])]
+    assert torch.equal(hooked, want) and not torch.equal(hooked, fused)
+
+
 def test_the_first_step_runs_the_layers_unfused(fp8_on_cpu, monkeypatch):
     mlp = _mlp()
     use_delayed_scaling(mlp, torch.device("cpu"))
