@@ -57,6 +57,7 @@ from mptrain.bench.compile_cache import CompileCache, add_compile_cache_option
 from mptrain.bench.e2e import QUICK_COMPILE, MemoryPhases, StepTimer, format_phases, fused_kernel_status
 from mptrain.bench.e2e_models import DeviceBatches, compile_lightning_module, make_trainer
 from mptrain.precision.fp8 import is_float8_linear
+from mptrain.precision.fp8_mlp import fused_llama_mlp_class
 
 LR = 3e-4
 SYNC_STEPS = 2
@@ -136,6 +137,7 @@ class Result:
     steps_peak_mem_gb: Optional[float] = None  # over the timed steps (and the sync count's) alone
     mem_phases: Optional[dict] = None  # one steady-state step after the timed window: GB by phase (MemoryPhases)
     fp8_linears: Optional[int] = None  # torchao Float8Linear modules in the trained model
+    fused_mlps: Optional[int] = None  # Llama MLPs run as one fused fp8 function (recipe="delayed", fp8_mlp)
     syncs_per_step: Optional[float] = None
     first_step_s: Optional[float] = None  # from the case's start to the first step's end: build, setup, compile
     wall_s: Optional[float] = None
@@ -283,6 +285,7 @@ def run_case(model: str, name: str, shape: LlamaShape, warmup: int, steps: int, 
         trainer.fit(module, train_dataloaders=token_batches(shape, timer.total, device))
         _record(res, timer, shape, phases)
         res.fp8_linears = sum(is_float8_linear(m) for m in module.modules())
+        res.fused_mlps = sum(type(m) is fused_llama_mlp_class() for m in module.modules())
     except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
         if refusal is not None and str(e) == refusal and timer.count == 0:  # fp8-master refused at setup, as due
             res.status, res.message = "refused", refusal
@@ -333,7 +336,8 @@ _fmt = partial(fmt, none="-")
 
 def format_table(results: list[Result]) -> str:
     head = (f"{'model':<15} {'case':<23} {'batch':>9} {'ms/step':>8} {'min-max':>13} {'mean':>8} {'tokens/s':>9} "
-            f"{'vs bf16':>7} {'peak GB':>7} {'steps GB':>8} {'fp8 lin':>7} {'syncs':>5} {'1st s':>6} {'case s':>6}")
+            f"{'vs bf16':>7} {'peak GB':>7} {'steps GB':>8} {'fp8 lin':>7} {'fused':>5} {'syncs':>5} {'1st s':>6} "
+            f"{'case s':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         prefix = f"{r.model:<15} {r.case:<23} {f'{r.batch}x{r.seq}':>9}"
@@ -345,7 +349,8 @@ def format_table(results: list[Result]) -> str:
                  (f"{r.step_ms_mean:.1f}", 8), (f"{r.tokens_per_s:.0f}", 9),
                  (_fmt(base and r.tokens_per_s / base.tokens_per_s, "{:.3f}x"), 7),
                  (_fmt(r.peak_mem_gb, "{:.1f}"), 7), (_fmt(r.steps_peak_mem_gb, "{:.1f}"), 8),
-                 (f"{r.fp8_linears}", 7), (_fmt(r.syncs_per_step, "{:g}"), 5), (_fmt(r.first_step_s, "{:.0f}"), 6),
+                 (f"{r.fp8_linears}", 7), (f"{r.fused_mlps}", 5), (_fmt(r.syncs_per_step, "{:g}"), 5),
+                 (_fmt(r.first_step_s, "{:.0f}"), 6),
                  (f"{r.wall_s:.0f}", 6)]
         lines.append(prefix + "".join(f" {c:>{w}}" for c, w in cells))
     return "\n".join(lines)

@@ -36,6 +36,7 @@ def test_quick_run_prints_the_table_and_ratios_and_writes_json(tmp_path, capsys)
     assert results["bf16-master"]["fp8_linears"] == 0
     for case in ("torchao-tensorwise", "lightning-torchao-mixed", "lightning-torchao-true"):
         assert results[case]["fp8_linears"] == shape.layers * 7  # q k v o gate up down; not lm_head
+        assert results[case]["fused_mlps"] == 0  # torchao's own linears: nothing of fp8-master's delayed recipe
     refused = results["fp8-master"]
     assert refused["status"] == "refused" and refused["tokens_per_s"] is None
     assert "fp8 tensor cores" in refused["message"] and "'cpu'" in refused["message"]
