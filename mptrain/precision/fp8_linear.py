@@ -11,8 +11,9 @@ to torchao's bit for bit (``tests/precision/test_fp8_linear.py``); the casts per
 
 torchao stays the implementation of the casts (``hp_tensor_and_scale_to_float8`` at ``amax_to_scale`` of the
 tensor's amax, as its ``hp_tensor_to_float8_dynamic``), the fp8 tensor layout and the scaled GEMMs; what changes is
-which casts run, and that the amax is a reduction along rows first (:func:`tensor_amax`).  Only the tensorwise recipe: row-wise scales differ between a
-tensor and its transpose, so there the second casts are not redundant and torchao's linear is kept.
+which casts run, and that the amax is a reduction along rows first (:func:`tensor_amax`).  Only the tensorwise
+recipe: row-wise scales differ between a tensor and its transpose, so there the second casts are not redundant and
+torchao's linear is kept.
 """
 from __future__ import annotations
 
