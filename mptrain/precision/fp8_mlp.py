@@ -97,6 +97,8 @@ def _fused_ready(mlp: nn.Module) -> bool:
 
 
 def fused_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``FusedFp8LlamaMLP.forward``: :class:`_FusedFp8MLP` over the MLP's projections, or the projections called
+    as ``LlamaMLP`` calls them where the fused path does not apply (:func:`_fused_ready`)."""
     gate, up, down = (getattr(mlp, p) for p in _PROJECTIONS)
     if not _fused_ready(mlp):
         return down(mlp.act_fn(gate(x)) * up(x))
