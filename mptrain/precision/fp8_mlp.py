@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from mptrain.compat import torch as compat
 from mptrain.precision import fp8_linear
 from mptrain.precision.fp8_linear import tensor_amax
 from mptrain.precision.fp8_swiglu import fp8_swiglu, fp8_swiglu_backward
@@ -82,11 +83,7 @@ _delayed_class: Optional[type] = None
 def _hooked(m: nn.Module) -> bool:
     """Whether calling ``m`` would run hooks (its own or global ones) that the fused path, which never calls it,
     would skip: a user's activation logger, ``mptrain numerics``' recorders."""
-    from torch.nn.modules import module as M
-
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                or M._global_forward_hooks or M._global_forward_pre_hooks or M._global_backward_hooks
-                or M._global_backward_pre_hooks)
+    return any(compat.module_hooks(m).values()) or any(compat.module_hooks().values())
 
 
 def _fused_ready(mlp: nn.Module) -> bool:
