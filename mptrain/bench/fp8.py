@@ -57,7 +57,7 @@ from mptrain.bench.compile_cache import CompileCache, add_compile_cache_option
 from mptrain.bench.e2e import QUICK_COMPILE, MemoryPhases, StepTimer, format_phases, fused_kernel_status
 from mptrain.bench.e2e_models import DeviceBatches, compile_lightning_module, make_trainer
 from mptrain.precision.fp8 import is_float8_linear
-from mptrain.precision.fp8_mlp import fused_llama_mlp_class
+from mptrain.precision.fp8_mlp import is_fused_mlp
 
 LR = 3e-4
 SYNC_STEPS = 2
@@ -137,7 +137,7 @@ class Result:
     steps_peak_mem_gb: Optional[float] = None  # over the timed steps (and the sync count's) alone
     mem_phases: Optional[dict] = None  # one steady-state step after the timed window: GB by phase (MemoryPhases)
     fp8_linears: Optional[int] = None  # torchao Float8Linear modules in the trained model
-    fused_mlps: Optional[int] = None  # Llama MLPs run as one fused fp8 function (recipe="delayed", fp8_mlp)
+    fused_mlps: Optional[int] = None  # gated MLPs run as one fused fp8 function (recipe="delayed", fp8_mlp)
     syncs_per_step: Optional[float] = None
     first_step_s: Optional[float] = None  # from the case's start to the first step's end: build, setup, compile
     wall_s: Optional[float] = None
@@ -285,7 +285,7 @@ def run_case(model: str, name: str, shape: LlamaShape, warmup: int, steps: int, 
         trainer.fit(module, train_dataloaders=token_batches(shape, timer.total, device))
         _record(res, timer, shape, phases)
         res.fp8_linears = sum(is_float8_linear(m) for m in module.modules())
-        res.fused_mlps = sum(type(m) is fused_llama_mlp_class() for m in module.modules())
+        res.fused_mlps = sum(is_fused_mlp(m) for m in module.modules())
     except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
         if refusal is not None and str(e) == refusal and timer.count == 0:  # fp8-master refused at setup, as due
             res.status, res.message = "refused", refusal

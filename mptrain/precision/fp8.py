@@ -47,8 +47,9 @@ class Fp8Precision(MasterPrecision):
             or ``"rowwise"`` (power-of-2 scales per row, more accurate for activations with outlier rows).
         keep_bf16: which linear layers stay in bf16: ``"default"``, a list of name patterns and rules
             (``"+x"`` / ``"-x"`` edit the default list) or ``[]``; see :mod:`mptrain.precision.fp8_policy`.
-        fuse_mlps: with ``recipe="delayed"``, run each transformers Llama MLP as one fused function whose SiLU x mul
-            writes fp8 (:mod:`.fp8_mlp`); False keeps the layers unfused (another recipe with True is refused).
+        fuse_mlps: with ``recipe="delayed"``, run each transformers gated MLP (Llama, Mistral, Qwen2, Qwen3) as one
+            fused function whose SiLU x mul writes fp8 (:mod:`.fp8_mlp`); False keeps the layers unfused (another
+            recipe with True is refused).
         **kwargs: as :class:`~mptrain.precision.master.MasterPrecision` (``loss_scaler``, ``fp32_fallback``,
             ``fused``, ``max_consecutive_skips``).
     """
@@ -71,7 +72,7 @@ class Fp8Precision(MasterPrecision):
         self.recipe = recipe
         self.fp8_layers: list[str] = []  # qualified names of the layers running in fp8
         self.kept_layers: dict[str, str] = {}  # qualified name of each linear kept in bf16 -> why
-        self.fused_mlps: list[str] = []  # recipe="delayed": the Llama MLPs run as one fused fp8 function
+        self.fused_mlps: list[str] = []  # recipe="delayed": the gated MLPs run as one fused fp8 function
         self._delayed: Optional[DelayedScaling] = None  # recipe="delayed": the layers' amax histories and scales
         self._delayed_saved: Optional[dict] = None  # a checkpoint's, until the layers are on their device
 
@@ -112,7 +113,7 @@ class Fp8Precision(MasterPrecision):
             self._delayed = use_delayed_scaling(self._module, self._device())
             self.fused_mlps = use_fused_mlps(self._module) if self.fuse_mlps else []
             if self.fused_mlps:
-                log.info("fp8-master (delayed): %d Llama MLPs run fused (fp8 SiLU x mul)", len(self.fused_mlps))
+                log.info("fp8-master (delayed): %d gated MLPs run fused (fp8 SiLU x mul)", len(self.fused_mlps))
             if self._delayed_saved is not None:
                 self._delayed.load_state_dict(self._delayed_saved)
                 self._delayed_saved = None

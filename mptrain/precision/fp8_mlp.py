@@ -1,5 +1,5 @@
-"""``fp8-master``'s delayed recipe on a transformers Llama MLP: the three GEMMs, their casts and the SiLU x mul in one
-autograd function, the SiLU x mul writing fp8 (:mod:`.fp8_swiglu`).
+"""``fp8-master``'s delayed recipe on a transformers gated MLP (Llama, Mistral, Qwen2, Qwen3): the three GEMMs, their
+casts and the SiLU x mul in one autograd function, the SiLU x mul writing fp8 (:mod:`.fp8_swiglu`).
 
 ``down_proj(silu(gate_proj(x)) * up_proj(x))`` over three :class:`~.fp8_delayed.DelayedFp8Linear` layers casts
 x once for gate and up (their shared input scale), lets the SwiGLU kernel write down's fp8 input and its amax,
@@ -8,7 +8,7 @@ gradients of gate and up, both layouts, with their amaxes: no bf16 ``silu(g) * u
 written, and no amax recomputes them.  Amaxes reach the layers' state as the unfused layers record them: the
 forward's into the layers' running maxima, the backward's as the gradients of the layers' sinks.
 
-:func:`use_fused_mlps` retypes every eligible ``LlamaMLP`` (exactly that class, SiLU, no biases, its three
+:func:`use_fused_mlps` retypes every eligible MLP (exactly one of :data:`MLP_CLASSES`, SiLU, no biases, its three
 projections delayed fp8 linears) in place: parameters, hooks and state-dict keys stay.  Its forward runs the
 unfused layers whenever the fused path does not apply: the first step (no history yet), autocast, a projection
 with hooks (the fused path never calls the projections), or once a projection has left fp8
@@ -94,8 +94,8 @@ def _fused_ready(mlp: nn.Module) -> bool:
 
 
 def fused_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``FusedFp8LlamaMLP.forward``: :class:`_FusedFp8MLP` over the MLP's projections, or the projections called
-    as ``LlamaMLP`` calls them where the fused path does not apply (:func:`_fused_ready`)."""
+    """The fused MLPs' forward: :class:`_FusedFp8MLP` over the MLP's projections, or the projections called as
+    transformers' MLP calls them where the fused path does not apply (:func:`_fused_ready`)."""
     gate, up, down = (getattr(mlp, p) for p in _PROJECTIONS)
     if not _fused_ready(mlp):
         return down(mlp.act_fn(gate(x)) * up(x))
@@ -113,64 +113,87 @@ def fused_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+#: transformers' gated MLPs whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, by class name: the
+#: module that defines each
+MLP_CLASSES = {
+    "LlamaMLP": "transformers.models.llama.modeling_llama",
+    "MistralMLP": "transformers.models.mistral.modeling_mistral",
+    "Qwen2MLP": "transformers.models.qwen2.modeling_qwen2",
+    "Qwen3MLP": "transformers.models.qwen3.modeling_qwen3",
+}
+_PREFIX = "FusedFp8"
+
+
 @functools.lru_cache(maxsize=None)
-def fused_llama_mlp_class() -> Optional[type]:
-    """:class:`FusedFp8LlamaMLP`, a subclass of transformers' ``LlamaMLP`` made on first use; None without
-    transformers."""
+def fused_mlp_class(name: str) -> Optional[type]:
+    """``FusedFp8<name>``, a subclass of transformers' ``name`` (a key of :data:`MLP_CLASSES`) whose forward is
+    :func:`fused_forward`, made on first use; None where this transformers lacks the class."""
+    import importlib
+
     try:
-        from transformers.models.llama.modeling_llama import LlamaMLP
-    except ImportError:
+        base = getattr(importlib.import_module(MLP_CLASSES[name]), name)
+    except (ImportError, AttributeError):
         return None
-
-    class FusedFp8LlamaMLP(LlamaMLP):
-        """A ``LlamaMLP`` whose forward is :func:`fused_forward` (module docstring)."""
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return fused_forward(self, x)
-
-    FusedFp8LlamaMLP.__module__, FusedFp8LlamaMLP.__qualname__ = __name__, "FusedFp8LlamaMLP"
-    return FusedFp8LlamaMLP
+    return type(_PREFIX + name, (base,), {
+        "forward": fused_forward, "__module__": __name__,
+        "__doc__": f"A ``{name}`` whose forward is ``mptrain.precision.fp8_mlp.fused_forward``."})
 
 
-def __getattr__(name: str) -> Any:  # pickles of a fused model find the class by this name
-    if name == "FusedFp8LlamaMLP":
-        cls = fused_llama_mlp_class()
+def fused_llama_mlp_class() -> Optional[type]:
+    """``FusedFp8LlamaMLP`` (:func:`fused_mlp_class`)."""
+    return fused_mlp_class("LlamaMLP")
+
+
+def __getattr__(name: str) -> Any:  # pickles of a fused model find the classes by these names
+    if name.startswith(_PREFIX) and name[len(_PREFIX):] in MLP_CLASSES:
+        cls = fused_mlp_class(name[len(_PREFIX):])
         if cls is not None:
             return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _eligible(m: nn.Module, base: type) -> bool:
+def _fused_classes() -> dict[type, type]:
+    """transformers' class -> its fused subclass, for the classes this transformers has."""
+    made = (fused_mlp_class(n) for n in MLP_CLASSES)
+    return {cls.__mro__[1]: cls for cls in made if cls is not None}
+
+
+def _eligible(m: nn.Module, fused: dict[type, type]) -> bool:
     from transformers.activations import SiLUActivation
 
-    return (type(m) is base and isinstance(getattr(m, "act_fn", None), (SiLUActivation, nn.SiLU))
+    return (type(m) in fused and isinstance(getattr(m, "act_fn", None), (SiLUActivation, nn.SiLU))
             and all(type(getattr(m, p, None)) is _delayed_class and getattr(m, p).bias is None
                     for p in _PROJECTIONS))
 
 
 def use_fused_mlps(module: nn.Module) -> list[str]:
-    """Every transformers ``LlamaMLP`` in ``module`` whose projections are delayed fp8 linears (bias-free, SiLU)
-    becomes a ``FusedFp8LlamaMLP`` in place; returns their qualified names."""
+    """Every transformers gated MLP in ``module`` (:data:`MLP_CLASSES`, exactly those classes) whose projections
+    are delayed fp8 linears (bias-free, SiLU) becomes its fused subclass in place; returns their qualified names."""
     global _delayed_class
     from mptrain.precision.fp8_delayed import delayed_fp8_linear_class
 
-    cls = fused_llama_mlp_class()
-    if cls is None:
+    fused = _fused_classes()
+    if not fused:
         return []
     _delayed_class = delayed_fp8_linear_class()
-    base = cls.__mro__[1]
-    names = [n for n, m in module.named_modules() if _eligible(m, base)]
+    names = [n for n, m in module.named_modules() if _eligible(m, fused)]
     for n in names:
-        module.get_submodule(n).__class__ = cls
+        m = module.get_submodule(n)
+        m.__class__ = fused[type(m)]
     return names
 
 
+def is_fused_mlp(m: nn.Module) -> bool:
+    """Whether ``m`` is one of this module's fused MLP classes (by name: no transformers import)."""
+    cls = type(m)
+    name = cls.__name__
+    return cls.__module__ == __name__ and name.startswith(_PREFIX) and name[len(_PREFIX):] in MLP_CLASSES
+
+
 def unfuse_mlps(module: nn.Module) -> list[str]:
-    """The fused MLPs in ``module`` back to ``LlamaMLP``; returns their names."""
-    cls = fused_llama_mlp_class()
-    if cls is None:
-        return []
-    names = [n for n, m in module.named_modules() if type(m) is cls]
+    """The fused MLPs in ``module`` back to transformers' classes; returns their names."""
+    names = [n for n, m in module.named_modules() if is_fused_mlp(m)]
     for n in names:
-        module.get_submodule(n).__class__ = cls.__mro__[1]
+        m = module.get_submodule(n)
+        m.__class__ = type(m).__mro__[1]
     return names

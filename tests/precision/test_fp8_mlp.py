@@ -118,6 +118,27 @@ def test_only_an_exact_bias_free_silu_llama_mlp_of_delayed_layers_is_fused():
     assert unfuse_mlps(model) == ["a", "b"] and all(type(m) is LlamaMLP for m in model.values())
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_other_gated_mlps_of_the_same_forward_are_fused_and_pickle(fp8_on_cpu, family):
+    import importlib
+
+    name = {"mistral": "MistralMLP", "qwen2": "Qwen2MLP", "qwen3": "Qwen3MLP"}[family]
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    config = getattr(transformers, {"mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[family])
+    torch.manual_seed(0)
+    mlp = getattr(modeling, name)(config(hidden_size=64, intermediate_size=128)).bfloat16()
+    float8.convert_to_float8_training(mlp, config=float8.Float8LinearConfig.from_recipe_name("tensorwise"))
+    use_single_casts(mlp)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    unfused = _two_steps(copy.deepcopy(mlp), False, x)
+    fused = _two_steps(mlp, True, x)
+    assert type(mlp).__name__ == "FusedFp8" + name and isinstance(mlp, getattr(modeling, name))
+    assert ((fused[0].float() - unfused[0].float()).norm() / unfused[0].float().norm()) < 0.05
+    again = pickle.loads(pickle.dumps(mlp))
+    assert type(again) is type(mlp)
+    assert unfuse_mlps(mlp) == [""] and type(mlp) is getattr(modeling, name)
+
+
 def test_a_projection_that_left_fp8_runs_the_mlp_unfused(fp8_on_cpu):
     mlp = _mlp()
     x = torch.randn(32, 64, dtype=torch.bfloat16)
