@@ -160,8 +160,8 @@ class Fp8Precision(MasterPrecision):
         super().switch_to_fp32(model, optimizers)
 
     def promote_module(self, module: nn.Module) -> None:
-        # fused MLPs inside the module become LlamaMLPs again; one above it (the module is a projection) runs its
-        # layers unfused from now on, as its forward finds a projection that left fp8
+        # fused MLPs inside the module become transformers' classes again; one above it (the module is a
+        # projection) runs its layers unfused from now on, as its forward finds a projection that left fp8
         unfuse_mlps(module)
         unswap_fp8_linears(module)
         super().promote_module(module)

@@ -80,17 +80,14 @@ class _FusedFp8MLP(torch.autograd.Function):
 _delayed_class: Optional[type] = None
 
 
-def _hooked(m: nn.Module) -> bool:
-    """Whether calling ``m`` would run hooks (its own or global ones) that the fused path, which never calls it,
-    would skip: a user's activation logger, ``mptrain numerics``' recorders."""
-    return any(compat.module_hooks(m).values()) or any(compat.module_hooks().values())
-
-
 def _fused_ready(mlp: nn.Module) -> bool:
-    """Whether the fused path applies now: three delayed layers past their first step, no autocast, no hooks on
-    them."""
-    return not torch.is_autocast_enabled() and all(
-        type(m) is _delayed_class and m.fp8_ready and not _hooked(m) for m in (getattr(mlp, p) for p in _PROJECTIONS))
+    """Whether the fused path applies now: three delayed layers past their first step, no autocast, and no hooks
+    (the projections' own or global ones) that the fused path, which never calls the projections, would skip: a
+    user's activation logger, ``mptrain numerics``' recorders."""
+    if torch.is_autocast_enabled() or any(compat.module_hooks().values()):
+        return False
+    return all(type(m) is _delayed_class and m.fp8_ready and not any(compat.module_hooks(m).values())
+               for m in (getattr(mlp, p) for p in _PROJECTIONS))
 
 
 def fused_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -135,13 +132,8 @@ def fused_mlp_class(name: str) -> Optional[type]:
     except (ImportError, AttributeError):
         return None
     return type(_PREFIX + name, (base,), {
-        "forward": fused_forward, "__module__": __name__,
+        "forward": fused_forward, "fp8_fused_mlp": True, "__module__": __name__,
         "__doc__": f"A ``{name}`` whose forward is ``mptrain.precision.fp8_mlp.fused_forward``."})
-
-
-def fused_llama_mlp_class() -> Optional[type]:
-    """``FusedFp8LlamaMLP`` (:func:`fused_mlp_class`)."""
-    return fused_mlp_class("LlamaMLP")
 
 
 def __getattr__(name: str) -> Any:  # pickles of a fused model find the classes by these names
@@ -158,10 +150,8 @@ def _fused_classes() -> dict[type, type]:
     return {cls.__mro__[1]: cls for cls in made if cls is not None}
 
 
-def _eligible(m: nn.Module, fused: dict[type, type]) -> bool:
-    from transformers.activations import SiLUActivation
-
-    return (type(m) in fused and isinstance(getattr(m, "act_fn", None), (SiLUActivation, nn.SiLU))
+def _eligible(m: nn.Module, fused: dict[type, type], silu: tuple[type, ...]) -> bool:
+    return (type(m) in fused and isinstance(getattr(m, "act_fn", None), silu)
             and all(type(getattr(m, p, None)) is _delayed_class and getattr(m, p).bias is None
                     for p in _PROJECTIONS))
 
@@ -175,8 +165,10 @@ def use_fused_mlps(module: nn.Module) -> list[str]:
     fused = _fused_classes()
     if not fused:
         return []
+    from transformers.activations import SiLUActivation
+
     _delayed_class = delayed_fp8_linear_class()
-    names = [n for n, m in module.named_modules() if _eligible(m, fused)]
+    names = [n for n, m in module.named_modules() if _eligible(m, fused, (SiLUActivation, nn.SiLU))]
     for n in names:
         m = module.get_submodule(n)
         m.__class__ = fused[type(m)]
@@ -184,10 +176,8 @@ def use_fused_mlps(module: nn.Module) -> list[str]:
 
 
 def is_fused_mlp(m: nn.Module) -> bool:
-    """Whether ``m`` is one of this module's fused MLP classes (by name: no transformers import)."""
-    cls = type(m)
-    name = cls.__name__
-    return cls.__module__ == __name__ and name.startswith(_PREFIX) and name[len(_PREFIX):] in MLP_CLASSES
+    """Whether ``m`` is one of the fused MLP classes (:func:`fused_mlp_class`)."""
+    return getattr(type(m), "fp8_fused_mlp", False) is True
 
 
 def unfuse_mlps(module: nn.Module) -> list[str]:

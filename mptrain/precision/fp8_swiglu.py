@@ -22,6 +22,7 @@ Any other device, and CUDA without Triton, runs the reference below: the same va
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Optional
 
 import torch
@@ -60,6 +61,13 @@ def triton_kernels() -> Optional[tuple[Any, Any]]:
     return K.forward, K.backward
 
 
+def _kernels_for(t: torch.Tensor) -> Optional[tuple[Any, Any]]:
+    """The Triton kernels for ``t``'s device: CUDA, or the CPU under ``TRITON_INTERPRET=1`` (the tests run them
+    so); None: the reference."""
+    run = t.device.type == "cuda" or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return triton_kernels() if run else None
+
+
 def _grid(m: int, n: int) -> tuple[int, int]:
     return (m + _TILE - 1) // _TILE, (n + _TILE - 1) // _TILE
 
@@ -73,7 +81,7 @@ def _check(name: str, g: torch.Tensor, u: torch.Tensor, *others: torch.Tensor) -
 @torch.library.custom_op("mptrain::fp8_swiglu", mutates_args=())
 def fp8_swiglu(g: torch.Tensor, u: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check("fp8_swiglu", g, u)
-    kernels = triton_kernels() if g.device.type == "cuda" or _interpreted(g) else None
+    kernels = _kernels_for(g)
     if kernels is None:
         return swiglu_reference(g, u, scale)
     g, u = g.contiguous(), u.contiguous()
@@ -94,7 +102,7 @@ def fp8_swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scal
                         scale_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                         torch.Tensor, torch.Tensor]:
     _check("fp8_swiglu_backward", g, u, dh)
-    kernels = triton_kernels() if g.device.type == "cuda" or _interpreted(g) else None
+    kernels = _kernels_for(g)
     if kernels is None:
         return swiglu_backward_reference(dh, g, u, scale_g, scale_u)
     dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
@@ -114,9 +122,3 @@ def _(dh, g, u, scale_g, scale_u):
             g.new_empty((n, m), dtype=E5M2), g.new_empty((), dtype=torch.float32),
             g.new_empty((), dtype=torch.float32))
 
-
-def _interpreted(t: torch.Tensor) -> bool:
-    """A CPU tensor under ``TRITON_INTERPRET=1`` (the tests run the Triton kernels so)."""
-    import os
-
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"

@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 from mptrain.precision import fp8_mlp  # noqa: E402
 from mptrain.precision.fp8_delayed import use_delayed_scaling  # noqa: E402
 from mptrain.precision.fp8_linear import use_single_casts  # noqa: E402
-from mptrain.precision.fp8_mlp import fused_llama_mlp_class, unfuse_mlps, use_fused_mlps  # noqa: E402
+from mptrain.precision.fp8_mlp import fused_mlp_class, unfuse_mlps, use_fused_mlps  # noqa: E402
 from mptrain.precision.fp8_swiglu import E4M3, E5M2  # noqa: E402
 
 from test_fp8 import fp8_on_cpu  # noqa: E402,F401
@@ -73,7 +73,7 @@ def test_with_the_swiglu_rounded_as_eager_it_gives_the_unfused_layers_numbers(fp
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     unfused = _two_steps(copy.deepcopy(mlp), False, x)
     fused = _two_steps(mlp, True, x)
-    assert type(mlp) is fused_llama_mlp_class()
+    assert type(mlp) is fused_mlp_class("LlamaMLP")
     assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
     assert all(torch.equal(a, b) for a, b in zip(fused[2], unfused[2]))
     assert torch.equal(fused[3], unfused[3]) and (fused[3] > 0).all()
@@ -180,7 +180,7 @@ def test_a_fused_mlp_pickles_and_keeps_its_state_dict_keys(fp8_on_cpu):
     x = torch.randn(32, 64, dtype=torch.bfloat16)
     _two_steps(mlp, True, x)
     again = pickle.loads(pickle.dumps(mlp))
-    assert type(again) is fused_llama_mlp_class() and list(again.state_dict()) == keys
+    assert type(again) is fused_mlp_class("LlamaMLP") and list(again.state_dict()) == keys
     with torch.no_grad():
         assert torch.equal(again(x), mlp(x))
 
@@ -215,7 +215,7 @@ def test_the_plugin_fuses_a_llamas_mlps_under_the_delayed_recipe(fp8_on_cpu):
     lm, plugin = CausalLM(cfg, lr=3e-3), Fp8Precision(recipe="delayed", keep_bf16=["-<small>"])
     quiet_trainer(plugins=[plugin], max_steps=12).fit(lm, torch.utils.data.DataLoader(ids, batch_size=8))
     assert plugin.fused_mlps == ["model.model.layers.0.mlp", "model.model.layers.1.mlp"]
-    assert all(type(layer.mlp) is fused_llama_mlp_class() for layer in lm.model.model.layers)
+    assert all(type(layer.mlp) is fused_mlp_class("LlamaMLP") for layer in lm.model.model.layers)
     losses = torch.stack(lm.losses)
     assert torch.isfinite(losses).all() and losses[-3:].mean() < losses[:3].mean()
     off = Fp8Precision(recipe="delayed", keep_bf16=["-<small>"], fuse_mlps=False)
